@@ -1,0 +1,46 @@
+"""Markdown report, sized for a pull-request comment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from harness.report.model import ICONS, ReportView, build
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render_view(view: ReportView) -> str:
+    lines = [
+        f"## k3gate {ICONS.get(view.outcome, '')} {view.outcome}: `{view.config}` ({view.subject}, tier {view.tier})",
+        "",
+        f"**{view.outcome_reason}**",
+        "",
+        f"Commit `{view.commit}`{' (dirty tree)' if view.dirty else ''} · {view.gpu} · started {view.started}",
+    ]
+    if view.bundle_id:
+        lines.append(f"Bundle `{view.bundle_id}` · {view.signer or 'signature not checked'}")
+    lines += ["", "| stage | required | verdict | reason |", "|---|---|---|---|"]
+    for s in view.stages:
+        lines.append(f"| {s.stage} | {'yes' if s.required else 'no'} | {ICONS.get(s.verdict, '')} {s.verdict} "
+                     f"| {_cell(s.reason)} |")
+    if view.not_run:
+        lines += ["", "### Did not run", ""]
+        lines += [f"- **{s.stage}** ({s.verdict}): {s.reason}" for s in view.not_run]
+    if view.not_selected:
+        lines += ["", f"Not selected for this run (`--stages`): {', '.join(view.not_selected)}."]
+    failing = [s for s in view.stages if s.failed_checks]
+    if failing:
+        lines += ["", "### Failed checks", ""]
+        for s in failing:
+            for c in s.failed_checks:
+                detail = f" — {c['detail']}" if c.get("detail") else ""
+                lines.append(f"- {s.stage}: {c['name']}: `{c['value']!r}` is not {c['op']} `{c['limit']!r}`{detail}")
+    return "\n".join(lines) + "\n"
+
+
+def render(predicate: dict[str, Any], bundle_dir: Path, bundle_id: str | None = None,
+           signer: str | None = None) -> str:
+    return render_view(build(predicate, bundle_dir, bundle_id, signer))

@@ -1,0 +1,74 @@
+"""What both report formats show, gathered once from a bundle's predicate and records."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.stages import stage_names
+
+ICONS = {"PASSED": "✅", "FAILED": "❌", "NOT_RUN": "⏸️", "ERROR": "💥", "INCOMPLETE": "⚠️"}
+
+
+@dataclass
+class StageView:
+    stage: str
+    verdict: str
+    reason: str
+    required: bool
+    failed_checks: list[dict[str, Any]] = field(default_factory=list)
+    checks: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    evidence: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ReportView:
+    config: str
+    subject: str
+    tier: str
+    outcome: str
+    outcome_reason: str
+    commit: str
+    dirty: bool
+    gpu: str
+    started: str
+    stages: list[StageView]
+    not_selected: list[str]
+    bundle_id: str | None
+    signer: str | None
+
+    @property
+    def not_run(self) -> list[StageView]:
+        return [s for s in self.stages if s.verdict in ("NOT_RUN", "ERROR")]
+
+
+def _records(bundle_dir: Path, stage: str) -> dict[str, Any]:
+    path = bundle_dir / "stages" / stage / "records.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def build(predicate: dict[str, Any], bundle_dir: Path, bundle_id: str | None = None,
+          signer: str | None = None) -> ReportView:
+    required = set(predicate["required"])
+    stages = []
+    for v in predicate["verdicts"]:
+        rec = _records(bundle_dir, v["stage"])
+        checks = rec.get("checks", [])
+        stages.append(StageView(
+            stage=v["stage"], verdict=v["verdict"], reason=v["reason"], required=v["stage"] in required,
+            failed_checks=[c for c in checks if not c.get("passed")], checks=len(checks),
+            metrics=rec.get("metrics", {}), evidence=rec.get("evidence", [])))
+    env = predicate["environment"]
+    gpu = env["gpu"]
+    git = predicate["git"]
+    return ReportView(
+        config=predicate["config"]["name"], subject=predicate["subject"].get("subject", "?"), tier=predicate["tier"],
+        outcome=predicate["outcome"]["outcome"], outcome_reason=predicate["outcome"]["reason"],
+        commit=(git["commit"] or "not a git checkout")[:12], dirty=git["dirty"],
+        gpu=f"{gpu['count']}x {gpu['names'][0]}" if gpu["count"] else "no GPU",
+        started=predicate["started"], stages=stages,
+        not_selected=[s for s in stage_names() if s not in predicate["stages_selected"]],
+        bundle_id=bundle_id, signer=signer)
