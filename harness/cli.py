@@ -15,7 +15,13 @@ from harness.verdicts import ExitCode
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
-VERDICT_STYLE = {"PASSED": "green", "FAILED": "red", "ERROR": "red", "NOT_RUN": "yellow", "INCOMPLETE": "yellow"}
+VERDICT_STYLE = {
+    "PASSED": "green",
+    "FAILED": "red",
+    "ERROR": "red",
+    "NOT_RUN": "yellow",
+    "INCOMPLETE": "yellow",
+}
 
 
 def default_config_name() -> tuple[str, str]:
@@ -43,8 +49,10 @@ def _signing_key(path: str | None):
     if default.exists():
         return keys.load_private(default)
     key = keys.generate(default)
-    err.print(f"[bold]created your signing key[/] {default} (keyid {key.keyid[:16]}…); "
-              f"share {default.with_suffix('.pub')} so reviewers can trust your bundles")
+    err.print(
+        f"[bold]created your signing key[/] {default} (keyid {key.keyid[:16]}…); "
+        f"share {default.with_suffix('.pub')} so reviewers can trust your bundles"
+    )
     return key
 
 
@@ -71,9 +79,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         status.start()
 
     def listener(event: str, stage: str, detail: str) -> None:
-        if event == "start" and status:
-            status.update(f"[bold]{stage}[/]: {detail}")
-        elif event == "progress" and status:
+        if (event == "start" and status) or (event == "progress" and status):
             status.update(f"[bold]{stage}[/]: {detail}")
         elif event == "done" and not args.quiet:
             verdict = detail.split(":", 1)[0]
@@ -89,12 +95,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     err.print(f"[bold {VERDICT_STYLE[outcome.outcome.value]}]{outcome.outcome.value}[/]: {outcome.reason}")
     err.print(f"bundle {result.bundle_dir} ({result.archive.name}), id {result.bundle_id}")
     if args.json:
-        print(json.dumps({
-            "outcome": outcome.outcome.value, "reason": outcome.reason, "exit_code": int(outcome.exit_code),
-            "config": config.name, "tier": config.tier, "bundle_dir": str(result.bundle_dir),
-            "archive": str(result.archive), "bundle_id": result.bundle_id,
-            "verdicts": [v.to_json() for v in result.verdicts],
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "outcome": outcome.outcome.value,
+                    "reason": outcome.reason,
+                    "exit_code": int(outcome.exit_code),
+                    "config": config.name,
+                    "tier": config.tier,
+                    "bundle_dir": str(result.bundle_dir),
+                    "archive": str(result.archive),
+                    "bundle_id": result.bundle_id,
+                    "verdicts": [v.to_json() for v in result.verdicts],
+                },
+                indent=2,
+            )
+        )
     return int(outcome.exit_code)
 
 
@@ -133,13 +149,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     report = verify(Path(args.bundle), _trusted(args))
     if args.json:
-        print(json.dumps({"ok": report.ok, "bundle_id": report.bundle_id, "problems": report.problems,
-                          "signer": report.signer.describe() if report.signer else None,
-                          "outcome": report.predicate["outcome"] if report.predicate else None}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "ok": report.ok,
+                    "bundle_id": report.bundle_id,
+                    "problems": report.problems,
+                    "signer": report.signer.describe() if report.signer else None,
+                    "outcome": report.predicate["outcome"] if report.predicate else None,
+                },
+                indent=2,
+            )
+        )
     if report.ok:
         outcome = report.predicate["outcome"]["outcome"]
-        err.print(f"[green]OK[/]: bundle {report.bundle_id} is intact; every verdict re-derived from its records "
-                  f"(recorded outcome {outcome})")
+        err.print(
+            f"[green]OK[/]: bundle {report.bundle_id} is intact; every verdict re-derived from its records "
+            f"(recorded outcome {outcome})"
+        )
         err.print(f"signer: {report.signer.describe()}")
         return 0
     err.print(f"[red]FAILED[/]: {args.bundle} did not verify ({len(report.problems)} problems)")
@@ -167,8 +194,10 @@ def cmd_report(args: argparse.Namespace) -> int:
                 return int(ExitCode.FAILED)
         check = verify_dir(root)
         if not check.ok:
-            err.print(f"[red]cannot report[/]: the bundle does not verify ({check.problems[0]}); "
-                      "run `k3gate verify` for every problem")
+            err.print(
+                f"[red]cannot report[/]: the bundle does not verify ({check.problems[0]}); "
+                "run `k3gate verify` for every problem"
+            )
             return int(ExitCode.FAILED)
         render = markdown.render if args.format == "md" else page.render
         text = render(check.predicate, root, check.bundle_id, check.signer.describe())
@@ -192,8 +221,11 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="k3gate", description="Validation gate for model-specific decode "
-                                "optimizations: isolation, scope, numerics, evals, performance — in a signed bundle.")
+    p = argparse.ArgumentParser(
+        prog="k3gate",
+        description="Validation gate for model-specific decode "
+        "optimizations: isolation, scope, numerics, evals, performance — in a signed bundle.",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="run the gate and write a signed bundle")

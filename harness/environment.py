@@ -21,15 +21,36 @@ from typing import Any
 
 from harness.hardware import detect
 
-ENV_PREFIXES = ("CUDA_", "NCCL_", "VLLM_", "PYTORCH_", "TORCH_", "CUTE_DSL_", "NVSHMEM_", "TRITON_", "K3GATE_")
-ENV_NAMES = ("OMP_NUM_THREADS", "CI", "GITHUB_SHA", "GITHUB_REF", "GITHUB_REPOSITORY", "GITHUB_RUN_ID",
-             "GITHUB_RUN_ATTEMPT", "GITHUB_WORKFLOW", "RUNNER_OS", "SOURCE_DATE_EPOCH")
+ENV_PREFIXES = (
+    "CUDA_",
+    "NCCL_",
+    "VLLM_",
+    "PYTORCH_",
+    "TORCH_",
+    "CUTE_DSL_",
+    "NVSHMEM_",
+    "TRITON_",
+    "K3GATE_",
+)
+ENV_NAMES = (
+    "OMP_NUM_THREADS",
+    "CI",
+    "GITHUB_SHA",
+    "GITHUB_REF",
+    "GITHUB_REPOSITORY",
+    "GITHUB_RUN_ID",
+    "GITHUB_RUN_ATTEMPT",
+    "GITHUB_WORKFLOW",
+    "RUNNER_OS",
+    "SOURCE_DATE_EPOCH",
+)
 SECRET_PATTERN = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE|_KEY$|^KEY|AUTH", re.IGNORECASE)
 
 
 def allowed_env(environ: dict[str, str]) -> dict[str, str]:
     return {
-        k: v for k, v in sorted(environ.items())
+        k: v
+        for k, v in sorted(environ.items())
         if (k.startswith(ENV_PREFIXES) or k in ENV_NAMES) and not SECRET_PATTERN.search(k)
     }
 
@@ -48,8 +69,9 @@ def _git(root: Path, *args: str) -> str | None:
     if shutil.which("git") is None:
         return None
     try:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=60,
-                              check=True).stdout.decode(errors="replace")
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, timeout=60, check=True
+        ).stdout.decode(errors="replace")
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -62,7 +84,12 @@ class GitState:
     reason: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"commit": self.commit, "dirty": self.dirty, "diff_sha256": self.diff_sha256, "reason": self.reason}
+        return {
+            "commit": self.commit,
+            "dirty": self.dirty,
+            "diff_sha256": self.diff_sha256,
+            "reason": self.reason,
+        }
 
 
 def git_state(root: Path) -> GitState:
@@ -86,8 +113,12 @@ def torch_info() -> dict[str, Any]:
         return {"installed": False}
     import torch
 
-    info: dict[str, Any] = {"installed": True, "version": torch.__version__, "cuda": torch.version.cuda,
-                            "cuda_available": torch.cuda.is_available()}
+    info: dict[str, Any] = {
+        "installed": True,
+        "version": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+    }
     if info["cuda_available"]:
         info["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
@@ -123,13 +154,23 @@ def capture() -> Environment:
     git = git_state(source_root())
     pkgs = packages()
     summary = {
-        "os": {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
-               "platform": platform.platform()},
+        "os": {
+            "system": platform.system(),
+            "release": platform.release(),
+            "machine": platform.machine(),
+            "platform": platform.platform(),
+        },
         "python": {"version": platform.python_version(), "implementation": platform.python_implementation()},
         "k3gate": {"version": k3gate_version(), "git": git.to_json()},
         "torch": torch_info(),
-        "gpu": {"kind": hw.kind, "count": hw.count, "names": list(hw.names),
-                "compute_capability": hw.compute_capability, "driver": hw.driver, "query": hw.detail},
+        "gpu": {
+            "kind": hw.kind,
+            "count": hw.count,
+            "names": list(hw.names),
+            "compute_capability": hw.compute_capability,
+            "driver": hw.driver,
+            "query": hw.detail,
+        },
         "env": allowed_env(dict(os.environ)),
         "packages_count": len(pkgs),
         "argv0": Path(sys.argv[0]).name,

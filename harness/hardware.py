@@ -48,13 +48,19 @@ def _nvidia_smi() -> list[dict[str, str]]:
         return []
     fields = "name,compute_cap,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit"
     try:
-        out = subprocess.run([exe, f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            [exe, f"--query-gpu={fields}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     keys = fields.split(",")
-    return [dict(zip(keys, (v.strip() for v in line.split(",")), strict=False))
-            for line in out.splitlines() if line.strip()]
+    return [
+        dict(zip(keys, (v.strip() for v in line.split(",")), strict=False)) for line in out.splitlines() if line.strip()
+    ]
 
 
 @cache
@@ -63,6 +69,11 @@ def detect() -> Hardware:
     if not gpus:
         return Hardware(kind="none", count=0)
     names = tuple(g.get("name", "?") for g in gpus)
-    return Hardware(kind=kind_of(names[0]), count=len(gpus), names=names,
-                    compute_capability=gpus[0].get("compute_cap", ""), driver=gpus[0].get("driver_version", ""),
-                    detail=gpus[0])
+    return Hardware(
+        kind=kind_of(names[0]),
+        count=len(gpus),
+        names=names,
+        compute_capability=gpus[0].get("compute_cap", ""),
+        driver=gpus[0].get("driver_version", ""),
+        detail=gpus[0],
+    )

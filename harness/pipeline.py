@@ -110,8 +110,14 @@ def _bundle_records(bundle_dir: Path, ran: list[str]) -> StageRecords:
     return StageRecords(stage=BUNDLE_STAGE, checks=checks, metrics={"stages_recorded": len(ran)})
 
 
-def run(config: GateConfig, hardware: Hardware, key: SigningKey, out: Path | None = None,
-        stages: list[str] | None = None, listener: Listener | None = None) -> RunResult:
+def run(
+    config: GateConfig,
+    hardware: Hardware,
+    key: SigningKey,
+    out: Path | None = None,
+    stages: list[str] | None = None,
+    listener: Listener | None = None,
+) -> RunResult:
     notify = listener or (lambda *_: None)
     started = dt.datetime.now(dt.UTC)
     selected = select_stages(stages)
@@ -145,8 +151,12 @@ def run(config: GateConfig, hardware: Hardware, key: SigningKey, out: Path | Non
     env_summary = json.loads((bundle_dir / "env" / "environment.json").read_text())
     predicate = {
         "k3gate_version": environment.k3gate_version(),
-        "config": {"name": config.name, "source": config.source, "sha256": sha256_bytes(config.text.encode()),
-                   "resolved": config.resolved()},
+        "config": {
+            "name": config.name,
+            "source": config.source,
+            "sha256": sha256_bytes(config.text.encode()),
+            "resolved": config.resolved(),
+        },
         "subject": load_subject(config.subject).describe(),
         "tier": config.tier,
         "stages_selected": selected,

@@ -10,18 +10,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum, IntEnum
+from enum import IntEnum, StrEnum
 from typing import Any
 
 
-class Verdict(str, Enum):
+class Verdict(StrEnum):
     PASSED = "PASSED"
     FAILED = "FAILED"
     NOT_RUN = "NOT_RUN"
     ERROR = "ERROR"
 
 
-class Outcome(str, Enum):
+class Outcome(StrEnum):
     PASSED = "PASSED"
     FAILED = "FAILED"
     INCOMPLETE = "INCOMPLETE"
@@ -34,7 +34,11 @@ class ExitCode(IntEnum):
     INCOMPLETE = 3
 
 
-OUTCOME_EXIT = {Outcome.PASSED: ExitCode.PASSED, Outcome.FAILED: ExitCode.FAILED, Outcome.INCOMPLETE: ExitCode.INCOMPLETE}
+OUTCOME_EXIT = {
+    Outcome.PASSED: ExitCode.PASSED,
+    Outcome.FAILED: ExitCode.FAILED,
+    Outcome.INCOMPLETE: ExitCode.INCOMPLETE,
+}
 
 RECORDS_SCHEMA_ID = "https://k3gate.dev/records/v1"
 
@@ -77,7 +81,13 @@ class Check:
         return evaluate(self.value, self.op, self.limit)
 
     def to_record(self) -> dict[str, Any]:
-        rec = {"name": self.name, "value": self.value, "op": self.op, "limit": self.limit, "passed": self.passed}
+        rec = {
+            "name": self.name,
+            "value": self.value,
+            "op": self.op,
+            "limit": self.limit,
+            "passed": self.passed,
+        }
         if self.detail:
             rec["detail"] = self.detail
         return rec
@@ -160,9 +170,7 @@ def derive_verdict(records: Mapping[str, Any]) -> StageVerdict:
 def stored_flag_mismatches(records: Mapping[str, Any]) -> list[str]:
     """Checks whose stored `passed` flag disagrees with re-evaluating value against limit."""
     return [
-        rec["name"]
-        for rec in records.get("checks", [])
-        if bool(rec.get("passed")) != Check.from_record(rec).passed
+        rec["name"] for rec in records.get("checks", []) if bool(rec.get("passed")) != Check.from_record(rec).passed
     ]
 
 

@@ -232,7 +232,14 @@ class RankShapes:
         """Row ranges of the packed KDA input projection."""
         p, off = self.kda_proj, 0
         out: dict[str, slice] = {}
-        for name, n in (("q", p), ("k", p), ("v", p), ("g", p), ("f_a", self.kda_gate_rank), ("beta", self.kda_heads)):
+        for name, n in (
+            ("q", p),
+            ("k", p),
+            ("v", p),
+            ("g", p),
+            ("f_a", self.kda_gate_rank),
+            ("beta", self.kda_heads),
+        ):
             out[name] = slice(off, off + n)
             off += n
         out["pad"] = slice(off, self.kda_in_proj_rows)

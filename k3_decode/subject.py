@@ -45,53 +45,105 @@ class K3Subject:
         issues: list[ConfigIssue] = []
         model = config.get("model", self.default_model)
         if model not in self.scope["models"]:
-            issues.append(ConfigIssue("model", f"{model!r} is not a model of subject {self.name}",
-                                      f"use one of {', '.join(self.scope['models'])}"))
+            issues.append(
+                ConfigIssue(
+                    "model",
+                    f"{model!r} is not a model of subject {self.name}",
+                    f"use one of {', '.join(self.scope['models'])}",
+                )
+            )
             return issues
         gpu = config["hardware"]["gpu"]
         if gpu == "none" and model not in self.scope["cpu_models"]:
-            fix = (f"use model {self.scope['cpu_models'][0]!r} on the CPU or hardware.gpu = {dep['gpus'][0]!r}"
-                   if self.scope["cpu_models"] else f"set hardware.gpu = {dep['gpus'][0]!r}")
+            fix = (
+                f"use model {self.scope['cpu_models'][0]!r} on the CPU or hardware.gpu = {dep['gpus'][0]!r}"
+                if self.scope["cpu_models"]
+                else f"set hardware.gpu = {dep['gpus'][0]!r}"
+            )
             issues.append(ConfigIssue("hardware.gpu", f"{self.name} cannot run model {model} without a GPU", fix))
         elif gpu != "none" and gpu not in dep["gpus"]:
-            issues.append(ConfigIssue("hardware.gpu", f"{gpu} is outside the scope of {self.name}",
-                                      f"use one of {', '.join(dep['gpus'])}"))
+            issues.append(
+                ConfigIssue(
+                    "hardware.gpu",
+                    f"{gpu} is outside the scope of {self.name}",
+                    f"use one of {', '.join(dep['gpus'])}",
+                )
+            )
         if self.needs_vllm_section and "vllm" not in config:
-            issues.append(ConfigIssue("vllm", f"subject {self.name} drives a vLLM server but the config has no "
-                                      "[vllm] table", "add [vllm] with model and max_model_len"))
+            issues.append(
+                ConfigIssue(
+                    "vllm",
+                    f"subject {self.name} drives a vLLM server but the config has no [vllm] table",
+                    "add [vllm] with model and max_model_len",
+                )
+            )
         dims = load_dims(model)
         for tp in config["parallel"]["tp"]:
             if tp not in dep["tp"]:
-                issues.append(ConfigIssue("parallel.tp", f"TP={tp} is outside the scope of {self.name}",
-                                          f"use one of {_ints(dep['tp'])}"))
+                issues.append(
+                    ConfigIssue(
+                        "parallel.tp",
+                        f"TP={tp} is outside the scope of {self.name}",
+                        f"use one of {_ints(dep['tp'])}",
+                    )
+                )
                 continue
             try:
                 dims.shard(tp)
             except ShardError as exc:
-                issues.append(ConfigIssue("parallel.tp", str(exc),
-                                          f"use a TP that divides the heads: {_ints(list(dims.parallel.tp_sizes))}"))
+                issues.append(
+                    ConfigIssue(
+                        "parallel.tp",
+                        str(exc),
+                        f"use a TP that divides the heads: {_ints(list(dims.parallel.tp_sizes))}",
+                    )
+                )
         allowed_dcp = set()
         for tp in config["parallel"]["tp"]:
             allowed_dcp |= {1 if d == "1" else tp for d in dep["dcp"]}
         for dcp in config["parallel"]["dcp"]:
             if dcp not in allowed_dcp:
-                issues.append(ConfigIssue("parallel.dcp", f"DCP={dcp} is outside the scope (DCP must be 1 or TP)",
-                                          f"use one of {_ints(sorted(allowed_dcp))}"))
+                issues.append(
+                    ConfigIssue(
+                        "parallel.dcp",
+                        f"DCP={dcp} is outside the scope (DCP must be 1 or TP)",
+                        f"use one of {_ints(sorted(allowed_dcp))}",
+                    )
+                )
         wl = config["workload"]
-        if (big := [b for b in wl["batches"] if b > dep["max_batch"]]):
-            issues.append(ConfigIssue("workload.batches", f"batch {big[0]} is above the scope's maximum of "
-                                      f"{dep['max_batch']}", f"keep batches at or below {dep['max_batch']}"))
-        if (big := [q for q in wl["tokens_per_request"] if q > dep["max_tokens_per_request"]]):
-            issues.append(ConfigIssue("workload.tokens_per_request", f"{big[0]} tokens per request is above the "
-                                      f"scope's maximum of {dep['max_tokens_per_request']}",
-                                      f"keep tokens_per_request at or below {dep['max_tokens_per_request']}"))
+        if big := [b for b in wl["batches"] if b > dep["max_batch"]]:
+            issues.append(
+                ConfigIssue(
+                    "workload.batches",
+                    f"batch {big[0]} is above the scope's maximum of {dep['max_batch']}",
+                    f"keep batches at or below {dep['max_batch']}",
+                )
+            )
+        if big := [q for q in wl["tokens_per_request"] if q > dep["max_tokens_per_request"]]:
+            issues.append(
+                ConfigIssue(
+                    "workload.tokens_per_request",
+                    f"{big[0]} tokens per request is above the scope's maximum of {dep['max_tokens_per_request']}",
+                    f"keep tokens_per_request at or below {dep['max_tokens_per_request']}",
+                )
+            )
         max_ctx = wl.get("max_context", max(wl["contexts"]))
         if max_ctx > dep["max_context"]:
-            issues.append(ConfigIssue("workload.max_context", f"{max_ctx} is above the model's "
-                                      f"{dep['max_context']} positions", f"use at most {dep['max_context']}"))
-        if (long := [c for c in wl["contexts"] if c > max_ctx]):
-            issues.append(ConfigIssue("workload.contexts", f"context {long[0]} is above workload.max_context "
-                                      f"{max_ctx}", "raise max_context or drop the context"))
+            issues.append(
+                ConfigIssue(
+                    "workload.max_context",
+                    f"{max_ctx} is above the model's {dep['max_context']} positions",
+                    f"use at most {dep['max_context']}",
+                )
+            )
+        if long := [c for c in wl["contexts"] if c > max_ctx]:
+            issues.append(
+                ConfigIssue(
+                    "workload.contexts",
+                    f"context {long[0]} is above workload.max_context {max_ctx}",
+                    "raise max_context or drop the context",
+                )
+            )
         return issues
 
 

@@ -27,7 +27,10 @@ def pack(root: Path, dest: Path) -> Path:
             info.uname = info.gname = ""
             tar.addfile(info, io.BytesIO(data))
     tmp = dest.with_name(dest.name + ".partial")
-    with tmp.open("wb") as fh, gzip.GzipFile(filename="", mode="wb", fileobj=fh, mtime=0, compresslevel=9) as gz:
+    with (
+        tmp.open("wb") as fh,
+        gzip.GzipFile(filename="", mode="wb", fileobj=fh, mtime=0, compresslevel=9) as gz,
+    ):
         gz.write(raw.getvalue())
     tmp.replace(dest)
     return dest

@@ -20,8 +20,11 @@ def pae(payload_type: str, payload: bytes) -> bytes:
 
 def sign(payload: bytes, key: SigningKey, payload_type: str = PAYLOAD_TYPE) -> dict[str, Any]:
     sig = key.private.sign(pae(payload_type, payload))
-    return {"payloadType": payload_type, "payload": b64encode(payload),
-            "signatures": [{"keyid": key.keyid, "sig": b64encode(sig)}]}
+    return {
+        "payloadType": payload_type,
+        "payload": b64encode(payload),
+        "signatures": [{"keyid": key.keyid, "sig": b64encode(sig)}],
+    }
 
 
 class EnvelopeError(ValueError):

@@ -57,8 +57,9 @@ def generate(path: Path, force: bool = False) -> SigningKey:
         raise UsageError(f"{path} already exists — pass --force to replace it or --out to write elsewhere")
     path.parent.mkdir(parents=True, exist_ok=True)
     private = Ed25519PrivateKey.generate()
-    pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    pem = private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:
@@ -109,8 +110,9 @@ def parse_public(text: str, origin: str) -> list[Ed25519PublicKey]:
         try:
             key = serialization.load_ssh_public_key(line.encode())
         except (ValueError, UnsupportedAlgorithm) as exc:
-            raise UsageError(f"public key {origin}: bad OpenSSH line ({exc}) — copy the whole `ssh-ed25519 ...` "
-                             "line") from None
+            raise UsageError(
+                f"public key {origin}: bad OpenSSH line ({exc}) — copy the whole `ssh-ed25519 ...` line"
+            ) from None
         if isinstance(key, Ed25519PublicKey):
             keys.append(key)
     return keys

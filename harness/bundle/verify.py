@@ -171,11 +171,14 @@ def _check_verdicts(root: Path, predicate: dict[str, Any], report: VerifyReport)
         if verdict.to_json() != claimed[stage]:
             report.problems.append(
                 f"{STATEMENT}: verdict of {stage} says {claimed[stage]['verdict']} but its records give "
-                f"{verdict.verdict.value} ({verdict.reason})")
+                f"{verdict.verdict.value} ({verdict.reason})"
+            )
     outcome = derive_outcome(derived, predicate["required"])
     if {"outcome": outcome.outcome.value, "reason": outcome.reason} != predicate["outcome"]:
-        report.problems.append(f"{STATEMENT}: outcome says {predicate['outcome']['outcome']} but the verdicts give "
-                               f"{outcome.outcome.value} ({outcome.reason})")
+        report.problems.append(
+            f"{STATEMENT}: outcome says {predicate['outcome']['outcome']} but the verdicts give "
+            f"{outcome.outcome.value} ({outcome.reason})"
+        )
     env_rel = "env/environment.json"
     if (root / env_rel).is_file():
         try:

@@ -61,11 +61,15 @@ def _read(name_or_path: str) -> tuple[str, str, str]:
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.exists():
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist — give an existing .toml file or one of: "
-                              f"{', '.join(builtin_names())}")
+            raise ConfigError(
+                f"config file {path} does not exist — give an existing .toml file or one of: "
+                f"{', '.join(builtin_names())}"
+            )
         return path.stem, str(path), path.read_text()
-    raise ConfigError(f"unknown config {name_or_path!r} — use one of: {', '.join(builtin_names())} "
-                      "(see `k3gate configs`) or a path to a .toml file")
+    raise ConfigError(
+        f"unknown config {name_or_path!r} — use one of: {', '.join(builtin_names())} "
+        "(see `k3gate configs`) or a path to a .toml file"
+    )
 
 
 def _schema_error_line(err: jsonschema.ValidationError) -> str:
@@ -97,8 +101,10 @@ def _generic_issues(name: str, data: dict[str, Any]) -> list[str]:
     if (hw["gpu"] == "none") != (hw["gpu_count"] == 0):
         issues.append("hardware.gpu_count: must be 0 exactly when hardware.gpu is 'none' — make them agree")
     if data["parallel"].get("mode") == "distributed" and hw["gpu_count"] < max(data["parallel"]["tp"]):
-        issues.append(f"hardware.gpu_count: {hw['gpu_count']} GPUs cannot hold TP={max(data['parallel']['tp'])} "
-                      "— raise gpu_count or use parallel.mode = 'per-rank-shapes'")
+        issues.append(
+            f"hardware.gpu_count: {hw['gpu_count']} GPUs cannot hold TP={max(data['parallel']['tp'])} "
+            "— raise gpu_count or use parallel.mode = 'per-rank-shapes'"
+        )
     known = stage_names()
     for tier, spec in data["tiers"].items():
         for stage in spec["required"]:

@@ -24,8 +24,10 @@ def render_view(view: ReportView) -> str:
         lines.append(f"Bundle `{view.bundle_id}` · {view.signer or 'signature not checked'}")
     lines += ["", "| stage | required | verdict | reason |", "|---|---|---|---|"]
     for s in view.stages:
-        lines.append(f"| {s.stage} | {'yes' if s.required else 'no'} | {ICONS.get(s.verdict, '')} {s.verdict} "
-                     f"| {_cell(s.reason)} |")
+        lines.append(
+            f"| {s.stage} | {'yes' if s.required else 'no'} | {ICONS.get(s.verdict, '')} {s.verdict} "
+            f"| {_cell(s.reason)} |"
+        )
     if view.not_run:
         lines += ["", "### Did not run", ""]
         lines += [f"- **{s.stage}** ({s.verdict}): {s.reason}" for s in view.not_run]
@@ -41,6 +43,5 @@ def render_view(view: ReportView) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(predicate: dict[str, Any], bundle_dir: Path, bundle_id: str | None = None,
-           signer: str | None = None) -> str:
+def render(predicate: dict[str, Any], bundle_dir: Path, bundle_id: str | None = None, signer: str | None = None) -> str:
     return render_view(build(predicate, bundle_dir, bundle_id, signer))

@@ -50,25 +50,41 @@ def _records(bundle_dir: Path, stage: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def build(predicate: dict[str, Any], bundle_dir: Path, bundle_id: str | None = None,
-          signer: str | None = None) -> ReportView:
+def build(
+    predicate: dict[str, Any], bundle_dir: Path, bundle_id: str | None = None, signer: str | None = None
+) -> ReportView:
     required = set(predicate["required"])
     stages = []
     for v in predicate["verdicts"]:
         rec = _records(bundle_dir, v["stage"])
         checks = rec.get("checks", [])
-        stages.append(StageView(
-            stage=v["stage"], verdict=v["verdict"], reason=v["reason"], required=v["stage"] in required,
-            failed_checks=[c for c in checks if not c.get("passed")], checks=len(checks),
-            metrics=rec.get("metrics", {}), evidence=rec.get("evidence", [])))
+        stages.append(
+            StageView(
+                stage=v["stage"],
+                verdict=v["verdict"],
+                reason=v["reason"],
+                required=v["stage"] in required,
+                failed_checks=[c for c in checks if not c.get("passed")],
+                checks=len(checks),
+                metrics=rec.get("metrics", {}),
+                evidence=rec.get("evidence", []),
+            )
+        )
     env = predicate["environment"]
     gpu = env["gpu"]
     git = predicate["git"]
     return ReportView(
-        config=predicate["config"]["name"], subject=predicate["subject"].get("subject", "?"), tier=predicate["tier"],
-        outcome=predicate["outcome"]["outcome"], outcome_reason=predicate["outcome"]["reason"],
-        commit=(git["commit"] or "not a git checkout")[:12], dirty=git["dirty"],
+        config=predicate["config"]["name"],
+        subject=predicate["subject"].get("subject", "?"),
+        tier=predicate["tier"],
+        outcome=predicate["outcome"]["outcome"],
+        outcome_reason=predicate["outcome"]["reason"],
+        commit=(git["commit"] or "not a git checkout")[:12],
+        dirty=git["dirty"],
         gpu=f"{gpu['count']}x {gpu['names'][0]}" if gpu["count"] else "no GPU",
-        started=predicate["started"], stages=stages,
+        started=predicate["started"],
+        stages=stages,
         not_selected=[s for s in stage_names() if s not in predicate["stages_selected"]],
-        bundle_id=bundle_id, signer=signer)
+        bundle_id=bundle_id,
+        signer=signer,
+    )

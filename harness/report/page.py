@@ -23,15 +23,20 @@ def render_view(view: ReportView) -> str:
     rows = "".join(
         f"<tr><td>{e(s.stage)}</td><td>{'yes' if s.required else 'no'}</td>"
         f"<td class='{e(s.verdict)}'>{ICONS.get(s.verdict, '')} {e(s.verdict)}</td><td>{e(s.reason)}</td></tr>"
-        for s in view.stages)
+        for s in view.stages
+    )
     details = "".join(
         f"<details><summary>{e(s.stage)}: {s.checks} checks, {len(s.failed_checks)} failed</summary>"
         f"<pre>{e(json.dumps({'failed': s.failed_checks, 'metrics': s.metrics, 'evidence': s.evidence}, indent=2))}"
         "</pre></details>"
-        for s in view.stages)
+        for s in view.stages
+    )
     not_run = "".join(f"<li><b>{e(s.stage)}</b> ({e(s.verdict)}): {e(s.reason)}</li>" for s in view.not_run)
-    ident = (f"<p>Bundle <code>{e(view.bundle_id)}</code> · {e(view.signer or 'signature not checked')}</p>"
-             if view.bundle_id else "")
+    ident = (
+        f"<p>Bundle <code>{e(view.bundle_id)}</code> · {e(view.signer or 'signature not checked')}</p>"
+        if view.bundle_id
+        else ""
+    )
     return (
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>k3gate {e(view.outcome)}: {e(view.config)}</title><style>{_STYLE}</style></head><body>"
@@ -47,6 +52,5 @@ def render_view(view: ReportView) -> str:
     )
 
 
-def render(predicate: dict[str, Any], bundle_dir: Path, bundle_id: str | None = None,
-           signer: str | None = None) -> str:
+def render(predicate: dict[str, Any], bundle_dir: Path, bundle_id: str | None = None, signer: str | None = None) -> str:
     return render_view(build(predicate, bundle_dir, bundle_id, signer))
