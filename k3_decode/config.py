@@ -120,7 +120,10 @@ class ModelDims:
         return layer % self.attn_res_block_size == 0
 
     def blocks_before(self, layer: int) -> int:
-        """Saved blocks visible to the pre-attention mixing of `layer` (the block it writes included)."""
+        """Blocks in the bank once `layer` has saved its block: what its pre-MLP mixing reads.
+
+        The pre-attention mixing reads one fewer at a block-write layer (the block just saved equals the prefix).
+        """
         return -(-(layer + 1) // self.attn_res_block_size) if layer >= 0 else 0
 
     def with_layers(self, num_layers: int) -> ModelDims:
