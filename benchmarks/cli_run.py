@@ -30,8 +30,21 @@ def main() -> int:
         env = {**os.environ, "XDG_CONFIG_HOME": str(Path(tmp) / "xdg"), "PYTHONPATH": str(REPO)}
         for i in range(args.runs + 1):  # the first run creates the signing key and warms caches: not counted
             start = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "harness", "run", "--config", args.config, "--quiet",
-                                   "--out", str(Path(tmp) / f"b{i}")], capture_output=True, env=env)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "harness",
+                    "run",
+                    "--config",
+                    args.config,
+                    "--quiet",
+                    "--out",
+                    str(Path(tmp) / f"b{i}"),
+                ],
+                capture_output=True,
+                env=env,
+            )
             if i:
                 times.append(time.perf_counter() - start)
                 codes.append(proc.returncode)
@@ -43,8 +56,12 @@ def main() -> int:
         "seconds": {"min": min(times), "median": statistics.median(times), "max": max(times)},
         "exit_codes": sorted(set(codes)),
         "commit": commit.strip(),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "system": platform.system(),
-                    "processor": platform.machine()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "system": platform.system(),
+            "processor": platform.machine(),
+        },
     }
     out = REPO / "benchmarks" / "results" / f"cli-run-{args.config}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

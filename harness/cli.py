@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import tempfile
@@ -14,6 +15,9 @@ from harness.errors import UsageError
 from harness.verdicts import ExitCode
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+# Modules that add a subcommand through `register(subparsers)`.
+EXTRA_COMMANDS = ("harness.redteam",)
 
 VERDICT_STYLE = {
     "PASSED": "green",
@@ -263,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", help="private key path (default: your k3gate config folder)")
     k.add_argument("--force", action="store_true", help="replace an existing key")
     k.set_defaults(fn=cmd_keygen)
+    for module in EXTRA_COMMANDS:
+        importlib.import_module(module).register(sub)
     return p
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import tarfile
+import zlib
 from pathlib import Path
 
 from harness.bundle import ARCHIVE_ROOT
@@ -50,6 +51,6 @@ def unpack(archive: Path, into: Path) -> Path:
                 if not m.isfile() or not parts or parts[0] != ARCHIVE_ROOT or ".." in parts or m.name.startswith("/"):
                     raise ArchiveError(f"{archive.name}: unexpected archive entry {m.name!r} — not a k3gate bundle")
             tar.extractall(into, members=members, filter="data")
-    except (tarfile.TarError, OSError, EOFError, gzip.BadGzipFile) as exc:
+    except (tarfile.TarError, OSError, EOFError, zlib.error, ValueError) as exc:
         raise ArchiveError(f"{archive.name}: damaged or not a tar.gz ({exc}) — re-download the archive") from None
     return into / ARCHIVE_ROOT

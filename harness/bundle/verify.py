@@ -219,8 +219,10 @@ def verify(path: Path, trusted: list[Ed25519PublicKey] | None = None) -> VerifyR
             # The archive must be exactly the deterministic packing of what it holds: otherwise bytes that
             # decompress to the same content (gzip flags, padding bits) could change unnoticed.
             if archive.pack(root, Path(tmp) / "repacked.tar.gz").read_bytes() != path.read_bytes():
-                report.problems.append("archive bytes differ from the deterministic packing of its contents "
-                                       "(modified after packing; to check the contents alone, verify the folder)")
+                report.problems.append(
+                    "archive bytes differ from the deterministic packing of its contents "
+                    "(modified after packing; to check the contents alone, verify the folder)"
+                )
             report.problems = [f"{path.name}: {p}" for p in report.problems]
             return report
     raise UsageError(f"bundle {path} does not exist — give a bundle directory or its .tar.gz")

@@ -1,6 +1,12 @@
-"""The stage registry, in the order stages run. Principle stages replace their placeholders as they land."""
+"""The stage registry, in the order stages run.
+
+Each entry names the module and class of a stage; a principle stage that this build does not ship yet is an
+explicit `UnavailableStage` (NOT_RUN "not available in this build"), never a silent skip.
+"""
 
 from __future__ import annotations
+
+import importlib
 
 from harness.stages.base import Stage, StageContext
 from harness.stages.environment import EnvironmentStage
@@ -8,20 +14,28 @@ from harness.stages.unavailable import UnavailableStage
 
 BUNDLE_STAGE = "bundle"
 
+# (name, "module:Class" or None for a stage not built yet, description used while it is unavailable)
+REGISTRY: tuple[tuple[str, str | None, str], ...] = (
+    ("environment", "harness.stages.environment:EnvironmentStage", ""),
+    ("isolation", None, "Principle 1: blast radius, write-set audit, proof of path"),
+    ("scope", None, "Principle 2: scope checks and feature preservation on the optimized path"),
+    ("numerics", None, "Principle 3a: kernel numerics over shape grids, with a red team"),
+    ("evals", None, "Principle 3b: model evals on the optimized path, paired against baseline"),
+    ("perf", None, "Principle 4: performance sweeps with a verdict"),
+)
+
+
+def _load(target: str) -> Stage:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)()
+
 
 def registered() -> list[Stage]:
-    return [
-        EnvironmentStage(),
-        UnavailableStage("isolation", "Principle 1: blast radius, write-set audit, proof of path"),
-        UnavailableStage("scope", "Principle 2: scope checks and feature preservation on the optimized path"),
-        UnavailableStage("numerics", "Principle 3a: kernel numerics over shape grids, with a red team"),
-        UnavailableStage("evals", "Principle 3b: model evals on the optimized path, paired against baseline"),
-        UnavailableStage("perf", "Principle 4: performance sweeps with a verdict"),
-    ]
+    return [_load(target) if target else UnavailableStage(name, desc) for name, target, desc in REGISTRY]
 
 
 def stage_names() -> list[str]:
-    return [s.name for s in registered()] + [BUNDLE_STAGE]
+    return [name for name, _, _ in REGISTRY] + [BUNDLE_STAGE]
 
 
-__all__ = ["BUNDLE_STAGE", "Stage", "StageContext", "registered", "stage_names"]
+__all__ = ["BUNDLE_STAGE", "EnvironmentStage", "Stage", "StageContext", "registered", "stage_names"]
