@@ -1,0 +1,59 @@
+"""What a numerics suite hands the runner: one grid cell of one op, and the implementation under test."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class OpCall:
+    """The inputs of one call: tensors by name (some of them state the op updates in place) and other arguments."""
+
+    tensors: dict[str, torch.Tensor]
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def clone(self) -> OpCall:
+        return OpCall({k: v.clone() for k, v in self.tensors.items()}, dict(self.args))
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    op: str  # the tolerance-table key
+    dtype: str  # the dtype the implementation computes in (tolerance-table key)
+    outputs: tuple[str, ...]
+    inplace: tuple[str, ...] = ()  # state tensors the op may update (only where allowed_writes says)
+    deterministic: bool = True  # bit-identical reruns are promised
+    steps: int = 1  # consecutive calls chaining the in-place state (stale reads show only over steps)
+
+
+class Case(Protocol):
+    id: str
+    axes: dict[str, Any]
+    spec: OpSpec
+
+    def make(self, seed: int, device: torch.device) -> OpCall:
+        """Fresh inputs for this cell (new values for every seed, same shapes)."""
+        ...
+
+    def reference(self, call: OpCall) -> dict[str, torch.Tensor]:
+        """The oracle: every output and the post-call value of every in-place tensor, computed in fp32 or wider."""
+        ...
+
+    def allowed_writes(self, call: OpCall) -> dict[str, torch.Tensor]:
+        """Per in-place tensor, a boolean mask of the elements the call may change (its declared write set)."""
+        ...
+
+
+# The implementation under test: reads call.tensors, may update its in-place state, returns its outputs.
+Impl = Callable[[OpCall], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Implementation:
+    name: str  # e.g. "stock" or "specialized"
+    ops: dict[str, Impl]  # by OpSpec.op
+    backend: str = ""  # which code ran, e.g. "triton", "torch-cpu"

@@ -1,0 +1,84 @@
+"""Comparing an implementation's output with its oracle under a tolerance entry."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import torch
+
+from harness.verdicts import Check
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """One entry of the tolerance table (suites/tolerances.toml); `reason` says why the numbers are what they are."""
+
+    atol: float
+    rtol: float
+    matched_fraction: float  # share of elements that must be within atol + rtol*|ref|
+    max_abs: float  # no element may be further off than this, matched or not
+    nontrivial_margin: float  # the reference must reach margin * atol somewhere: zeros cannot pass
+    reason: str
+
+
+class ToleranceError(KeyError):
+    pass
+
+
+@dataclass(frozen=True)
+class ToleranceTable:
+    """The versioned tolerance table: `[op.dtype]` entries (see suites/tolerances.toml)."""
+
+    entries: dict[str, Any]
+    source: str
+
+    @classmethod
+    def load(cls, package: str = "suites", name: str = "tolerances.toml") -> ToleranceTable:
+        return cls(_table(package, name), f"{package}/{name}")
+
+    def get(self, op: str, dtype: str) -> Tolerance:
+        try:
+            entry = self.entries[op][dtype]
+        except KeyError:
+            raise ToleranceError(f"no tolerance for op {op!r} dtype {dtype!r} in {self.source}") from None
+        return Tolerance(**entry)
+
+
+@cache
+def _table(package: str, name: str) -> dict[str, Any]:
+    return tomllib.loads(resources.files(package).joinpath(name).read_text())
+
+
+def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> tuple[list[Check], dict]:
+    """Checks that `actual` matches `expected` (computed in fp32 or wider) under `tol`."""
+    checks: list[Check] = []
+    if actual.shape != expected.shape:
+        return [Check(f"{name}: shape", list(actual.shape), "==", list(expected.shape))], {}
+    a = actual.detach().to(torch.float64).cpu()
+    e = expected.detach().to(torch.float64).cpu()
+    ref_finite = torch.isfinite(e)
+    nonfinite = int((~torch.isfinite(a) & ref_finite).sum())
+    err = (a - e).abs()
+    err = torch.where(ref_finite, err, torch.zeros_like(err))
+    ok = err <= tol.atol + tol.rtol * e.abs()
+    # Where the reference is NaN or Inf (a defined behaviour of the stock path), the output must be the same.
+    special = ~ref_finite
+    a_s, e_s = a[special], e[special]
+    same_special = bool(((torch.isnan(a_s) & torch.isnan(e_s)) | (a_s == e_s)).all())
+    n = max(e.numel(), 1)
+    matched = float(ok[ref_finite].sum()) / max(int(ref_finite.sum()), 1) if e.numel() else 1.0
+    max_err = float(err.max()) if e.numel() else 0.0
+    ref_peak = float(e[ref_finite].abs().max()) if bool(ref_finite.any()) else 0.0
+    checks += [
+        Check(f"{name}: non-finite values where the reference is finite", nonfinite, "==", 0),
+        Check(f"{name}: NaN/Inf where the reference has them", same_special, "==", True),
+        Check(f"{name}: matched fraction", round(matched, 6), ">=", tol.matched_fraction),
+        Check(f"{name}: max abs error", max_err, "<=", tol.max_abs),
+        Check(f"{name}: reference is non-trivial (peak / atol)", ref_peak / tol.atol, ">=", tol.nontrivial_margin),
+    ]
+    metrics = {"max_abs_error": max_err, "matched_fraction": matched, "ref_peak": ref_peak, "elements": n}
+    return checks, metrics
