@@ -17,7 +17,7 @@ from pathlib import Path
 import bundles.schemas as schemas
 from harness import environment
 from harness.bundle import archive, writer
-from harness.bundle.canonical import sha256_bytes
+from harness.bundle.canonical import finite, sha256_bytes
 from harness.bundle.keys import SigningKey
 from harness.bundle.verify import verify_dir
 from harness.config.loader import GateConfig
@@ -85,10 +85,14 @@ def _run_one(stage: Stage, ctx: StageContext) -> StageRecords:
     return records
 
 
-def _write_records(bundle_dir: Path, records: StageRecords) -> None:
+def _write_records(bundle_dir: Path, records: StageRecords) -> dict:
+    """Write the records as strict JSON (NaN/Inf become null) and return exactly what was written, so the
+    verdict is derived from the same data `k3gate verify` will read."""
     folder = bundle_dir / "stages" / records.stage
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "records.json").write_text(json.dumps(records.to_json(), indent=2, sort_keys=True) + "\n")
+    data = finite(records.to_json())
+    (folder / "records.json").write_text(json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n")
+    return data
 
 
 def _bundle_records(bundle_dir: Path, ran: list[str]) -> StageRecords:
@@ -136,16 +140,15 @@ def run(
         notify("start", stage.name, stage.description)
         ctx = StageContext(config=config, hardware=hardware, bundle_dir=bundle_dir, progress=progress_for(stage.name))
         records = _run_one(stage, ctx)
-        _write_records(bundle_dir, records)
+        written = _write_records(bundle_dir, records)
         ran.append(stage.name)
-        verdict = derive_verdict(records.to_json())
+        verdict = derive_verdict(written)
         verdicts.append(verdict)
         notify("done", stage.name, f"{verdict.verdict.value}: {verdict.reason}")
 
     notify("start", BUNDLE_STAGE, "manifest, signed statement, archive")
     bundle_records = _bundle_records(bundle_dir, ran)
-    _write_records(bundle_dir, bundle_records)
-    verdicts.append(derive_verdict(bundle_records.to_json()))
+    verdicts.append(derive_verdict(_write_records(bundle_dir, bundle_records)))
     required = [s for s in config.required_stages if s in selected]
     outcome = derive_outcome(verdicts, required)
     env_summary = json.loads((bundle_dir / "env" / "environment.json").read_text())

@@ -13,19 +13,19 @@ from typing import Any
 import rfc8785
 
 
-def _finite(obj: Any) -> Any:
+def finite(obj: Any) -> Any:
     """RFC 8785 has no NaN/Inf: store them as null so a metric never breaks the bundle."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
-        return {str(k): _finite(v) for k, v in obj.items()}
+        return {str(k): finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        return [finite(v) for v in obj]
     return obj
 
 
 def canonical_bytes(obj: Any) -> bytes:
-    return rfc8785.dumps(_finite(obj))
+    return rfc8785.dumps(finite(obj))
 
 
 def sha256_bytes(data: bytes) -> str:

@@ -1,0 +1,103 @@
+"""The numerics stage: every op of the subject's implementations against its oracle, cell by cell of the grid."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from harness.numerics.cells import Case, Implementation
+from harness.numerics.compare import ToleranceTable
+from harness.numerics.hygiene import CellResult, run_cell
+from harness.stages.base import StageContext
+from harness.subjects import load_subject
+from harness.verdicts import Check, StageRecords
+
+
+class NumericsSuite(Protocol):
+    def cells(self, config: Any, rng: random.Random) -> list[Case]:
+        """Grid cells for the config (and tier), plus off-grid cells drawn with `rng`."""
+        ...
+
+    def implementations(self, device: torch.device) -> list[Implementation]:
+        """What is under test on this device (the stock path until specialized kernels land, then both)."""
+        ...
+
+    def forbidden(self) -> tuple:
+        """Code objects of the oracle's entry points, which no implementation may call."""
+        ...
+
+
+@dataclass(frozen=True)
+class NumericsStage:
+    name: str = "numerics"
+    description: str = "Principle 3a: kernel numerics over shape grids, with kernel hygiene probes"
+    needs_hardware: bool = True
+    seed: int = 20261129
+
+    def run(self, ctx: StageContext) -> StageRecords:
+        subject = load_subject(ctx.config.subject)
+        make_suite = getattr(subject, "numerics_suite", None)
+        suite: NumericsSuite | None = make_suite(ctx.config) if make_suite else None
+        if suite is None:
+            return StageRecords.not_run(self.name, f"subject {ctx.config.subject} has no numerics suite in this build")
+        device = torch.device("cuda" if ctx.config.hardware["gpu"] != "none" else "cpu")
+        table = ToleranceTable.load()
+        cells = suite.cells(ctx.config, random.Random(self.seed))
+        impls = suite.implementations(device)
+        if not impls:
+            return StageRecords.not_run(self.name, "no implementation of the subject's ops is available here")
+        results: list[tuple[str, CellResult]] = []
+        total = len(cells) * len(impls)
+        for impl in impls:
+            for i, case in enumerate(cells):
+                ctx.progress(f"{impl.name} {case.id}", len(results) / max(total, 1))
+                op = impl.ops.get(case.spec.op)
+                if op is None:
+                    result = CellResult(
+                        case.id, case.axes, [Check(f"{impl.name} implements {case.spec.op}", False, "==", True)]
+                    )
+                else:
+                    result = run_cell(case, op, device, table, suite.forbidden(), seed=self.seed + i)
+                results.append((impl.name, result))
+        path, rel = ctx.evidence_path(self.name, "cells.jsonl")
+        with path.open("w") as fh:
+            for impl_name, r in results:
+                fh.write(
+                    json.dumps(
+                        {
+                            "implementation": impl_name,
+                            "cell": r.case_id,
+                            "axes": r.axes,
+                            "passed": r.passed,
+                            "failed": [c.name for c in r.checks if not c.passed],
+                            "metrics": r.metrics,
+                        },
+                        default=str,
+                    )
+                    + "\n"
+                )
+        checks = [
+            Check(f"{impl_name} {r.case_id}: {c.name}", c.value, c.op, c.limit, c.detail)
+            for impl_name, r in results
+            for c in r.checks
+        ]
+        checks.append(Check("cells tested", len(results), ">=", 1))
+        pass_map: dict[str, dict[str, bool]] = {}
+        for impl_name, r in results:
+            op, _, rest = r.case_id.partition("/")
+            pass_map.setdefault(f"{impl_name} {op}", {})[rest] = r.passed
+        metrics = {
+            "device": str(device),
+            "implementations": {i.name: i.backend for i in impls},
+            "cells": len(results),
+            "cells_failed": sum(not r.passed for _, r in results),
+            "seed": self.seed,
+            "tolerances": table.source,
+            "tolerance_version": table.entries.get("version"),
+            "pass_map": pass_map,
+        }
+        return StageRecords(stage=self.name, checks=checks, metrics=metrics, evidence=[rel])
