@@ -26,6 +26,7 @@ class RedTeamCase:
     name: str
     description: str  # the bug or cheat the case models
     run: Callable[[Path], StageRecords]  # given a scratch folder, the stage's records for the broken input
+    requires: Callable[[], str | None] = lambda: None  # why the case cannot run on this machine, or None
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ def cases(stage: str) -> list[RedTeamCase]:
 
 
 def run_case(case: RedTeamCase) -> CaseResult:
+    missing = case.requires()
+    if missing:
+        return CaseResult(case, Verdict.NOT_RUN, missing)
     with tempfile.TemporaryDirectory(prefix="k3gate-redteam-") as tmp:
         try:
             records = case.run(Path(tmp))
@@ -74,9 +78,16 @@ def cmd_redteam(args: argparse.Namespace) -> int:
         return int(ExitCode.INCOMPLETE)
     results = [run_case(c) for c in selected]
     for r in results:
-        mark = "[green]caught[/]" if r.caught else "[red]MISSED[/]"
+        mark = (
+            "[green]caught[/]"
+            if r.caught
+            else "[yellow]not run[/]"
+            if r.verdict is Verdict.NOT_RUN
+            else "[red]MISSED[/]"
+        )
         err.print(f"  {mark} {r.case.name}: {r.case.description} -> {r.verdict.value}: {r.reason}")
-    missed = [r for r in results if not r.caught]
+    missed = [r for r in results if not r.caught and r.verdict is not Verdict.NOT_RUN]
+    not_run = [r for r in results if r.verdict is Verdict.NOT_RUN]
     if args.json:
         print(
             json.dumps(
@@ -90,6 +101,12 @@ def cmd_redteam(args: argparse.Namespace) -> int:
     if missed:
         err.print(f"[red]{len(missed)} of {len(results)} red-team cases were not caught[/]")
         return int(ExitCode.FAILED)
+    if not_run:
+        err.print(
+            f"[yellow]{len(results) - len(not_run)} red-team cases were caught; {len(not_run)} could not run "
+            "on this machine, so the red team is incomplete here[/]"
+        )
+        return int(ExitCode.INCOMPLETE)
     err.print(f"[green]all {len(results)} red-team cases were caught[/] by the {args.stage} stage")
     return int(ExitCode.PASSED)
 

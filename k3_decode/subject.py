@@ -32,6 +32,18 @@ class K3Subject:
     def scope(self) -> dict[str, Any]:
         return tomllib.loads(self.scope_text)
 
+    def code_scope(self) -> dict[str, Any] | None:
+        """The `[isolation]` table of the scope file (paths, globs, declared switches), or None if it has none."""
+        return self.scope.get("isolation")
+
+    def numerics_suite(self, config: Any) -> Any:
+        """The numerics suite of the in-process subject; vLLM's subject is judged by its evals instead."""
+        if self.name != "k3-hopper":
+            return None
+        from suites.k3.suite import K3Suite  # late: torch is needed only when the stage runs
+
+        return K3Suite(self.name, config.data.get("model", self.default_model or "k3"))
+
     def describe(self) -> dict[str, Any]:
         return {
             "subject": self.name,
@@ -149,3 +161,4 @@ class K3Subject:
 
 K3_HOPPER = K3Subject("k3-hopper", "k3-hopper.toml")
 VLLM_K3 = K3Subject("vllm-k3", "vllm-k3.toml", default_model="k3", needs_vllm_section=True)
+

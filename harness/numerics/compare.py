@@ -42,8 +42,11 @@ class ToleranceTable:
 
     def get(self, op: str, dtype: str) -> Tolerance:
         try:
-            entry = self.entries[op][dtype]
-        except KeyError:
+            node = self.entries
+            for part in op.split("."):  # "kda_decode.state" is the TOML table [kda_decode.state.<dtype>]
+                node = node[part]
+            entry = {k: v for k, v in node[dtype].items() if k in Tolerance.__dataclass_fields__}
+        except (KeyError, TypeError):
             raise ToleranceError(f"no tolerance for op {op!r} dtype {dtype!r} in {self.source}") from None
         return Tolerance(**entry)
 

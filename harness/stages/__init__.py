@@ -19,7 +19,7 @@ REGISTRY: tuple[tuple[str, str | None, str], ...] = (
     ("environment", "harness.stages.environment:EnvironmentStage", ""),
     ("isolation", None, "Principle 1: blast radius, write-set audit, proof of path"),
     ("scope", None, "Principle 2: scope checks and feature preservation on the optimized path"),
-    ("numerics", None, "Principle 3a: kernel numerics over shape grids, with a red team"),
+    ("numerics", "harness.stages.numerics:NumericsStage", ""),
     ("evals", None, "Principle 3b: model evals on the optimized path, paired against baseline"),
     ("perf", None, "Principle 4: performance sweeps with a verdict"),
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -50,21 +51,39 @@ class NumericsStage:
         impls = suite.implementations(device)
         if not impls:
             return StageRecords.not_run(self.name, "no implementation of the subject's ops is available here")
-        results: list[tuple[str, CellResult]] = []
-        total = len(cells) * len(impls)
-        for impl in impls:
-            for i, case in enumerate(cells):
-                ctx.progress(f"{impl.name} {case.id}", len(results) / max(total, 1))
-                op = impl.ops.get(case.spec.op)
-                if op is None:
-                    result = CellResult(
-                        case.id, case.axes, [Check(f"{impl.name} implements {case.spec.op}", False, "==", True)]
-                    )
-                else:
-                    result = run_cell(case, op, device, table, suite.forbidden(), seed=self.seed + i)
-                results.append((impl.name, result))
         path, rel = ctx.evidence_path(self.name, "cells.jsonl")
-        with path.open("w") as fh:
+        records = evaluate(cells, impls, device, table, suite.forbidden(), self.seed, ctx.progress, path)
+        records.evidence.append(rel)
+        return records
+
+
+def evaluate(
+    cells: list[Case],
+    impls: list[Implementation],
+    device: torch.device,
+    table: ToleranceTable,
+    forbidden: tuple,
+    seed: int,
+    progress=None,
+    cells_file: Path | None = None,
+) -> StageRecords:
+    """Run every cell for every implementation; the records the numerics stage (and its red team) derive from."""
+    results: list[tuple[str, CellResult]] = []
+    total = len(cells) * len(impls)
+    for impl in impls:
+        for i, case in enumerate(cells):
+            if progress:
+                progress(f"{impl.name} {case.id}", len(results) / max(total, 1))
+            op = impl.ops.get(case.spec.op)
+            if op is None:
+                result = CellResult(
+                    case.id, case.axes, [Check(f"{impl.name} implements {case.spec.op}", False, "==", True)]
+                )
+            else:
+                result = run_cell(case, op, device, table, forbidden, seed=seed + i)
+            results.append((impl.name, result))
+    if cells_file is not None:
+        with cells_file.open("w") as fh:
             for impl_name, r in results:
                 fh.write(
                     json.dumps(
@@ -80,24 +99,24 @@ class NumericsStage:
                     )
                     + "\n"
                 )
-        checks = [
-            Check(f"{impl_name} {r.case_id}: {c.name}", c.value, c.op, c.limit, c.detail)
-            for impl_name, r in results
-            for c in r.checks
-        ]
-        checks.append(Check("cells tested", len(results), ">=", 1))
-        pass_map: dict[str, dict[str, bool]] = {}
-        for impl_name, r in results:
-            op, _, rest = r.case_id.partition("/")
-            pass_map.setdefault(f"{impl_name} {op}", {})[rest] = r.passed
-        metrics = {
-            "device": str(device),
-            "implementations": {i.name: i.backend for i in impls},
-            "cells": len(results),
-            "cells_failed": sum(not r.passed for _, r in results),
-            "seed": self.seed,
-            "tolerances": table.source,
-            "tolerance_version": table.entries.get("version"),
-            "pass_map": pass_map,
-        }
-        return StageRecords(stage=self.name, checks=checks, metrics=metrics, evidence=[rel])
+    checks = [
+        Check(f"{impl_name} {r.case_id}: {c.name}", c.value, c.op, c.limit, c.detail)
+        for impl_name, r in results
+        for c in r.checks
+    ]
+    checks.append(Check("cells tested", len(results), ">=", 1))
+    pass_map: dict[str, dict[str, bool]] = {}
+    for impl_name, r in results:
+        op, _, rest = r.case_id.partition("/")
+        pass_map.setdefault(f"{impl_name} {op}", {})[rest] = r.passed
+    metrics = {
+        "device": str(device),
+        "implementations": {i.name: i.backend for i in impls},
+        "cells": len(results),
+        "cells_failed": sum(not r.passed for _, r in results),
+        "seed": seed,
+        "tolerances": table.source,
+        "tolerance_version": table.entries.get("version"),
+        "pass_map": pass_map,
+    }
+    return StageRecords(stage="numerics", checks=checks, metrics=metrics)

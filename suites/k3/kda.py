@@ -79,7 +79,7 @@ class KdaCell:
         if self.q > 1:
             accepted = torch.randint(1, self.q + 1, (self.batch,), generator=g)
             tensors["num_accepted"] = accepted.to(device)
-        return OpCall(tensors)
+        return OpCall(tensors, {"tp": self.tp})
 
     def reference(self, call: OpCall) -> dict[str, torch.Tensor]:
         t = call.tensors

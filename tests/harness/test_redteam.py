@@ -52,3 +52,12 @@ def test_a_crashing_check_is_not_a_catch(fake_registry):
 
 def test_no_cases_proves_nothing(fake_registry):
     assert main(["redteam", "--stage", "isolation"]) == 3
+
+
+def test_a_case_that_cannot_run_here_makes_the_red_team_incomplete(fake_registry, capsys):
+    fake_registry.CASES = [
+        _case("zeros", 5.0),
+        RedTeamCase("numerics", "gpu only", "x", _crash, requires=lambda: "needs a CUDA GPU"),
+    ]
+    assert main(["redteam", "--stage", "numerics"]) == 3
+    assert "could not run on this machine" in capsys.readouterr().err
