@@ -1,0 +1,115 @@
+"""`decode_backend` selection and the registry of specialized op providers.
+
+vLLM 0.33.0 reads `additional_config["decode_backend"]` (vllm/models/kimi_k3/nvidia/model.py): "auto" means the
+stock path, "latency_specialized" runs the scope checks, anything else raises. We read it the same way, with a
+missing key meaning "auto".
+
+Whether the specialized kernels are built is a query, not a flag: each specialized op is served by a provider that
+the kernels package registers when it is built; this build registers none. Selecting `latency_specialized` while any
+op the op table routes to the specialized path lacks a provider fails at start-up, so the stock path never runs
+under the specialized name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal, Protocol, get_args
+
+from k3_decode.runtime.errors import BackendError
+from k3_decode.runtime.optable import OpTable
+
+DecodeBackend = Literal["auto", "latency_specialized"]
+BACKENDS: tuple[DecodeBackend, ...] = get_args(DecodeBackend)
+CONFIG_KEY = "decode_backend"
+
+
+class KernelProvider(Protocol):
+    """A built specialized implementation of one op.
+
+    `launches` maps each kernel name, as device-side counters and the profiler report it, to the number of launches
+    one dispatch of the op makes; the ledger joins dispatch records with those counts.
+    """
+
+    @property
+    def op(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def launches(self) -> Mapping[str, int]: ...
+
+
+class ProviderRegistry:
+    """Specialized op providers by op name. The kernels package registers into `PROVIDERS` on import."""
+
+    def __init__(self) -> None:
+        self._by_op: dict[str, KernelProvider] = {}
+
+    def register(self, provider: KernelProvider) -> None:
+        if provider.op in self._by_op:
+            raise ValueError(
+                f"op {provider.op!r} already has provider {self._by_op[provider.op].name!r}; "
+                f"register one provider per op (got {provider.name!r} too)"
+            )
+        bad = {k: n for k, n in provider.launches.items() if not (isinstance(n, int) and n >= 1)}
+        if not provider.launches or bad:
+            raise ValueError(
+                f"provider {provider.name!r} must declare each kernel it launches with a count >= 1, got "
+                f"{dict(provider.launches)}; the ledger checks device counters against these counts"
+            )
+        self._by_op[provider.op] = provider
+
+    def get(self, op: str) -> KernelProvider | None:
+        return self._by_op.get(op)
+
+    def ops(self) -> frozenset[str]:
+        return frozenset(self._by_op)
+
+    def __iter__(self) -> Iterator[KernelProvider]:
+        return iter(self._by_op.values())
+
+    def missing(self, table: OpTable) -> list[str]:
+        """Ops the table routes to the specialized path that no provider serves, sorted."""
+        return sorted(table.specialized_ops() - self.ops())
+
+
+# Empty in this build: no specialized kernels are built yet.
+PROVIDERS = ProviderRegistry()
+
+
+def read_decode_backend(additional_config: Mapping[str, Any] | None) -> DecodeBackend:
+    """The backend an additional_config-like mapping selects; a missing key (or no mapping) is "auto"."""
+    if additional_config is None:
+        return "auto"
+    if not isinstance(additional_config, Mapping):
+        raise BackendError(
+            f"additional_config must be a mapping, got {type(additional_config).__name__}; "
+            f'pass e.g. {{"{CONFIG_KEY}": "auto"}}'
+        )
+    value = additional_config.get(CONFIG_KEY, "auto")
+    if value not in BACKENDS:
+        raise BackendError(
+            f"{CONFIG_KEY} {value!r} is not a decode backend; set additional_config[{CONFIG_KEY!r}] to one of "
+            + ", ".join(repr(b) for b in BACKENDS)
+        )
+    return value
+
+
+def select_backend(
+    additional_config: Mapping[str, Any] | None, table: OpTable, registry: ProviderRegistry = PROVIDERS
+) -> DecodeBackend:
+    """Read the backend and refuse `latency_specialized` when this build cannot run it."""
+    backend = read_decode_backend(additional_config)
+    if backend == "latency_specialized":
+        if not table.specialized_ops():
+            raise BackendError(
+                f"{CONFIG_KEY} 'latency_specialized' selected but the op table routes no op to the specialized "
+                f"path, so every step would run stock under that name; use {CONFIG_KEY} 'auto'"
+            )
+        if missing := registry.missing(table):
+            raise BackendError(
+                f"{CONFIG_KEY} 'latency_specialized' selected but the specialized kernels are not built "
+                f"(no provider for {', '.join(missing)}); use {CONFIG_KEY} 'auto' for the stock path"
+            )
+    return backend

@@ -1,0 +1,86 @@
+"""decode_backend parsing, the provider registry, and the refusal of latency_specialized without kernels."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3_decode.runtime.backend import PROVIDERS, ProviderRegistry, read_decode_backend, select_backend
+from k3_decode.runtime.errors import BackendError, StartupError
+from k3_decode.runtime.optable import load_op_table, parse_op_table
+from k3_decode.runtime.startup import start
+
+from .helpers import SPECIALIZED, FakeProvider, built_registry, deployment
+
+TABLE = load_op_table()
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (None, "auto"),
+        ({}, "auto"),
+        ({"mla_core": "auto"}, "auto"),
+        ({"decode_backend": "auto"}, "auto"),
+        (SPECIALIZED, "latency_specialized"),
+    ],
+)
+def test_reads_backend_like_vllm(config, expected):
+    assert read_decode_backend(config) == expected
+
+
+@pytest.mark.parametrize("value", ["fast", "Auto", "", None, 1, "latency-specialized"])
+def test_unknown_backend_is_one_line_error_naming_the_choices(value):
+    with pytest.raises(BackendError) as err:
+        read_decode_backend({"decode_backend": value})
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert repr(value) in msg and "'auto', 'latency_specialized'" in msg
+
+
+def test_non_mapping_config_is_an_error():
+    with pytest.raises(BackendError, match="must be a mapping"):
+        read_decode_backend("latency_specialized")  # type: ignore[arg-type]
+
+
+def test_this_build_has_no_specialized_kernels():
+    # The later kernels issue flips this by registering providers; until then the specialized name must not start.
+    assert PROVIDERS.ops() == frozenset()
+    with pytest.raises(BackendError) as err:
+        start(SPECIALIZED, deployment())
+    msg = str(err.value)
+    assert "specialized kernels are not built" in msg and "\n" not in msg
+    assert "no provider for attn_res, in_proj, kda, o_proj" in msg
+    assert isinstance(err.value, StartupError) and isinstance(err.value, ValueError)
+
+
+def test_auto_starts_without_kernels():
+    assert start({}, deployment()).backend == "auto"
+
+
+def test_missing_providers_are_named():
+    reg = ProviderRegistry()
+    reg.register(FakeProvider("kda", "KdaSplit", {"KdaSplit": 1}))
+    with pytest.raises(BackendError, match=r"no provider for attn_res, in_proj, o_proj\)"):
+        select_backend(SPECIALIZED, TABLE, reg)
+
+
+def test_full_registry_selects_specialized():
+    assert select_backend(SPECIALIZED, TABLE, built_registry()) == "latency_specialized"
+
+
+def test_table_without_specialized_ops_cannot_select_specialized():
+    # Vacuously "built" would mean every step runs stock under the specialized name.
+    raw = {p: {"ops": ["x"], "specialized": [], "stock_reason": "not yet"} for p in ("kda", "mla", "dense", "moe")}
+    with pytest.raises(BackendError, match="routes no op to the specialized path"):
+        select_backend(SPECIALIZED, parse_op_table(raw), built_registry())
+
+
+def test_registry_rejects_duplicates_and_empty_launches():
+    reg = ProviderRegistry()
+    reg.register(FakeProvider("kda", "A", {"KdaSplit": 1}))
+    with pytest.raises(ValueError, match="already has provider 'A'"):
+        reg.register(FakeProvider("kda", "B", {"KdaSplit": 1}))
+    with pytest.raises(ValueError, match="must declare each kernel"):
+        reg.register(FakeProvider("o_proj", "C", {}))
+    with pytest.raises(ValueError, match="must declare each kernel"):
+        reg.register(FakeProvider("o_proj", "C", {"Oproj": 0}))

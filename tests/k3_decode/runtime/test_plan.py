@@ -1,0 +1,235 @@
+"""Per-step routing: every reason a step goes stock, prepared sizes (vLLM's rounding rule), per-op paths."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from k3_decode.config import K3
+from k3_decode.runtime.plan import Planner, PreparedSizes, StepInput
+from k3_decode.runtime.scopefile import load_scope
+from k3_decode.runtime.startup import start
+
+from .helpers import CAPTURE_SIZES, SPECIALIZED, built_registry, deployment
+
+SCOPE = load_scope("k3-hopper")
+BASE = {1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64}
+LAYERS = (0, 1, 2, 3)  # K3's first layers: KDA+dense, KDA+MoE, KDA+MoE, MLA+MoE
+
+
+def planner(spec_tokens: int = 0, capture_sizes=CAPTURE_SIZES, config=SPECIALIZED, **kw) -> Planner:
+    dep = deployment(
+        num_speculative_tokens=spec_tokens,
+        spec_method="dspark" if spec_tokens else None,
+        capture_sizes=tuple(capture_sizes),
+    )
+    runtime = start(config, dep, registry=built_registry())
+    return dataclasses.replace(runtime.planner(K3, LAYERS), **kw)
+
+
+DECODE = planner()
+DECODE_NO_CAPTURES = planner(capture_sizes=())
+VERIFY3 = planner(spec_tokens=2)
+VERIFY4 = planner(spec_tokens=3)
+
+
+def decode(live: int, **kw) -> StepInput:
+    return StepInput(step=0, query_lens=(1,) * live, **kw)
+
+
+def verify(requests: int, q: int, **kw) -> StepInput:
+    return StepInput(step=0, query_lens=(q,) * requests, num_accepted=(1,) * requests, **kw)
+
+
+# -- prepared sizes ------------------------------------------------------------------------------------------------
+
+
+def test_prepared_rows_follow_vllm_rounding_rule():
+    assert PreparedSizes.build(SCOPE, 1, ()).rows == BASE
+    assert PreparedSizes.build(SCOPE, 1, CAPTURE_SIZES).rows == BASE | {24, 40, 48, 56}
+    # q = 3: capture sizes rounded up to multiples of 3, kept while <= 64 (64 -> 66 is dropped).
+    assert PreparedSizes.build(SCOPE, 3, CAPTURE_SIZES).rows == BASE | {9, 18, 24, 33, 42, 48, 57}
+    assert PreparedSizes.build(SCOPE, 1, (100, 65)).rows == BASE
+
+
+def test_padded_batch_picks_the_smallest_prepared_graph():
+    assert DECODE_NO_CAPTURES.prepared.padded_batch(9, 1) == 16
+    assert DECODE.prepared.padded_batch(17, 1) == 24
+    assert DECODE.prepared.padded_batch(65, 1) is None
+    assert VERIFY3.prepared.padded_batch(4, 3) == 6  # 12 rows not prepared, 18 is
+    assert VERIFY3.prepared.padded_batch(2, 3) == 2  # 6 rows: a base size divisible by 3
+
+
+# -- step routing --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", range(1, 66))
+def test_pure_decode_goes_specialized_exactly_at_prepared_sizes(batch):
+    plan = DECODE_NO_CAPTURES.plan(decode(batch))
+    if batch in BASE:
+        assert (plan.path, plan.reason) == ("specialized", f"pure decode, batch {batch} prepared")
+    elif batch > 64:
+        assert (plan.path, plan.reason) == ("stock", "batch 65 above the prepared maximum of 64 rows")
+    else:
+        assert plan.path == "stock"
+        assert plan.reason == f"batch {batch} not prepared (prepared rows: 1-8, 16, 32, 64)"
+
+
+def test_capture_sizes_add_prepared_decode_batches():
+    assert DECODE_NO_CAPTURES.plan(decode(24)).path == "stock"
+    assert DECODE.plan(decode(24)).path == "specialized"
+    assert DECODE.plan(decode(25)).path == "stock"
+
+
+def test_graph_padding_makes_an_unprepared_batch_prepared():
+    assert DECODE_NO_CAPTURES.plan(decode(9, mode="graph")).path == "stock"
+    padded = DECODE_NO_CAPTURES.plan(decode(9, batch=16, mode="graph"))
+    assert (padded.path, padded.rows) == ("specialized", 16)
+
+
+@pytest.mark.parametrize(
+    ("requests", "path"), [(1, "specialized"), (3, "specialized"), (11, "specialized"), (4, "stock")]
+)
+def test_uniform_verify_routes_by_prepared_rows(requests, path):
+    plan = VERIFY3.plan(verify(requests, 3))
+    assert plan.path == path
+    size = f"batch {requests} x q 3 = {requests * 3} rows"
+    assert plan.reason == (
+        f"uniform verify, {size} prepared"
+        if path == "specialized"
+        else f"{size} not prepared (prepared rows: 1-9, 16, 18, 24, 32, 33, 42, 48, 57, 64)"
+    )
+
+
+def test_verify_above_prepared_maximum():
+    assert VERIFY3.plan(verify(22, 3)).reason == "batch 22 x q 3 = 66 rows above the prepared maximum of 64 rows"
+
+
+def test_decode_step_in_a_speculative_deployment():
+    # vLLM keeps one prepared set: q=1 steps are specialized at the base sizes and the q-rounded capture sizes.
+    assert VERIFY4.plan(decode(8)).path == "specialized"
+    assert VERIFY4.plan(decode(24)).path == "specialized"
+    assert VERIFY4.plan(decode(40)).path == "specialized"
+
+
+@pytest.mark.parametrize(
+    ("p", "step", "reason"),
+    [
+        (VERIFY4, verify(2, 3), "verify with 3 tokens per request (kernels prepared for q=4)"),
+        (DECODE, verify(2, 2), "verify with 2 tokens per request (kernels prepared for decode only"),
+        (VERIFY4, verify(1, 9), "verify with 9 tokens per request"),
+        (VERIFY4, StepInput(0, (4, 1, 4)), "non-uniform tokens per request (1, 4)"),
+        (DECODE, StepInput(0, (7, 30), num_prefills=2), "prefill batch (2 prefill requests)"),
+        (DECODE, StepInput(0, (1, 1, 1, 12), num_prefills=1), "mixed batch (1 prefill and 3 decode requests)"),
+        (DECODE, StepInput(0, (1, 1), num_prefills=1), "mixed batch (1 prefill and 1 decode requests)"),
+    ],
+)
+def test_each_stock_reason(p, step, reason):
+    plan = p.plan(step)
+    assert plan.path == "stock"
+    assert reason in plan.reason
+    assert {d.path for d in plan.decisions} == {"stock"}
+    assert {d.reason for d in plan.decisions} == {plan.reason}
+
+
+def test_auto_backend_is_always_stock():
+    plan = planner(config={}).plan(decode(8))
+    assert (plan.path, plan.reason) == ("stock", "decode_backend 'auto' selects the stock path")
+
+
+def test_step_modes_come_from_the_scope_data():
+    graph_only = dataclasses.replace(DECODE, specialized_modes=("graph",))
+    assert graph_only.plan(decode(8, mode="graph")).path == "specialized"
+    eager = graph_only.plan(decode(8))
+    assert (eager.path, eager.reason) == ("stock", "eager step (the specialized path runs in graph)")
+    assert DECODE.plan(decode(8)).path == "specialized"  # the shipped scope allows eager
+
+
+# -- per layer and per op ------------------------------------------------------------------------------------------
+
+
+def test_specialized_step_keeps_mla_and_mlp_ops_stock_per_the_op_table():
+    plan = DECODE.plan(decode(4))
+    paths = {(d.layer, d.op): (d.path, d.reason) for d in plan.decisions}
+    for layer in (0, 1, 2):
+        for op in ("attn_res", "in_proj", "kda", "o_proj"):
+            assert paths[(layer, op)] == ("specialized", "pure decode, batch 4 prepared")
+    for op in ("attn_res", "in_proj", "mla", "o_proj"):
+        assert paths[(3, op)] == ("stock", "MLA layers stay stock until their specialized kernels are built")
+    assert paths[(0, "dense_mlp")][0] == "stock"
+    assert paths[(1, "moe")] == ("stock", "the MoE stays stock until its specialized kernels are built")
+    assert len(plan.decisions) == 4 * 4 + 4
+    assert plan.path_of(2, "kda") == "specialized" and plan.path_of(3, "mla") == "stock"
+    with pytest.raises(KeyError):
+        plan.path_of(3, "kda")
+
+
+def test_plan_records_carry_every_ledger_field():
+    plan = VERIFY4.plan(verify(2, 4, mode="graph", batch=2))
+    records = plan.records(rank=5)
+    assert len(records) == len(plan.decisions)
+    first = records[0]
+    assert (first.step, first.layer, first.op, first.path) == (0, 0, "attn_res", "specialized")
+    assert (first.batch, first.tokens_per_request, first.mode, first.rank, first.graph) == (2, 4, "graph", 5, "B2q4")
+    eager = DECODE.plan(decode(3)).records(rank=0)
+    assert {r.graph for r in eager} == {None}
+    with pytest.raises(ValueError, match="eager step belongs to no graph"):
+        DECODE.plan(decode(3)).records(rank=0, graph="B3q1")
+
+
+def test_planner_rejects_a_layer_the_model_lacks():
+    with pytest.raises(ValueError, match=r"layer 93 is outside k3's layers 0\.\.92"):
+        dataclasses.replace(DECODE, layers=(92, 93))
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"query_lens": ()}, "query_lens must list"),
+        ({"query_lens": (1, 0)}, "query_lens must list"),
+        ({"query_lens": (1,), "num_prefills": 2}, "num_prefills 2 outside 0..1"),
+        ({"query_lens": (1, 1), "batch": 1, "mode": "graph"}, "padded batch 1 is smaller than the 2 live"),
+        ({"query_lens": (1,), "batch": 2}, "only CUDA-graph steps are padded"),
+        ({"query_lens": (3, 3), "num_accepted": (1,)}, "num_accepted has 1 entries for 2 live requests"),
+        ({"query_lens": (3, 3), "num_accepted": (1, 4)}, r"\(accepted, q\) pairs \[\(4, 3\)\]"),
+        ({"query_lens": (1,), "mode": "cuda"}, "step mode 'cuda'"),
+        ({"query_lens": (1,), "step": -1}, "step must be >= 0"),
+    ],
+)
+def test_malformed_step_is_one_line_error(kw, message):
+    args = {"step": 0, **kw}
+    with pytest.raises(ValueError, match=message):
+        StepInput(**args)
+
+
+# -- property: routing equals an independent statement of the rule -------------------------------------------------
+
+
+@st.composite
+def steps(draw):
+    n = draw(st.integers(1, 70))
+    uniform = draw(st.booleans())
+    q = draw(st.sampled_from([1, 1, 2, 3, 4, 9]))
+    lens = (q,) * n if uniform else tuple(draw(st.lists(st.integers(1, 5), min_size=n, max_size=n)))
+    prefills = draw(st.sampled_from([0, 0, 0, 1, n]))
+    mode = draw(st.sampled_from(["graph", "eager"]))
+    pad = draw(st.integers(0, 8)) if mode == "graph" else 0
+    return StepInput(step=1, query_lens=lens, num_prefills=min(prefills, n), batch=n + pad, mode=mode)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps(), st.sampled_from([0, 2, 3]))
+def test_routing_matches_independent_statement(step, spec_tokens):
+    p = {0: DECODE, 2: VERIFY3, 3: VERIFY4}[spec_tokens]
+    q_dep = 1 + spec_tokens
+    rounded = {-(-c // q_dep) * q_dep for c in CAPTURE_SIZES}
+    prepared = BASE | {r for r in rounded if r <= 64}
+    qs = set(step.query_lens)
+    q = max(qs)
+    expect_specialized = step.num_prefills == 0 and len(qs) == 1 and q in (1, q_dep) and step.requests * q in prepared
+    plan = p.plan(step)
+    assert (plan.path == "specialized") == expect_specialized, plan.reason
+    assert plan.rows == step.requests * q
