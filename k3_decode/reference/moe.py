@@ -139,7 +139,9 @@ def route(
         raise TypeError(f"logits and e_score_correction_bias must be FP32, got {logits.dtype} and {bias.dtype}")
     if bias.shape != logits.shape[-1:]:
         raise ValueError(f"bias shape {tuple(bias.shape)} does not match {logits.shape[-1]} experts")
-    scores = torch.sigmoid(logits)
+    # FP64 then one rounding: torch's FP32 sigmoid kernel picks a vectorized or scalar path by tensor size, so its
+    # last bit (and with it a tie-breaking expert choice) would depend on how many tokens share the batch.
+    scores = torch.sigmoid(logits.double()).float()
     ids = select_experts(scores + bias, top_k)
     chosen = scores.gather(-1, ids).double()  # the bias only picks; it never enters the weights
     weights = chosen / (chosen.sum(dim=-1, keepdim=True) + eps) * routed_scaling_factor
