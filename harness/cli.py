@@ -17,7 +17,7 @@ from harness.verdicts import ExitCode
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 # Modules that add a subcommand through `register(subparsers)`.
-EXTRA_COMMANDS = ("harness.redteam",)
+EXTRA_COMMANDS = ("harness.redteam", "harness.isolation.command")
 
 VERDICT_STYLE = {
     "PASSED": "green",

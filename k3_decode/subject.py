@@ -161,4 +161,3 @@ class K3Subject:
 
 K3_HOPPER = K3Subject("k3-hopper", "k3-hopper.toml")
 VLLM_K3 = K3Subject("vllm-k3", "vllm-k3.toml", default_model="k3", needs_vllm_section=True)
-

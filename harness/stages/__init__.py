@@ -17,7 +17,7 @@ BUNDLE_STAGE = "bundle"
 # (name, "module:Class" or None for a stage not built yet, description used while it is unavailable)
 REGISTRY: tuple[tuple[str, str | None, str], ...] = (
     ("environment", "harness.stages.environment:EnvironmentStage", ""),
-    ("isolation", None, "Principle 1: blast radius, write-set audit, proof of path"),
+    ("isolation", "harness.stages.isolation:IsolationStage", ""),
     ("scope", None, "Principle 2: scope checks and feature preservation on the optimized path"),
     ("numerics", "harness.stages.numerics:NumericsStage", ""),
     ("evals", None, "Principle 3b: model evals on the optimized path, paired against baseline"),

@@ -19,17 +19,17 @@ TABLE = ToleranceTable(
                 "max_abs": 5e-2,
                 "nontrivial_margin": 10.0,
                 "reason": "one bf16 rounding of an fp32 result",
-            }
-        },
-        "toy.state": {
-            "bfloat16": {
-                "atol": 1e-5,
-                "rtol": 1e-5,
-                "matched_fraction": 1.0,
-                "max_abs": 1e-4,
-                "nontrivial_margin": 10.0,
-                "reason": "fp32 state, one add",
-            }
+            },
+            "state": {
+                "bfloat16": {
+                    "atol": 1e-5,
+                    "rtol": 1e-5,
+                    "matched_fraction": 1.0,
+                    "max_abs": 1e-4,
+                    "nontrivial_margin": 10.0,
+                    "reason": "fp32 state, one add",
+                }
+            },
         },
     },
     "test",
