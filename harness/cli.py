@@ -17,7 +17,7 @@ from harness.verdicts import ExitCode
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 # Modules that add a subcommand through `register(subparsers)`.
-EXTRA_COMMANDS = ("harness.redteam", "harness.isolation.command")
+EXTRA_COMMANDS = ("harness.redteam", "harness.isolation.command", "harness.bundle.sigstore_sign", "harness.byo")
 
 VERDICT_STYLE = {
     "PASSED": "green",
@@ -255,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--key", help="trusted signer public key (OpenSSH line(s) or PEM)")
     v.add_argument("--keys", help="folder of trusted *.pub / *.keys files")
     v.add_argument("--json", action="store_true")
+    importlib.import_module("harness.bundle.sigstore_policy").add_options(v)  # --sigstore-*: a CI seal's identity
     v.set_defaults(fn=cmd_verify)
 
     rep = sub.add_parser("report", help="render a verified bundle as markdown or HTML")

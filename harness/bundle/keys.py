@@ -74,15 +74,19 @@ def load_private(path: Path) -> SigningKey:
         raise UsageError(f"signing key {path} does not exist — create one with `k3gate keygen --out {path}`")
     data = path.read_bytes()
     passphrase = os.environ.get(PASSPHRASE_ENV)
-    password = passphrase.encode() if passphrase else None
+    load = (
+        serialization.load_ssh_private_key
+        if b"BEGIN OPENSSH PRIVATE KEY" in data
+        else serialization.load_pem_private_key
+    )
     try:
-        if b"BEGIN OPENSSH PRIVATE KEY" in data:
-            key = serialization.load_ssh_private_key(data, password=password)
-        else:
-            key = serialization.load_pem_private_key(data, password=password)
-    except TypeError:
-        raise UsageError(f"signing key {path} is encrypted — set {PASSPHRASE_ENV} to its passphrase") from None
-    except (ValueError, UnsupportedAlgorithm) as exc:
+        try:
+            key = load(data, password=None)
+        except TypeError:  # encrypted: only now is the passphrase needed
+            if not passphrase:
+                raise UsageError(f"signing key {path} is encrypted — set {PASSPHRASE_ENV} to its passphrase") from None
+            key = load(data, password=passphrase.encode())
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise UsageError(f"signing key {path} could not be read ({exc}) — {_FIX_KIND}") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise UsageError(f"signing key {path} is a {type(key).__name__}, not ed25519 — {_FIX_KIND}")

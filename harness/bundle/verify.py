@@ -6,6 +6,7 @@ chosen by which seal file the bundle carries; a Sigstore verifier slots in besid
 
 from __future__ import annotations
 
+import importlib
 import json
 import tempfile
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from harness.bundle import (
     PAYLOAD_TYPE,
     SEAL_FILES,
     SIGNER_KEY,
+    SIGSTORE_BUNDLE,
     STATEMENT,
     archive,
     dsse,
@@ -111,16 +113,18 @@ def _verify_ed25519(root: Path, trusted: list[Ed25519PublicKey] | None, report: 
     return payload
 
 
-# Envelope kinds by the seal file that marks them. Sigstore bundles add an entry here.
+# Envelope kinds by the seal file that marks them; the first present wins, so CI's Sigstore seal over the same
+# statement outranks the runner's ed25519 one. Imported on use: sigstore is an optional extra.
 ENVELOPE_VERIFIERS: dict[str, Callable[[Path, list[Ed25519PublicKey] | None, VerifyReport], bytes]] = {
+    SIGSTORE_BUNDLE: lambda *a: importlib.import_module("harness.bundle.sigstore_verify").verify_seal(*a),
     ENVELOPE: _verify_ed25519,
 }
 
 
-def _check_statement(root: Path, payload: bytes, report: VerifyReport) -> dict[str, Any]:
+def _check_statement(root: Path, payload: bytes, report: VerifyReport, seal: str = ENVELOPE) -> dict[str, Any]:
     statement_path = root / STATEMENT
     if not statement_path.is_file() or statement_path.read_bytes() != payload:
-        report.problems.append(f"{STATEMENT}: differs from the payload signed in {ENVELOPE}")
+        report.problems.append(f"{STATEMENT}: differs from the payload signed in {seal}")
         raise _Stop
     statement = _read_json(root, STATEMENT, report, "statement")
     manifest_path = root / MANIFEST
@@ -196,8 +200,15 @@ def verify_dir(root: Path, trusted: list[Ed25519PublicKey] | None = None) -> Ver
         report.problems.append(f"{ENVELOPE}: missing — the bundle is not signed")
         return report
     try:
-        payload = ENVELOPE_VERIFIERS[kinds[0]](root, trusted, report)
-        report.predicate = _check_statement(root, payload, report)
+        # Every seal present must verify over the same statement: an unchecked seal file would be bytes a
+        # tamperer could change unnoticed. The first kind (CI's Sigstore seal, when present) names the signer.
+        payload, signer = ENVELOPE_VERIFIERS[kinds[0]](root, trusted, report), report.signer
+        for name in kinds[1:]:
+            if ENVELOPE_VERIFIERS[name](root, trusted, report) != payload:
+                report.problems.append(f"{name}: signs a different statement than {kinds[0]}")
+                raise _Stop
+        report.signer = signer
+        report.predicate = _check_statement(root, payload, report, kinds[0])
         _check_manifest(root, report)
         _check_verdicts(root, report.predicate, report)
     except _Stop:

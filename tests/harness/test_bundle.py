@@ -203,6 +203,11 @@ def test_rejects_non_ed25519_and_encrypted_keys(tmp_path, monkeypatch):
         keys.load_private(tmp_path / "enc.pem")
     monkeypatch.setenv(keys.PASSPHRASE_ENV, "pw")
     assert keys.load_private(tmp_path / "enc.pem").keyid
+    keys.generate(tmp_path / "plain.key")  # a set passphrase must not break unencrypted keys
+    assert keys.load_private(tmp_path / "plain.key").keyid
+    monkeypatch.setenv(keys.PASSPHRASE_ENV, "wrong")
+    with pytest.raises(UsageError, match="could not be read"):
+        keys.load_private(tmp_path / "enc.pem")
 
 
 def test_keygen_refuses_to_overwrite(tmp_path, capsys):

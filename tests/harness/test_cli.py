@@ -139,3 +139,18 @@ def test_interrupted_run_leaves_no_finished_looking_bundle(tmp_path, monkeypatch
     assert main(["run", "--config", "cpu-smoke", "--stages", "numerics", "--out", str(tmp_path / "b")]) == 130
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.tar.gz").exists()
     assert (tmp_path / "b.partial").is_dir()
+
+
+def test_credentials_never_reach_the_environment_capture():
+    from harness.environment import allowed_env
+
+    env = {
+        "K3GATE_KEY_PASSPHRASE": "x",
+        "VLLM_API_KEY": "x",
+        "NCCL_IB_HCA": "mlx5",
+        "GITHUB_TOKEN": "x",
+        "HF_TOKEN": "x",
+        "CUDA_VISIBLE_DEVICES": "0",
+        "VLLM_SESSION_COOKIE": "x",
+    }
+    assert allowed_env(env) == {"CUDA_VISIBLE_DEVICES": "0", "NCCL_IB_HCA": "mlx5"}
