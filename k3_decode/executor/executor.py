@@ -1,0 +1,423 @@
+"""The stack executor: decode steps for many requests through N real-shape layers on the stock path.
+
+What one instance holds (one rank's shard on one device; the TP all-reduces are the identity, see config.py):
+seeded synthetic weights of its layers, a KDA state slot and MLA pages for each of max_requests requests, eager
+step buffers, and one captured CUDA graph per prepared batch size (static inputs, tables and output; a step copies
+its inputs in and replays).
+
+Every step is planned by the runtime's Planner and recorded in the dispatch ledger: eager steps when they run,
+graph steps once at capture (with the eager warm-up before it), then counted at every replay. The executor runs
+the stock path only: a plan that routes an op to the specialized path is refused before anything runs, since the
+specialized kernels are not built (and the runtime already refuses `latency_specialized` at start-up for that
+reason). Prefill and mixed steps run eagerly, token by token through the decode kernels (correct, not fast).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from k3_decode.executor.config import StackConfig
+from k3_decode.executor.forward import LayerRunner, StepBuffers
+from k3_decode.executor.inputs import StackInput
+from k3_decode.executor.memory import DeviceBudget, MemoryPlan, plan_memory
+from k3_decode.executor.opmap import StockOpMap, load_op_map
+from k3_decode.executor.state import RequestState
+from k3_decode.reference.decoder import LayerTrace
+from k3_decode.runtime.backend import PROVIDERS, ProviderRegistry
+from k3_decode.runtime.ledger import DispatchRecord, KernelCatalog, Ledger, Mode, graph_key
+from k3_decode.runtime.plan import Planner, StepInput, StepPlan
+from k3_decode.runtime.scope import Deployment, local_device
+from k3_decode.runtime.startup import start
+from k3_decode.runtime.writeset import WriteSet, declare_step, kda_state_name, mla_cache_name, scratch_name
+from k3_decode.stock import OpRecord, StockAttentionOps
+from k3_decode.stock.dispatch import Implementation
+from k3_decode.stock.moe import StockMoeOps
+from k3_decode.weights import LayerWeights, MoeWeights, SyntheticWeights
+
+
+class StepRoutingError(ValueError):
+    """The plan routed a step somewhere this executor cannot run it."""
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One request's part of a step: the entry state of its n tokens; prefill marks them as context."""
+
+    request: int
+    inputs: StackInput
+    prefill: bool = False
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    plan: StepPlan
+    outputs: dict[int, Tensor]  # request -> [n, hidden] BF16: the last layer's MLP output of each of its tokens
+    graph: str | None  # the replayed graph, None for an eager step
+    trace: tuple[LayerTrace, ...] | None  # per layer, rows in request order (eager one-token steps on request)
+
+
+@dataclass(frozen=True)
+class OpLogEntry:
+    """One stock op call as the stock ops reported it, with where it ran (graph: recorded at capture)."""
+
+    step: int
+    layer: int
+    graph: str | None
+    record: OpRecord
+
+
+@dataclass
+class CapturedGraph:
+    name: str
+    batch: int
+    layers: tuple[int, ...]
+    buffers: StepBuffers
+    graph: Any  # torch.cuda.CUDAGraph
+    output: Tensor  # [batch, hidden], rewritten by every replay
+    num_splits: int
+    path: str  # the path the capture-time plan chose
+
+
+class StackExecutor:
+    def __init__(
+        self,
+        config: StackConfig,
+        planner: Planner,
+        *,
+        device: torch.device | str = "cpu",
+        implementation: Implementation | None = None,
+        budget: DeviceBudget | None = None,
+        registry: ProviderRegistry = PROVIDERS,
+        weights: Mapping[int, LayerWeights] | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        """`weights`: this config's layers already generated (SyntheticWeights of the same dims, TP, rank and seed),
+        to share them between executors; None generates them on `device`."""
+        self.config, self.planner, self.registry = config, planner, registry
+        self.dims = config.dims
+        self.device = torch.device(device)
+        if tuple(planner.layers) != config.layers or planner.dims.name != self.dims.name:
+            raise ValueError(
+                f"the planner covers {planner.dims.name} layers {list(planner.layers)}, the stack "
+                f"{self.dims.name} layers {list(config.layers)}; build it with runtime.planner(dims, layers)"
+            )
+        self.memory: MemoryPlan = plan_memory(config, budget)
+        log(self.memory.render())
+        self.memory.check()
+        if self.device.type == "cuda":
+            plan_memory(config, DeviceBudget.current_cuda(self.device)).check()
+        self.opmap: StockOpMap = load_op_map(planner.table)
+        self._part = {
+            (layer, op): part.part for layer in config.layers for part, op in planner.table.layer_ops(self.dims, layer)
+        }
+        if weights is None:
+            gen = SyntheticWeights(self.dims, config.tp, config.rank, seed=config.seed, device=self.device)
+            weights = {i: gen.layer(i) for i in config.layers}
+        if sorted(weights) != list(config.layers) or any(weights[i].layer != i for i in config.layers):
+            raise ValueError(
+                f"weights cover layers {sorted(weights)}, the stack {list(config.layers)}; pass one per layer"
+            )
+        self.weights: dict[int, LayerWeights] = dict(weights)
+        self.state = RequestState(config, self.device)
+        self.ledger = Ledger()
+        self.op_log: list[OpLogEntry] = []
+        self._where: tuple[int, int, str | None] = (0, -1, None)  # step, layer, graph of the op being logged
+        # The executor builds every slot table from its own request state (state.py checks them on the host), so the
+        # stock ops' per-call slot checks, which synchronize with the device, are left off.
+        self.attention = StockAttentionOps(
+            self.dims, config.tp, self.device, implementation, validate=False, listener=self._on_op
+        )
+        self.moe = StockMoeOps(self.dims, config.tp, self.device, implementation, listener=self._on_op)
+        for w in self.weights.values():
+            if isinstance(w.mlp, MoeWeights):
+                self.moe.check_weights(w.mlp)
+        self.runner = LayerRunner(
+            self.dims, self.weights, self.state, self.attention, self.moe, config.k_scale, config.q_scale
+        )
+        self.runner.on_layer = self._on_layer
+        self.eager = StepBuffers.allocate(
+            "eager", self.dims, config.layers, config.max_requests, config.pages_per_request, self.device
+        )
+        self.graphs: dict[str, CapturedGraph] = {}
+        self._pool: Any = None
+        self._step = 0
+
+    @classmethod
+    def start(
+        cls,
+        config: StackConfig,
+        additional_config: Mapping[str, Any] | None = None,
+        *,
+        device: torch.device | str | None = None,
+        **kwargs: Any,
+    ) -> StackExecutor:
+        """Start-up through the runtime (backend, scope checks), then build. Raises the runtime's one-line errors."""
+        kind, capability = local_device()
+        device = torch.device(device or kind)
+        if device.type != kind:
+            kind, capability = device.type, None  # a CPU executor on a machine that has a GPU
+        dims = config.dims
+        deployment = Deployment(
+            model=dims.name,
+            device=kind,
+            capability=capability,
+            tp=config.tp,
+            dcp=1,
+            max_batch=max(config.graph_batches),
+            num_speculative_tokens=0,
+            spec_method=None,
+            mla_cache_dtype=dims.mla.cache_dtype,
+            kda_conv_state_dtype=dims.kda.conv_state_dtype,
+            kda_recurrent_state_dtype=dims.kda.recurrent_state_dtype,
+            cudagraph_mode="full_decode_only" if kind == "cuda" else "none",
+            capture_sizes=tuple(sorted(config.graph_batches)),
+        )
+        runtime = start(additional_config, deployment)
+        return cls(config, runtime.planner(dims, config.layers), device=device, registry=runtime.registry, **kwargs)
+
+    # -- what the executor owns ---------------------------------------------------------------------------------
+
+    def owned_tensors(self) -> dict[str, Tensor]:
+        """Every tensor the executor keeps across steps, by the names write sets and the audit use."""
+        out: dict[str, Tensor] = {}
+        for layer, w in self.weights.items():
+            out.update({f"layers.{layer}.{name}": t for name, t in w.tensors().items()})
+        for layer, cache in self.state.kda.items():
+            out[kda_state_name(layer, "conv")] = cache.conv
+            out[kda_state_name(layer, "recurrent")] = cache.recurrent
+        for layer, cache in self.state.mla.items():
+            out[mla_cache_name(layer)] = cache
+        out["state.block_table"] = self.state.block_table
+        for buffers in [self.eager, *(g.buffers for g in self.graphs.values())]:
+            out.update({scratch_name(f"{buffers.name}.{k}"): t for k, t in buffers.tensors().items()})
+        return out
+
+    def kernel_catalog(self) -> KernelCatalog:
+        """Which kernels each dispatch launches: registered specialized providers and the stock ops of ops.toml."""
+        return KernelCatalog.build(self.registry, self.opmap.stock_launches())
+
+    # -- ledger plumbing ----------------------------------------------------------------------------------------
+
+    def _on_layer(self, layer: int) -> None:
+        step, _, graph = self._where
+        self._where = (step, layer, graph)
+
+    def _on_op(self, record: OpRecord) -> None:
+        step, layer, graph = self._where
+        self.op_log.append(OpLogEntry(step, layer, graph, record))
+
+    def _records(
+        self, plan: StepPlan, graph: str | None, layers: Sequence[int], note: str = ""
+    ) -> list[DispatchRecord]:
+        """The plan's records for `layers`, each stock reason saying what the stock ops run as on this device."""
+        device = "cuda" if self.attention.implementation == "triton" else "cpu"
+        out = []
+        for rec in plan.records(self.config.rank, graph):
+            if rec.layer not in layers:
+                continue
+            impl = ", ".join(self.opmap.implementations(self._part[(rec.layer, rec.op)], device))
+            reason = f"{rec.reason}; stock ops run as {impl}" + (f"; {note}" if note else "")
+            out.append(dataclasses.replace(rec, reason=reason))
+        return out
+
+    def _plan(self, step: StepInput) -> StepPlan:
+        plan = self.planner.plan(step)
+        for d in plan.decisions:
+            if d.path != "stock":
+                raise StepRoutingError(
+                    f"the plan routes layer {d.layer} op {d.op} to the specialized path ({d.reason}); this executor "
+                    "runs the stock path only because the specialized kernels are not built; use decode_backend 'auto'"
+                )
+        return plan
+
+    # -- steps ---------------------------------------------------------------------------------------------------
+
+    def _check_requests(self, requests: Sequence[StepRequest], first_layer: int | None = None) -> None:
+        """One entry per request, each carrying the entry state of `first_layer` (default: the stack's first)."""
+        if not requests:
+            raise ValueError("a step needs at least one request")
+        ids = [r.request for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"requests {sorted(ids)} list one request twice; give each request one entry")
+        for r in requests:
+            r.inputs.check_for(self.dims, self.config.layers[0] if first_layer is None else first_layer)
+
+    def step(self, requests: Sequence[StepRequest], *, mode: Mode = "eager", trace: bool = False) -> StepResult:
+        """Run one step (decode, prefill or mixed) for `requests`; a graph step replays the captured graph."""
+        self._check_requests(requests)
+        lens = tuple(r.inputs.tokens for r in requests)
+        prefills = sum(r.prefill for r in requests)
+        if mode == "graph":
+            if prefills or max(lens) > 1:
+                raise ValueError("a CUDA-graph step takes one decode token per request; run prefill and mixed eagerly")
+            if trace:
+                raise ValueError("a CUDA-graph step keeps no per-layer trace; run it eagerly with trace=True")
+            return self._graph_step(requests)
+        if trace and max(lens) > 1:
+            raise ValueError("trace=True needs a one-token step (one iteration through the layers)")
+        plan = self._plan(StepInput(step=self._step, query_lens=lens, num_prefills=prefills, mode="eager"))
+        self.ledger.record(*self._records(plan, None, self.config.layers))
+        outputs: dict[int, list[Tensor]] = {r.request: [] for r in requests}
+        layer_trace: list[LayerTrace] | None = [] if trace else None
+        for t in range(max(lens)):
+            active = [r for r in requests if r.inputs.tokens > t]
+            ids = [r.request for r in active]
+            tables = self.state.tables(ids)
+            inputs = StackInput.cat([r.inputs.rows(slice(t, t + 1)) for r in active]).to(self.device)
+            self.eager.load(inputs, tables)
+            splits = self.attention.mla_num_splits(len(ids), tables.max_seq_len) if self.config.mla_layers else 1
+            self._where = (self._step, -1, None)
+            out = self.runner.forward(self.eager, len(ids), self.config.layers, splits, layer_trace)
+            for b, r in enumerate(ids):
+                outputs[r].append(out[b : b + 1].clone())
+            self.state.advance(ids)
+        result = StepResult(
+            step=self._step,
+            plan=plan,
+            outputs={r: torch.cat(parts) for r, parts in outputs.items()},
+            graph=None,
+            trace=None if layer_trace is None else tuple(layer_trace),
+        )
+        self._step += 1
+        return result
+
+    def prefill(self, contexts: Mapping[int, StackInput]) -> StepResult:
+        """Prefill each request's context (its tokens' entry states) in one eager stock step."""
+        return self.step([StepRequest(r, inputs, prefill=True) for r, inputs in contexts.items()])
+
+    # -- CUDA graphs ---------------------------------------------------------------------------------------------
+
+    def graph_name(self, batch: int, layers: Sequence[int] | None = None) -> str:
+        layers = tuple(layers or self.config.layers)
+        base = graph_key(batch, 1)
+        return base if layers == self.config.layers else f"{base}.L{layers[0]}-{layers[-1]}"
+
+    def capture(self, batch: int, layers: Sequence[int] | None = None) -> str:
+        """Capture one decode iteration of `batch` rows as a CUDA graph (all stack layers, or a consecutive part
+        of them for per-layer timing); returns its name. Its eager warm-up runs every row as NULL padding."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; this executor runs on {self.device}")
+        layers = tuple(layers or self.config.layers)
+        all_layers = self.config.layers
+        if not set(layers) <= set(all_layers) or list(layers) != list(range(layers[0], layers[-1] + 1)):
+            raise ValueError(f"graph layers {list(layers)} must be consecutive layers of the stack {list(all_layers)}")
+        if not 1 <= batch <= self.config.max_requests:
+            raise ValueError(f"graph batch {batch} outside 1..{self.config.max_requests} (max_requests)")
+        name = self.graph_name(batch, layers)
+        if name in self.graphs:
+            return name
+        buffers = StepBuffers.allocate(
+            f"graph.{name}", self.dims, layers, batch, self.config.pages_per_request, self.device
+        )
+        buffers.load(None, self.state.tables([], rows=batch))
+        splits = self.attention.mla_num_splits(batch, self.config.max_context) if self.config.mla_layers else 1
+        warm = self._plan(StepInput(step=self._step, query_lens=(1,) * batch, mode="eager"))
+        note = f"CUDA-graph warm-up of {name}: every row is NULL padding, no request state is written"
+        self.ledger.record(*self._records(warm, None, layers, note))
+        self._where = (self._step, -1, None)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.runner.forward(buffers, batch, layers, splits)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        self._step += 1
+        plan = self._plan(StepInput(step=self._step, query_lens=(1,) * batch, batch=batch, mode="graph"))
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        self._where = (self._step, -1, name)
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = self.runner.forward(buffers, batch, layers, splits)
+        self.ledger.record(*self._records(plan, name, layers))
+        self._step += 1
+        self.graphs[name] = CapturedGraph(name, batch, layers, buffers, graph, output, splits, plan.path)
+        return name
+
+    def _graph_for(self, live: int) -> CapturedGraph:
+        full = [g for g in self.graphs.values() if g.layers == self.config.layers and g.batch >= live]
+        if not full:
+            have = sorted(g.batch for g in self.graphs.values() if g.layers == self.config.layers)
+            raise ValueError(f"no captured graph holds {live} requests (captured batches: {have}); call capture()")
+        return min(full, key=lambda g: g.batch)
+
+    def _graph_step(self, requests: Sequence[StepRequest]) -> StepResult:
+        g = self._graph_for(len(requests))
+        plan = self._plan(StepInput(step=self._step, query_lens=(1,) * len(requests), batch=g.batch, mode="graph"))
+        if plan.path != g.path:
+            raise StepRoutingError(f"graph {g.name} was captured on the {g.path} path but this step plans {plan.path}")
+        ids = [r.request for r in requests]
+        tables = self.state.tables(ids, rows=g.batch)
+        g.buffers.load(StackInput.cat([r.inputs for r in requests]).to(self.device), tables)
+        g.graph.replay()
+        self.ledger.replayed(g.name)
+        outputs = {r: g.output[b : b + 1].clone() for b, r in enumerate(ids)}
+        self.state.advance(ids)
+        result = StepResult(step=self._step, plan=plan, outputs=outputs, graph=g.name, trace=None)
+        self._step += 1
+        return result
+
+    def replay(
+        self,
+        name: str,
+        times: int = 1,
+        before: Callable[[int], None] | None = None,
+        after: Callable[[int], None] | None = None,
+    ) -> None:
+        """Benchmarks: replay a graph on the inputs and tables already in its buffers, `times` times, without
+        advancing any request (every replay rewrites the same cache row and evolves the same KDA states).
+        `before(i)` / `after(i)` run around replay i (to enqueue an L2 flush and timing events)."""
+        g = self.graphs.get(name)
+        if g is None:
+            raise ValueError(f"no graph named {name!r}; captured: {sorted(self.graphs)}")
+        for i in range(times):
+            if before is not None:
+                before(i)
+            g.graph.replay()
+            if after is not None:
+                after(i)
+        self.ledger.replayed(name, times)
+
+    def load_graph_inputs(self, name: str, requests: Sequence[StepRequest]) -> None:
+        """Benchmarks: put requests' inputs and current tables into a graph's buffers (no replay, no advance)."""
+        g = self.graphs.get(name)
+        if g is None:
+            raise ValueError(f"no graph named {name!r}; captured: {sorted(self.graphs)}")
+        self._check_requests(requests, g.layers[0])
+        tables = self.state.tables([r.request for r in requests], rows=g.batch)
+        g.buffers.load(StackInput.cat([r.inputs for r in requests]).to(self.device), tables)
+
+    # -- write sets ----------------------------------------------------------------------------------------------
+
+    def buffers_for(self, requests: Sequence[StepRequest], mode: Mode) -> StepBuffers:
+        return self._graph_for(len(requests)).buffers if mode == "graph" else self.eager
+
+    def declare(self, requests: Sequence[StepRequest], mode: Mode = "eager") -> WriteSet:
+        """The write set of a step: its requests' KDA slots, the MLA cache rows of its new tokens, its buffers."""
+        page_size = self.config.page_size
+        slots, cache_slots = [], []
+        for r in requests:
+            slots.append(self.state.kda_slot(r.request))
+            start = self.state.context_lens[r.request]
+            for pos in range(start, start + r.inputs.tokens):
+                if pos >= self.config.max_context:
+                    raise ValueError(f"request {r.request} would pass max_context {self.config.max_context}")
+                page = int(self.state.block_table_host[r.request, pos // page_size])
+                cache_slots.append(page * page_size + pos % page_size)
+        buffers = self.buffers_for(requests, mode)
+        return declare_step(
+            kda_layers=self.config.kda_layers,
+            kda_slots=torch.tensor(slots, dtype=torch.int64),
+            conv_width=self.dims.kda.conv_width,
+            mla_layers=self.config.mla_layers,
+            slot_mapping=torch.tensor(cache_slots, dtype=torch.int64),
+            page_size=page_size,
+            scratch=[f"{buffers.name}.{k}" for k in buffers.tensors()],
+        )

@@ -1,0 +1,64 @@
+"""Tile shapes of the expert kernels, read from tiles.toml (data, not code) and checked once at load."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields
+from functools import cache
+from importlib import resources
+
+
+@dataclass(frozen=True)
+class ExpertTiles:
+    max_batch: int
+    block_m: int
+    fc1_block_n: int
+    fc1_k_blocks: int
+    fc1_warps: int
+    fc1_stages: int
+    fc2_block_n: int
+    fc2_k_blocks: int
+    fc2_warps: int
+    fc2_stages: int
+    sum_block_n: int
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"tiles.toml: {f.name} = {value!r} must be a positive integer")
+        for name in ("block_m", "fc1_block_n", "fc2_block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"tiles.toml: {name} = {value} must be a power of two >= 16 (the tl.dot minimum)")
+        for name in ("fc1_k_blocks", "fc2_k_blocks", "sum_block_n"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"tiles.toml: {name} = {value} must be a power of two")
+
+
+@dataclass(frozen=True)
+class TileTable:
+    rows: tuple[ExpertTiles, ...]
+
+    def for_batch(self, batch: int) -> ExpertTiles:
+        for row in self.rows:
+            if batch <= row.max_batch:
+                return row
+        raise ValueError(f"no tiles.toml row covers batch {batch}; add a row with max_batch >= {batch}")
+
+
+def parse_tiles(raw: dict) -> TileTable:
+    try:
+        rows = tuple(ExpertTiles(**row) for row in raw["experts"])
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"tiles.toml: missing or unknown key: {exc}; see the comments at its top") from exc
+    if not rows or [r.max_batch for r in rows] != sorted({r.max_batch for r in rows}):
+        raise ValueError("tiles.toml: [[experts]] rows need strictly increasing max_batch values")
+    return TileTable(rows)
+
+
+@cache
+def default_tiles() -> TileTable:
+    text = resources.files("k3_decode.stock.triton_moe").joinpath("tiles.toml").read_text()
+    return parse_tiles(tomllib.loads(text))

@@ -1,0 +1,282 @@
+"""The stock latent MoE on the CPU ("torch-cpu") at k3-mini dims against the oracles, op by op and whole."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from k3_decode.config import K3_MINI
+from k3_decode.reference import allreduce
+from k3_decode.reference import moe as ref
+from k3_decode.reference.mxfp import MxTensor
+from k3_decode.reference.norms import rms_norm
+from k3_decode.stock import moe as stock_moe
+from k3_decode.stock.moe import MOE_OPS, StockMoeOps, StockRouting, as_reference, moe_op_info, rank_order_all_reduce
+from k3_decode.stock.triton_moe.tiles import parse_tiles
+from k3_decode.weights import DenseMlpWeights, MoeWeights, SyntheticWeights
+from tests.k3_decode.stock.test_moe_helpers import assert_matches, failures, hidden, moe_weights, oracle_moe
+
+DIMS = K3_MINI
+MOE = DIMS.moe
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    return moe_weights(1)
+
+
+# --- routing -------------------------------------------------------------------------------------------------
+
+
+def tie_cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    e = MOE.num_experts
+    zero = torch.zeros(e)
+    staircase = torch.tensor([float(i // 4) for i in range(e)]).flip(0)  # groups of 4 equal logits
+    straddle = torch.zeros(e)
+    straddle[[1, 6, 9, 13]] = 2.0
+    straddle[[3, 5, 11, 12, 15]] = 1.0  # 4 winners; then 5 tied for nothing
+    straddle2 = torch.zeros(e)
+    straddle2[[2, 14]] = 3.0
+    straddle2[[4, 7, 8, 10]] = 1.0  # two winners, then 4 tied for 2 slots: 4 and 7 must win
+    return {
+        "all equal": (torch.zeros(2, e), zero),
+        "staircase": (staircase.expand(2, e).clone(), zero),
+        "straddle": (straddle[None], zero),
+        "tie at the k-th slot": (straddle2[None], zero),
+        "bias makes the tie": (torch.zeros(1, e), torch.tensor([0.5, 0.0] * (e // 2))),
+    }
+
+
+@pytest.mark.parametrize("case", list(tie_cases()))
+def test_routing_ties_go_to_the_lower_id_exactly_as_the_oracle(case: str) -> None:
+    logits, bias = tie_cases()[case]
+    ids, weights = stock_moe._route_torch(logits.float(), bias.float(), MOE.top_k, MOE.routing_denominator_eps, 1.0)
+    oracle = ref.route(logits.float(), bias.float(), top_k=MOE.top_k)
+    assert torch.equal(ids.long(), oracle.ids)  # the slot order too: descending key, equal keys ascending id
+    assert_matches("moe_route_weights.float32", weights, oracle.weights, rel_l2=None)
+
+
+def test_tie_at_the_k_th_slot_picks_4_and_7() -> None:
+    logits, bias = tie_cases()["tie at the k-th slot"]
+    ids, _ = stock_moe._route_torch(logits, bias, MOE.top_k, MOE.routing_denominator_eps, 1.0)
+    assert ids.tolist() == [[2, 14, 4, 7]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    levels=st.lists(st.sampled_from([-2.0, -0.5, 0.0, 0.5, 3.0]), min_size=MOE.num_experts, max_size=MOE.num_experts),
+    bias_levels=st.lists(st.sampled_from([0.0, 0.25]), min_size=MOE.num_experts, max_size=MOE.num_experts),
+)
+def test_routing_with_many_ties_matches_the_oracle(levels: list[float], bias_levels: list[float]) -> None:
+    logits, bias = torch.tensor([levels]), torch.tensor(bias_levels)
+    ids, weights = stock_moe._route_torch(logits, bias, MOE.top_k, MOE.routing_denominator_eps, 1.0)
+    oracle = ref.route(logits, bias, top_k=MOE.top_k)
+    assert torch.equal(ids.long(), oracle.ids)
+    assert torch.allclose(weights, oracle.weights, rtol=1e-6, atol=0)
+
+
+def test_routing_rejects_nan_keys() -> None:
+    logits = torch.zeros(1, MOE.num_experts)
+    logits[0, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        stock_moe._route_torch(logits, torch.zeros(MOE.num_experts), MOE.top_k, 1e-20, 1.0)
+
+
+# --- op by op and whole, TP 1 / 2 / 8 ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+@pytest.mark.parametrize("batch", [1, 7])
+def test_each_op_and_the_whole_moe_match_the_oracle(tp: int, batch: int) -> None:
+    weights = moe_weights(tp, rank=tp - 1)
+    ops = StockMoeOps(DIMS, tp)
+    ops.check_weights(weights)
+    x = hidden(batch, seed=tp * 10 + batch)
+    out = ops.moe(x, weights)
+    lw = as_reference(weights)
+    partial, trace = oracle_moe(x, lw, DIMS)
+
+    assert torch.equal(out.routing.ids.long(), trace.routing.ids)
+    assert_matches("moe_router_logits.float32", out.routing.logits, trace.routing.logits, rel_l2=None)
+    assert_matches("moe_route_weights.float32", out.routing.weights, trace.routing.weights, rel_l2=None)
+    assert_matches("moe_latent_down.bfloat16", out.latent, partial.latent)
+    # Each op against the oracle fed the stock path's own (BF16) inputs, so errors do not carry over.
+    experts = ref.routed_experts(out.latent.float(), trace.routing.ids, trace.routing.weights, lw.experts)
+    assert_matches("moe_experts.bfloat16", out.routed, experts)
+    assert_matches("moe_shared.bfloat16", out.shared, ref.gated_ffn(x, lw.shared))
+    normed = rms_norm(out.routed, weights.latent_norm, DIMS.rms_norm_eps)
+    assert_matches("moe_latent_tail.bfloat16", out.out, normed @ weights.latent_up.float().T + out.shared.float())
+    assert_matches("moe.bfloat16", out.out, trace.out)
+    assert out.out.dtype == out.routed.dtype == out.shared.dtype == out.latent.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_rank_partials_all_reduced_match_the_tp_oracle(tp: int) -> None:
+    """Every rank's stock partials, reduced by latent_tail, against the oracle's simulation of TP ranks."""
+    x = hidden(5, seed=tp)
+    outs = []
+    for rank in range(tp):
+        ops, weights = StockMoeOps(DIMS, tp), moe_weights(tp, rank)
+        outs.append((ops.moe(x, weights), weights))
+    routed = [o.routed for o, _ in outs]
+    shared = [o.shared for o, _ in outs]
+    out = StockMoeOps(DIMS, tp).latent_tail(routed, shared, outs[0][1])
+    trace = ref.latent_moe(x, as_reference(moe_weights(1)), DIMS, tp=tp)
+    assert_matches("moe.bfloat16", out, trace.out)
+    for o, _ in outs:
+        assert torch.equal(o.routing.ids.long(), trace.routing.ids)
+
+
+def test_rank_order_all_reduce_has_the_two_shot_bits() -> None:
+    g = torch.Generator().manual_seed(3)
+    partials = [(torch.randn(4, 64, generator=g) * 10 ** (r - 2)).bfloat16() for r in range(4)]
+    partials[1][0, :8] = -partials[0][0, :8]  # exact cancellations: -0.0 must come out +0.0
+    got = rank_order_all_reduce(partials)
+    allreduce.verify_two_shot([got] * 4, partials)
+    assert not torch.equal(allreduce.bf16_bits(got), allreduce.bf16_bits(allreduce.naive_bf16_sum(partials)))
+
+
+def test_latent_tail_without_the_norm_skips_it(tp1) -> None:
+    dims = dataclasses.replace(DIMS, moe=dataclasses.replace(MOE, latent_norm=False))
+    routed = hidden(3, seed=1)[:, : MOE.latent_size].contiguous()
+    shared = hidden(3, seed=2)
+    out = StockMoeOps(dims, 1).latent_tail(routed, shared, tp1)
+    expected = routed.float() @ tp1.latent_up.float().T + shared.float()
+    assert_matches("moe_latent_tail.bfloat16", out, expected)
+
+
+# --- the tolerances catch plausible bugs -----------------------------------------------------------------------
+
+
+def test_tolerances_reject_a_dropped_expert_a_bad_scale_and_zeros(tp1) -> None:
+    ops = StockMoeOps(DIMS, 1)
+    x = hidden(7, seed=5)
+    out = ops.moe(x, tp1)
+    lw = as_reference(tp1)
+    expected = ref.routed_experts(out.latent.float(), out.routing.ids.long(), out.routing.weights, lw.experts)
+    assert not failures("moe_experts.bfloat16", out.routed, expected)
+    dropped = dataclasses.replace(out.routing, weights=out.routing.weights * torch.tensor([1.0, 1, 1, 0]))
+    assert failures("moe_experts.bfloat16", ops.experts(out.latent, dropped, tp1), expected)
+    scales = tp1.w13.scales.clone()
+    scales[:, :, 1] += 1  # one 32-wide scale block of every w13 row doubled
+    bad = dataclasses.replace(tp1, w13=MxTensor("mxfp4", tp1.w13.data, scales))
+    assert failures("moe_experts.bfloat16", ops.experts(out.latent, out.routing, bad), expected)
+    assert failures("moe_experts.bfloat16", torch.zeros_like(out.routed), expected)
+
+
+# --- ledger, launches, data files --------------------------------------------------------------------------------
+
+
+def test_every_call_is_a_ledger_record(tp1) -> None:
+    seen = []
+    ops = StockMoeOps(DIMS, 1, listener=seen.append)
+    ops.moe(hidden(3), tp1)
+    dense = SyntheticWeights(DIMS, 1, 0).mlp(0)
+    assert isinstance(dense, DenseMlpWeights)
+    ops.dense(hidden(3), dense)
+    assert [r.op for r in ops.records] == [*MOE_OPS, "dense"]
+    assert seen == ops.records
+    assert {r.implementation for r in ops.records} == {"torch-cpu"}
+    assert {r.launches for r in ops.records} == {0} and {r.batch for r in ops.records} == {3}
+
+
+def test_launch_plan_is_twelve_per_moe_and_counts_expert_chunks() -> None:
+    ops = StockMoeOps(DIMS, 1)
+    assert ops.expected_launches(batch=1) == 12
+    assert sum(moe_op_info(op, "cuda").launches for op in MOE_OPS) == 12
+    pairs_per_chunk = stock_moe.MAX_PAIRS // MOE.top_k
+    assert ops.expected_launches(batch=pairs_per_chunk) == 12
+    assert ops.expected_launches(batch=pairs_per_chunk + 1) == 16
+    info = moe_op_info("experts", "cuda")
+    assert info.kernels == ("k3_moe_align", "k3_moe_fc1_situ", "k3_moe_fc2", "k3_moe_sum")
+    assert moe_op_info("experts", "cpu").implementation == "torch-cpu"
+    with pytest.raises(ValueError, match="unknown stock MoE op 'router'"):
+        moe_op_info("router", "cuda")
+
+
+def test_moe_op_kernel_names_exist_in_the_triton_modules() -> None:
+    pytest.importorskip("triton")
+    from k3_decode.stock.triton_moe import elementwise, experts, routing
+
+    defined = {n for m in (routing, experts, elementwise) for n in vars(m)}
+    for op in [*MOE_OPS, "dense"]:
+        for name in moe_op_info(op, "cuda").kernels:
+            assert name in defined, (op, name)
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"block_m": 8}, "block_m = 8 must be a power of two >= 16"),
+        ({"fc1_k_blocks": 3}, "fc1_k_blocks = 3 must be a power of two"),
+        ({"fc2_warps": 0}, "fc2_warps = 0 must be a positive integer"),
+    ],
+)
+def test_bad_tile_rows_are_rejected(row: dict, message: str) -> None:
+    good = dict(
+        max_batch=8, block_m=16, fc1_block_n=16, fc1_k_blocks=4, fc1_warps=4, fc1_stages=3, fc2_block_n=64,
+        fc2_k_blocks=4, fc2_warps=4, fc2_stages=3, sum_block_n=512,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        parse_tiles({"experts": [{**good, **row}]})
+    with pytest.raises(ValueError, match="strictly increasing max_batch"):
+        parse_tiles({"experts": [good, good]})
+    with pytest.raises(ValueError, match="missing or unknown key"):
+        parse_tiles({"experts": [{**good, "tile": 1}]})
+    assert parse_tiles({"experts": [good]}).for_batch(8).block_m == 16
+    with pytest.raises(ValueError, match=r"no tiles\.toml row covers batch 9"):
+        parse_tiles({"experts": [good]}).for_batch(9)
+
+
+# --- bad input: one line naming the problem and the fix --------------------------------------------------------
+
+
+def test_bad_weights_are_rejected_at_load(tp1) -> None:
+    ops = StockMoeOps(DIMS, 1)
+    subset = SyntheticWeights(DIMS, 1, 0).mlp(1, experts=[0, 1, 2])
+    assert isinstance(subset, MoeWeights)
+    with pytest.raises(ValueError, match="all 16 experts in id order; load the layer with experts=None"):
+        ops.check_weights(subset)
+    scales = tp1.w2.scales.clone()
+    scales[0, 0, 0] = 255
+    with pytest.raises(ValueError, match=r"scale byte 255 .* fix the checkpoint"):
+        ops.check_weights(dataclasses.replace(tp1, w2=MxTensor("mxfp4", tp1.w2.data, scales)))
+    with pytest.raises(ValueError, match=r"MoE router is torch\.float32, .* load with dtype=torch\.bfloat16"):
+        ops.check_weights(dataclasses.replace(tp1, router=tp1.router.float()))
+    with pytest.raises(ValueError, match=r"MoE shared\.gate_up is \(512, 256\), want \(256, 256\) at TP=2; load this"):
+        StockMoeOps(DIMS, 2).check_weights(tp1)
+    with pytest.raises(ValueError, match="router_bias must be FP32"):
+        ops.check_weights(dataclasses.replace(tp1, router_bias=tp1.router_bias.bfloat16()))
+
+
+def test_bad_inputs_name_the_problem(tp1, monkeypatch) -> None:
+    ops = StockMoeOps(DIMS, 1)
+    with pytest.raises(ValueError, match=r"route: hidden must be BF16 \[B, 256\], got torch.float32"):
+        ops.route(hidden(2).float(), tp1)
+    with pytest.raises(ValueError, match=r"hidden must be BF16 \[B, 256\]"):
+        ops.shared(hidden(2)[:, :128], tp1)
+    routing = ops.route(hidden(2), tp1)
+    with pytest.raises(ValueError, match=r"routing ids \(2, 4\) .* are not \[B=3, k=4\]"):
+        ops.experts(hidden(3)[:, :128].contiguous(), routing, tp1)
+    with pytest.raises(ValueError, match="are not \\[B, 128\\] and \\[B, 256\\]"):
+        ops.latent_tail(hidden(2)[:, :128].contiguous(), hidden(3), tp1)
+    with pytest.raises(ValueError, match="unknown stock implementation 'cuda'"):
+        StockMoeOps(DIMS, 1, implementation="cuda")  # type: ignore[arg-type]
+    monkeypatch.setattr(stock_moe, "_kernels_interpreted", lambda: False)
+    with pytest.raises(ValueError, match=r"needs a CUDA device .* use 'torch-cpu' on the CPU"):
+        StockMoeOps(DIMS, 1, implementation="triton")
+    groups = dataclasses.replace(DIMS, moe=dataclasses.replace(MOE, num_expert_group=2))
+    with pytest.raises(ValueError, match="one-group sigmoid router"):
+        StockMoeOps(groups, 1)
+    with pytest.raises(ValueError, match="TP=3 is not supported"):
+        StockMoeOps(DIMS, 3)
+
+
+def test_oracle_container_dequantizes_exactly(tp1) -> None:
+    lw = as_reference(tp1, torch.bfloat16)
+    assert torch.equal(lw.experts.gate_up.float(), tp1.w13.dequantize())
+    assert isinstance(StockRouting(torch.zeros(1), torch.zeros(1), torch.zeros(1)), StockRouting)
