@@ -44,6 +44,14 @@ class K3Subject:
 
         return K3Suite(self.name, config.data.get("model", self.default_model or "k3"))
 
+    def perf_suite(self, config: Any) -> Any:
+        """The perf suite of the in-process subject; vLLM's subject is timed through vLLM, which is not built here."""
+        if self.name != "k3-hopper":
+            return None
+        from k3_decode.perf import K3PerfSuite  # late: torch is needed only when the stage runs
+
+        return K3PerfSuite.from_config(self.name, config)
+
     def describe(self) -> dict[str, Any]:
         return {
             "subject": self.name,

@@ -105,16 +105,22 @@ def reads_stale_state(impl: Impl, state: str) -> Impl:
     return run
 
 
-def side_stream_without_sync(impl: Impl, delay_cycles: int = 50_000_000) -> Impl:
-    """Runs on its own stream, late, without making the caller's stream wait (GPU only)."""
+def side_stream_without_sync(impl: Impl, delay_cycles: int = 200_000_000) -> Impl:
+    """Publishes its results from its own stream, late, without making the caller's stream wait (GPU only).
+
+    The work itself may synchronize the host (slot checks do); only the final copy into the returned buffers is
+    left pending behind a delay on the side stream, which is what a reader on the caller's stream must not miss.
+    """
 
     def run(call: OpCall) -> dict[str, torch.Tensor]:
-        caller = torch.cuda.current_stream()
         side = torch.cuda.Stream()
-        side.wait_stream(caller)
+        side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            torch.cuda._sleep(delay_cycles)
             out = impl(call)
-        return out
+            late = {k: torch.zeros_like(v) for k, v in out.items()}
+            torch.cuda._sleep(delay_cycles)
+            for k, v in out.items():
+                late[k].copy_(v)
+        return late
 
     return run

@@ -33,6 +33,12 @@ def render_view(view: ReportView) -> str:
         lines += [f"- **{s.stage}** ({s.verdict}): {s.reason}" for s in view.not_run]
     if view.not_selected:
         lines += ["", f"Not selected for this run (`--stages`): {', '.join(view.not_selected)}."]
+    figures = [(s.stage, f) for s in view.stages for f in s.figures]
+    if figures:
+        lines += ["", "### Figures", ""]
+        # report.md sits in the bundle's report/ folder, next to stages/.
+        for stage, f in figures:
+            lines += [f"![{stage}: {Path(f.path).name}](../{f.path})", "", f"*{_cell(f.caption)}*", ""]
     failing = [s for s in view.stages if s.failed_checks]
     if failing:
         lines += ["", "### Failed checks", ""]

@@ -10,6 +10,17 @@ from typing import Any
 from harness.stages import stage_names
 
 ICONS = {"PASSED": "✅", "FAILED": "❌", "NOT_RUN": "⏸️", "ERROR": "💥", "INCOMPLETE": "⚠️"}
+# A stage shows a figure by listing the file as evidence and naming it in its metrics' "figures" list
+# ({"path", "caption"}); only these types, which every browser shows inline, are embedded.
+IMAGE_TYPES = {".png": "image/png", ".svg": "image/svg+xml"}
+
+
+@dataclass
+class FigureView:
+    path: str  # bundle-relative
+    caption: str
+    media_type: str
+    data: bytes | None  # None when the file is missing from the bundle
 
 
 @dataclass
@@ -22,6 +33,7 @@ class StageView:
     checks: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
     evidence: list[str] = field(default_factory=list)
+    figures: list[FigureView] = field(default_factory=list)
 
 
 @dataclass
@@ -50,6 +62,20 @@ def _records(bundle_dir: Path, stage: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _figures(bundle_dir: Path, rec: dict[str, Any]) -> list[FigureView]:
+    evidence = set(rec.get("evidence", []))
+    out = []
+    for fig in rec.get("metrics", {}).get("figures", []):
+        path = fig.get("path", "")
+        media = IMAGE_TYPES.get(Path(path).suffix.lower())
+        if path not in evidence or media is None:
+            continue  # only the stage's own evidence, of a type a page can show
+        file = bundle_dir / path
+        data = file.read_bytes() if file.is_file() else None
+        out.append(FigureView(path, str(fig.get("caption", "")), media, data))
+    return out
+
+
 def build(
     predicate: dict[str, Any], bundle_dir: Path, bundle_id: str | None = None, signer: str | None = None
 ) -> ReportView:
@@ -68,6 +94,7 @@ def build(
                 checks=len(checks),
                 metrics=rec.get("metrics", {}),
                 evidence=rec.get("evidence", []),
+                figures=_figures(bundle_dir, rec),
             )
         )
     env = predicate["environment"]

@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from html import escape
 from pathlib import Path
 from typing import Any
 
-from harness.report.model import ICONS, ReportView, build
+from harness.report.model import ICONS, FigureView, ReportView, build
 
 _STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2rem auto;max-width:70rem;color:#1b1f24;padding:0 1rem}
 table{border-collapse:collapse;width:100%;margin:1rem 0}td,th{border:1px solid #d0d7de;padding:.35rem .6rem;
 text-align:left;vertical-align:top}th{background:#f6f8fa}.PASSED{color:#1a7f37}.FAILED,.ERROR{color:#cf222e}
 .NOT_RUN,.INCOMPLETE{color:#9a6700}code{background:#f6f8fa;padding:0 .2rem}details{margin:.3rem 0}
-pre{background:#f6f8fa;padding:.5rem;overflow:auto}
+pre{background:#f6f8fa;padding:.5rem;overflow:auto}figure{margin:1rem 0}img{max-width:100%}
+figcaption{color:#57606a;font-size:13px}
 """
+
+
+def _figure(stage: str, f: FigureView) -> str:
+    e = escape
+    if f.data is None:
+        return f"<p>{e(stage)}: figure {e(f.path)} is missing from the bundle</p>"
+    # Inline as a data URI: the page stays one file with no external resource.
+    uri = f"data:{f.media_type};base64,{base64.b64encode(f.data).decode()}"
+    return f"<figure><img alt='{e(stage)}: {e(f.path)}' src='{uri}'><figcaption>{e(f.caption)}</figcaption></figure>"
 
 
 def render_view(view: ReportView) -> str:
@@ -31,6 +42,7 @@ def render_view(view: ReportView) -> str:
         "</pre></details>"
         for s in view.stages
     )
+    figures = "".join(_figure(s.stage, f) for s in view.stages for f in s.figures)
     not_run = "".join(f"<li><b>{e(s.stage)}</b> ({e(s.verdict)}): {e(s.reason)}</li>" for s in view.not_run)
     ident = (
         f"<p>Bundle <code>{e(view.bundle_id)}</code> · {e(view.signer or 'signature not checked')}</p>"
@@ -48,6 +60,7 @@ def render_view(view: ReportView) -> str:
         f"{rows}</table>"
         + (f"<h2>Did not run</h2><ul>{not_run}</ul>" if not_run else "")
         + (f"<p>Not selected for this run: {e(', '.join(view.not_selected))}</p>" if view.not_selected else "")
+        + (f"<h2>Figures</h2>{figures}" if figures else "")
         + f"<h2>Records</h2>{details}</body></html>\n"
     )
 

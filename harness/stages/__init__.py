@@ -21,7 +21,7 @@ REGISTRY: tuple[tuple[str, str | None, str], ...] = (
     ("scope", None, "Principle 2: scope checks and feature preservation on the optimized path"),
     ("numerics", "harness.stages.numerics:NumericsStage", ""),
     ("evals", None, "Principle 3b: model evals on the optimized path, paired against baseline"),
-    ("perf", None, "Principle 4: performance sweeps with a verdict"),
+    ("perf", "harness.stages.perf:PerfStage", ""),
 )
 
 

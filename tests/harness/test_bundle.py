@@ -112,7 +112,7 @@ def test_edited_verdict_fails_even_when_resigned(sealed, tmp_path):
 
     reseal(root, attacker, promote)
     problems = verify_dir(root).problems
-    assert any("verdict of perf says PASSED but its records give NOT_RUN" in p for p in problems)
+    assert any("verdict of scope says PASSED but its records give NOT_RUN" in p for p in problems)
     assert any("outcome says PASSED" in p for p in problems)
 
 

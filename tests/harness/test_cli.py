@@ -45,7 +45,7 @@ def test_run_end_to_end_in_a_real_process(tmp_path):
         timeout=120,
     )
     assert report.returncode == 0
-    assert "INCOMPLETE" in report.stdout and "**perf** (NOT_RUN): not available in this build" in report.stdout
+    assert "INCOMPLETE" in report.stdout and "**scope** (NOT_RUN)" in report.stdout
 
 
 def test_html_report_is_self_contained(tmp_path, capsys):
@@ -54,8 +54,9 @@ def test_html_report_is_self_contained(tmp_path, capsys):
     assert main(["report", str(tmp_path / "b"), "--format", "html", "--out", str(out)]) == 0
     html = out.read_text()
     assert html.startswith("<!doctype html>") and "INCOMPLETE" in html
-    for external in ("src=", "href=", "<script", "@import", "url("):
+    for external in ("href=", "<script", "@import", "url("):
         assert external not in html
+    assert html.count("src=") == html.count("src='data:")  # images are embedded, never fetched
 
 
 @pytest.mark.parametrize(
@@ -154,3 +155,13 @@ def test_credentials_never_reach_the_environment_capture():
         "VLLM_SESSION_COOKIE": "x",
     }
     assert allowed_env(env) == {"CUDA_VISIBLE_DEVICES": "0", "NCCL_IB_HCA": "mlx5"}
+
+
+def test_a_tree_without_git_can_declare_its_commit(tmp_path, monkeypatch):
+    from harness.environment import COMMIT_ENV, git_state
+
+    monkeypatch.delenv(COMMIT_ENV, raising=False)
+    assert git_state(tmp_path).commit is None
+    monkeypatch.setenv(COMMIT_ENV, "0123abcd")
+    state = git_state(tmp_path)
+    assert state.commit == "0123abcd" and "not verified" not in state.reason and "declared" in state.reason

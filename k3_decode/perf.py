@@ -1,0 +1,518 @@
+"""The k3-hopper perf suite: two decode backends on the stack executor, cell by cell of the perf sweep.
+
+Each arm is its own StackExecutor (its own request state, ledger and CUDA graphs) over the same synthetic weights:
+the baseline starts with `perf.baseline_backend` (normally "auto", the stock path) and the candidate with
+`perf.candidate_backend`. In this build `latency_specialized` is not built and start-up refuses it, so the
+candidate arm runs the stock path too and says so in every record: its ratio is ~1 by construction and exercises
+only the plumbing and the verdict logic.
+
+- Timing. On a GPU, a pure decode cell of one token per request replays the arm's CUDA graph of the stack, timed by
+  CUDA events (the L2 flush is enqueued before the start event). Mixed and verify (q > 1) steps cannot be captured,
+  so they run eagerly and are timed on the host around a synchronized step. CPU steps are timed by the process's
+  CPU time, not the wall clock: other processes on a shared machine then cannot stretch one arm's run. Timed
+  steps do not advance any request: a replay rewrites the same cache row, and an eager step's context lengths are
+  put back after it, so every run of a cell does the same work.
+- Per-layer time and launches. GPU graph cells: one CUDA graph per layer, timed like the stack, its launches counted
+  by torch.profiler. GPU eager cells: torch.profiler with the executor's per-op ranges (kernels attributed to the
+  layer that launched them). CPU: the host clock at each layer boundary (the profiler would cost more than the step
+  it measures; the last layer of an iteration also carries the host work after it).
+- Bytes. The least HBM traffic of one decode iteration of the cell's decode rows (k3_decode.executor.roofline),
+  with the distinct experts those rows route to in a traced step. For mixed and verify steps this is a lower
+  bound (their extra tokens add traffic), which keeps a roofline fraction above 1 a measurement error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+import tomllib
+import zlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.perf.bandwidth import copy_bandwidth
+from harness.perf.plan import Cell, PerfConfigError, Settings, parse
+from harness.perf.suite import Bandwidth, PartProfile, PathReport, PreparedCell, StepProfile, SuiteInfo
+from k3_decode.executor import StackConfig, StackExecutor, StepRequest, load_stack, random_input
+from k3_decode.executor.attribution import device_events, kernels_by_range
+from k3_decode.executor.roofline import StepShape, layer_bytes
+from k3_decode.runtime.backend import BACKENDS, PROVIDERS, ProviderRegistry, select_backend
+from k3_decode.runtime.errors import BackendError
+from k3_decode.runtime.ledger import Expectation
+from k3_decode.runtime.optable import OpTable, load_op_table
+from k3_decode.weights import LayerWeights, SyntheticWeights
+
+STEP_RANGE = "k3perf.step"
+TTFT = (
+    "not measured: the in-process executor has no request arrival or scheduler, so there is no first token to "
+    "wait for; time to first token belongs to the vLLM subject's serving benchmark"
+)
+
+
+@dataclass(frozen=True)
+class PerfData:
+    stacks: dict[str, str]  # model -> stack of k3_decode/executor/stacks.toml
+    flush_bytes: dict[str, int]  # device kind -> bytes
+    copy_bytes: dict[str, int]
+
+
+@cache
+def perf_data() -> PerfData:
+    raw = tomllib.loads(resources.files("k3_decode").joinpath("perf.toml").read_text())
+    dev = raw["device"]
+    return PerfData(
+        dict(raw["stacks"]), {k: v["flush_bytes"] for k, v in dev.items()}, {k: v["copy_bytes"] for k, v in dev.items()}
+    )
+
+
+@dataclass(frozen=True)
+class ArmBackend:
+    requested: str  # the config's decode_backend for the arm
+    started: str  # what the arm's executor starts with
+    expected: str  # the dispatch path its ledger must show
+    note: str = ""  # why `started` differs from `requested`
+
+
+def resolve_backend(
+    key: str, requested: str, table: OpTable | None = None, registry: ProviderRegistry = PROVIDERS
+) -> ArmBackend:
+    """The backend an arm starts with. `latency_specialized` that this build cannot run (its kernels are not built)
+    runs the stock path instead, with the reason in `note`; any other refusal is the config's error."""
+    if requested not in BACKENDS:
+        raise PerfConfigError(f"{key}: {requested!r} is not a decode backend — use one of {', '.join(BACKENDS)}")
+    table = table or load_op_table()
+    try:
+        select_backend({"decode_backend": requested}, table, registry)
+    except BackendError as exc:
+        if requested == "latency_specialized" and (registry.missing(table) or not table.specialized_ops()):
+            return ArmBackend(
+                requested,
+                "auto",
+                "stock",
+                f"decode_backend 'latency_specialized' is not built here (start-up refuses it: {exc}), so this arm "
+                "runs the stock path",
+            )
+        raise
+    return ArmBackend(requested, requested, "stock" if requested == "auto" else "specialized")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _chrome_trace(prof: Any) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text())
+
+
+def _profiler(device: torch.device) -> Any:
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    return torch.profiler.profile(activities=acts if device.type == "cuda" else acts[:1])
+
+
+def _seed(cell: Cell) -> int:
+    """The same inputs for both arms of a cell (so they route alike), different ones for different cells."""
+    return zlib.crc32(cell.id.encode()) & 0x7FFFFFFF
+
+
+class K3Arm:
+    """One arm of one cell: its executor set up for the cell's requests and context."""
+
+    def __init__(
+        self,
+        name: str,
+        backend: ArmBackend,
+        ex: StackExecutor,
+        cell: Cell,
+        graph: bool,
+        flush: torch.Tensor | None,
+        part_bytes: dict[int, int],
+        kernels: Counter[str],
+    ) -> None:
+        self.name, self.arm_backend, self.ex, self.cell = name, backend, ex, cell
+        self.backend = backend.requested if not backend.note else f"{backend.requested} (ran {backend.started})"
+        self.device, self.dims = ex.device, ex.dims
+        # See the module doc: GPU work is not this process's CPU time, CPU work is (and a neighbour's load is not).
+        self.clock = time.perf_counter if self.device.type == "cuda" else time.process_time
+        self.flush_buffer, self.part_bytes, self.kernels = flush, part_bytes, kernels
+        seed = _seed(cell)
+        decode = list(range(cell.batch))
+        ex.state.fill_synthetic(decode, cell.context, seed=seed)
+        first = ex.config.layers[0]
+        q = cell.tokens_per_request
+        entry = random_input(self.dims, first, cell.batch * q, seed, self.device)
+        self.requests = [StepRequest(r, entry.rows(slice(r * q, (r + 1) * q))) for r in decode]
+        if cell.workload == "mixed":
+            assert cell.prefill_tokens is not None  # the plan requires it for mixed sweeps
+            ex.state.fill_synthetic([cell.batch], 0, seed=seed + 1)  # a new prompt: its first chunk
+            chunk = random_input(self.dims, first, cell.prefill_tokens, seed + 1, self.device)
+            self.requests.append(StepRequest(cell.batch, chunk, prefill=True))
+        self.contexts = {r.request: ex.state.context_lens[r.request] for r in self.requests}
+        self.graph: str | None = None
+        self.layer_graphs: dict[int, str] = {}
+        self._launches: dict[int, float] | None = None
+        if graph:
+            self.graph = ex.capture(cell.batch)
+            ex.load_graph_inputs(self.graph, self.requests)
+            for layer in ex.config.layers:
+                name_ = ex.capture(cell.batch, (layer,))
+                x = random_input(self.dims, layer, cell.batch, seed + 2 + layer, self.device)
+                ex.load_graph_inputs(name_, [StepRequest(r, x.rows(slice(r, r + 1))) for r in decode])
+                self.layer_graphs[layer] = name_
+
+    # -- helpers --------------------------------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        """Put the context lengths back: the next run does the same work (see the module doc)."""
+        for r, n in self.contexts.items():
+            self.ex.state.context_lens[r] = n
+
+    def _flush(self) -> None:
+        if self.flush_buffer is not None:
+            self.flush_buffer.zero_()
+
+    def _time_graph(self, name: str) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._flush()  # enqueued before the start event, so the GPU flushes outside the timed region
+        start.record()
+        self.ex.replay(name)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def _part_name(self, layer: int) -> str:
+        return f"layer {layer} {self.dims.layer_kind(layer)}+{self.dims.mlp_kind(layer)}"
+
+    def _declared(self, entries: list[Any], layer: int) -> int:
+        return sum(e.record.launches for e in entries if e.layer == layer)
+
+    # -- the Arm protocol -----------------------------------------------------------------------------------
+
+    def run(self) -> float:
+        if self.graph is not None:
+            return self._time_graph(self.graph)
+        self._flush()
+        _sync(self.device)
+        t0 = self.clock()
+        try:
+            self.ex.step(self.requests)
+            _sync(self.device)
+            return self.clock() - t0
+        finally:
+            self._restore()
+
+    def profile(self) -> StepProfile:
+        if self.graph is not None:
+            return self._profile_graphs()
+        if self.device.type == "cuda":
+            return self._profile_eager_cuda()
+        return self._profile_eager_host()
+
+    def path(self) -> PathReport:
+        by = f"perf {self.name} arm, cell {self.cell.id}"
+        exp = self.arm_backend.expected
+        if exp == "specialized":
+            expected = [
+                Expectation("specialized", by=by, op=op) for op in sorted(self.ex.planner.table.specialized_ops())
+            ]
+        else:
+            expected = [Expectation("stock", by=by)]
+        mismatches = self.ex.ledger.check(expected)
+        if self.kernels:
+            self.ex.ledger.report_profiler_kernels(self.kernels)
+        mismatches += self.ex.ledger.check_execution(self.ex.kernel_catalog())
+        return PathReport(exp, tuple(mismatches))
+
+    # -- profiles -------------------------------------------------------------------------------------------
+
+    def _graph_launches(self) -> dict[int, float]:
+        """Kernels, memsets and copies per replay of each layer's graph, seen by torch.profiler (once per cell)."""
+        if self._launches is None:
+            self._launches = {}
+            for layer, name in self.layer_graphs.items():
+                with _profiler(self.device) as prof:
+                    self.ex.replay(name, 2)
+                    _sync(self.device)
+                events = device_events(_chrome_trace(prof))
+                self.kernels.update(e.name for e in events if e.category == "kernel")
+                self._launches[layer] = len(events) / 2
+        return self._launches
+
+    def _profile_graphs(self) -> StepProfile:
+        launches = self._graph_launches()
+        parts = []
+        for layer, name in self.layer_graphs.items():
+            entries = [e for e in self.ex.op_log if e.graph == name]
+            parts.append(
+                PartProfile(
+                    self._part_name(layer),
+                    self._time_graph(name),
+                    launches[layer],
+                    self._declared(entries, layer),
+                    self.part_bytes[layer],
+                )
+            )
+        assert self.graph is not None
+        total = self._time_graph(self.graph)
+        return StepProfile(tuple(parts), total, "one CUDA graph per layer and one of the stack, CUDA events")
+
+    def _profile_eager_cuda(self) -> StepProfile:
+        logged = len(self.ex.op_log)
+        self._flush()
+        self.ex.runner.ranges = True
+        try:
+            with _profiler(self.device) as prof:
+                with torch.profiler.record_function(STEP_RANGE):
+                    self.ex.step(self.requests)
+                _sync(self.device)
+        finally:
+            self.ex.runner.ranges = False
+            self._restore()
+        trace = _chrome_trace(prof)
+        ranges, _ = kernels_by_range(trace)
+        spans = [
+            float(e["dur"])
+            for e in trace["traceEvents"]
+            if e.get("cat") == "user_annotation" and e["name"] == STEP_RANGE
+        ]
+        if len(spans) != 1:
+            raise RuntimeError(f"the profile holds {len(spans)} {STEP_RANGE} ranges, not 1; the step was not profiled")
+        total_us = spans[0]
+        entries = self.ex.op_log[logged:]
+        parts = []
+        for layer in self.ex.config.layers:
+            events = [e for rk in ranges if rk.layer == layer for e in rk.events]
+            self.kernels.update(e.name for e in events if e.category == "kernel")
+            parts.append(
+                PartProfile(
+                    self._part_name(layer),
+                    sum(e.dur_us for e in events) / 1e6,
+                    float(len(events)),
+                    self._declared(entries, layer),
+                    self.part_bytes[layer],
+                )
+            )
+        return StepProfile(tuple(parts), total_us / 1e6, "torch.profiler: device time of each layer's kernels")
+
+    @contextlib.contextmanager
+    def _layer_clock(self, stamps: list[tuple[int, float]]) -> Iterator[None]:
+        """Stamp the host clock as each layer starts, chained before the executor's own layer hook."""
+        runner = self.ex.runner
+        own = runner.on_layer
+
+        def stamp(layer: int) -> None:
+            stamps.append((layer, self.clock()))
+            if own is not None:
+                own(layer)
+
+        runner.on_layer = stamp
+        try:
+            yield
+        finally:
+            runner.on_layer = own
+
+    def _profile_eager_host(self) -> StepProfile:
+        logged = len(self.ex.op_log)
+        stamps: list[tuple[int, float]] = []
+        self._flush()
+        t0 = self.clock()
+        try:
+            with self._layer_clock(stamps):
+                self.ex.step(self.requests)
+            t1 = self.clock()
+        finally:
+            self._restore()
+        spent: Counter[int] = Counter()
+        for (layer, start), end in zip(stamps, [s for _, s in stamps[1:]] + [t1], strict=True):
+            spent[layer] += end - start
+        entries = self.ex.op_log[logged:]
+        parts = tuple(
+            PartProfile(self._part_name(i), spent[i], None, self._declared(entries, i), self.part_bytes[i])
+            for i in self.ex.config.layers
+        )
+        return StepProfile(parts, t1 - t0, "process CPU time at layer boundaries (CPU eager)")
+
+
+@dataclass
+class _Stack:
+    """Both arms' executors for one TP size, over one set of weights."""
+
+    tp: int
+    config: StackConfig
+    arms: dict[str, StackExecutor]
+    kernels: dict[str, Counter[str]]
+
+
+class K3PerfSuite:
+    def __init__(
+        self,
+        subject: str,
+        model: str,
+        cells: tuple[Cell, ...],
+        settings: Settings,
+        device: str,
+        distributed: bool = False,
+    ) -> None:
+        data = perf_data()
+        if model not in data.stacks:
+            raise PerfConfigError(f"model: k3_decode/perf.toml names no perf stack for {model!r} — add one")
+        self.model, self.cells, self.settings, self.distributed = model, cells, settings, distributed
+        self.device = torch.device(device)
+        self.stack_name = data.stacks[model]
+        table = load_op_table()
+        self.backends = {
+            "baseline": resolve_backend("perf.baseline_backend", settings.baseline_backend, table),
+            "candidate": resolve_backend("perf.candidate_backend", settings.candidate_backend, table),
+        }
+        self._stack: _Stack | None = None
+        self._flush: torch.Tensor | None = None
+        self.info = self._info(subject, cells)
+
+    def _info(self, subject: str, cells: tuple[Cell, ...]) -> SuiteInfo:
+        """What the report must say about every cell: what was timed, where, and how far the numbers go."""
+        # Any TP the model shards to describes the stack's layers (a tier may have no cells).
+        probe = load_stack(self.stack_name, cells[0].tp if cells else 1)
+        layers, dims, model = probe.layers, probe.dims, self.model
+        kinds = ", ".join(f"{dims.layer_kind(i)}+{dims.mlp_kind(i)}" for i in layers)
+        notes = [
+            f"Timed: one rank's shard of {model} layers {layers[0]}-{layers[-1]} (stack {self.stack_name}: {kinds}) "
+            "per GPU; TP all-reduces are the identity here, and per-GPU figures are of this stack, not of the whole "
+            "model.",
+            "Roofline bytes are one decode iteration of each cell's decode rows: a lower bound for mixed and verify "
+            "steps.",
+        ]
+        short = []
+        meaningful = self.device.type == "cuda"
+        if not meaningful:
+            notes.insert(
+                0,
+                f"CPU eager timing at {model} dims: the numbers mean nothing about any GPU; this run exercises the "
+                "perf plumbing and the verdict logic only.",
+            )
+            short.append(f"CPU eager timing at {model} dims: the numbers mean nothing (see the notes)")
+        cand = self.backends["candidate"]
+        if cand.note and cand.started == self.backends["baseline"].started:
+            notes.append(
+                f"Candidate: {cand.note}, the same path as the baseline: the ratio is ~1 by construction and only "
+                "exercises the plumbing."
+            )
+            short.append("both arms run the stock path (ratio ~1 by construction)")
+        name = torch.cuda.get_device_name(self.device) if meaningful and torch.cuda.is_available() else "cpu"
+        return SuiteInfo(subject, name, meaningful, tuple(notes), TTFT, "; ".join(short))
+
+    @classmethod
+    def from_config(cls, subject: str, config: Any) -> K3PerfSuite:
+        plan = parse(config.data, config.tier)
+        device = "cpu" if config.hardware["gpu"] == "none" else "cuda"
+        distributed = config.data["parallel"].get("mode") == "distributed"
+        return cls(subject, config.data.get("model", "k3"), plan.cells, plan.settings, device, distributed)
+
+    # -- the PerfSuite protocol -----------------------------------------------------------------------------
+
+    def unsupported(self, cell: Cell) -> str | None:
+        if self.distributed:
+            return (
+                "the perf suite times one rank's shard on one GPU; timing real tensor parallelism (its all-reduces) "
+                "is not built — use a per-rank-shapes config such as h200"
+            )
+        if cell.dcp != 1:
+            return "the stack executor runs DCP=1 only — set dcp = [1] in this sweep"
+        if cell.routing == "real":
+            return (
+                "k3-hopper runs seeded synthetic weights, so no real prompt can drive its MoE routing — use "
+                "routing = 'synthetic'"
+            )
+        return None
+
+    def bandwidth(self) -> Bandwidth:
+        return copy_bandwidth(self.device, perf_data().copy_bytes[self.device.type])
+
+    def prepare(self, cell: Cell, settings: Settings) -> PreparedCell:
+        stack = self._stack_for(cell.tp)
+        graph = self._graph(cell)
+        flush = self._flush_buffer() if settings.l2_flush else None
+        part_bytes = self._part_bytes(stack.arms["baseline"], cell)
+        arms = {
+            name: K3Arm(name, self.backends[name], ex, cell, graph, flush, part_bytes, stack.kernels[name])
+            for name, ex in stack.arms.items()
+        }
+        notes = tuple(b.note for b in self.backends.values() if b.note)
+        mode = "cuda-graph replay" if graph else f"eager ({self.device.type})"
+        return PreparedCell(arms["baseline"], arms["candidate"], sum(part_bytes.values()), mode, notes)
+
+    def close(self) -> None:
+        self._release_stack()
+        self._flush = None
+
+    def _release_stack(self) -> None:
+        self._stack = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- building -------------------------------------------------------------------------------------------
+
+    def _graph(self, cell: Cell) -> bool:
+        return self.device.type == "cuda" and cell.workload == "decode" and cell.tokens_per_request == 1
+
+    def _flush_buffer(self) -> torch.Tensor:
+        if self._flush is None:
+            nbytes = perf_data().flush_bytes[self.device.type]
+            self._flush = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._flush
+
+    def _stack_for(self, tp: int) -> _Stack:
+        if self._stack is not None and self._stack.tp == tp:
+            return self._stack
+        self._release_stack()  # one TP size's executors at a time: give the last one's memory back first
+        cells = [c for c in self.cells if c.tp == tp]
+        graph_batches = sorted({c.batch for c in cells if self._graph(c)}) or [1]
+        max_requests = max([c.batch + int(c.workload == "mixed") for c in cells] + graph_batches)
+        # Room for the cell's tokens (and the traced step's one) past its context, and for a prefill chunk.
+        max_context = max(max(c.context + c.tokens_per_request + 1, (c.prefill_tokens or 0) + 1) for c in cells)
+        config = load_stack(
+            self.stack_name, tp, max_requests=max_requests, max_context=max_context, graph_batches=graph_batches
+        )
+        gen = SyntheticWeights(config.dims, tp, config.rank, seed=config.seed, device=self.device)
+        weights: dict[int, LayerWeights] = {i: gen.layer(i) for i in config.layers}
+        arms = {
+            name: StackExecutor.start(
+                config, {"decode_backend": b.started}, device=self.device, weights=weights, log=lambda line: None
+            )
+            for name, b in self.backends.items()
+        }
+        self._stack = _Stack(tp, config, arms, {name: Counter() for name in arms})
+        return self._stack
+
+    def _part_bytes(self, ex: StackExecutor, cell: Cell) -> dict[int, int]:
+        """Least bytes per layer of one decode iteration of the cell's decode rows, with the distinct experts they
+        route to in a traced step (run on `ex` at the cell's context, which is put back afterwards)."""
+        seed = _seed(cell)
+        rows = list(range(cell.batch))
+        ex.state.fill_synthetic(rows, cell.context, seed=seed)
+        x = random_input(ex.dims, ex.config.layers[0], cell.batch, seed, ex.device)
+        try:
+            traced = ex.step([StepRequest(r, x.rows(slice(r, r + 1))) for r in rows], trace=True)
+        finally:
+            for r in rows:
+                ex.state.context_lens[r] = cell.context
+        assert traced.trace is not None
+        unique = {t.layer: int(t.expert_ids.unique().numel()) for t in traced.trace if t.expert_ids is not None}
+        seq_lens = (cell.context + 1,) * cell.batch
+        return {
+            layer: sum(
+                layer_bytes(ex.dims, cell.tp, layer, StepShape(cell.batch, seq_lens, 1, unique.get(layer))).values()
+            )
+            for layer in ex.config.layers
+        }
