@@ -18,9 +18,9 @@ BUNDLE_STAGE = "bundle"
 REGISTRY: tuple[tuple[str, str | None, str], ...] = (
     ("environment", "harness.stages.environment:EnvironmentStage", ""),
     ("isolation", "harness.stages.isolation:IsolationStage", ""),
-    ("scope", None, "Principle 2: scope checks and feature preservation on the optimized path"),
+    ("scope", "harness.stages.scope:ScopeStage", "Principle 2: feature preservation on the optimized path"),
     ("numerics", "harness.stages.numerics:NumericsStage", ""),
-    ("evals", None, "Principle 3b: model evals on the optimized path, paired against baseline"),
+    ("evals", "harness.stages.evals:EvalsStage", "Principle 3b: model evals on the optimized path, paired"),
     ("perf", "harness.stages.perf:PerfStage", ""),
 )
 

@@ -9,7 +9,7 @@ from harness.cli import main
 from harness.config.loader import builtin_names, load_config
 from harness.errors import ConfigError
 
-SHIPPED = ["cpu-smoke", "h200", "tp16-gb300", "tp8-gb300", "tp8-h200"]
+SHIPPED = ["cpu-smoke", "cpu-vllm", "h200", "tp16-gb300", "tp8-gb300", "tp8-h200"]
 
 
 def cpu_smoke_text() -> str:

@@ -1,0 +1,1 @@
+"""Runners: what drives a subject from outside the gate's process (a vLLM server, lm-eval, request cells)."""
