@@ -87,7 +87,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             status.update(f"[bold]{stage}[/]: {detail}")
         elif event == "done" and not args.quiet:
             verdict = detail.split(":", 1)[0]
-            err.print(f"  [{VERDICT_STYLE.get(verdict, 'white')}]{verdict:<8}[/] {stage:<12} {detail.split(':', 1)[1]}")
+            err.print(f"  [{VERDICT_STYLE.get(verdict, 'white')}]{verdict:<8}[/] {stage:<12} ", end="")
+            err.print(detail.split(":", 1)[1].strip(), markup=False)  # reasons quote logs: no markup
 
     err.print(f"k3gate run: config {config.name}, tier {config.tier}, subject {config.subject}, {hw.describe()}")
     try:

@@ -120,6 +120,10 @@ def validate(name: str, data: dict[str, Any]) -> None:
     issues = _generic_issues(name, data)
     if not issues:
         issues = [i.line() for i in load_subject(data["subject"]).config_issues(data)]
+    if not issues:
+        from harness.perf.plan import config_issues as perf_issues  # late: keeps config loading light
+
+        issues = perf_issues(data)  # a bad sweep grammar is a usage error at load, not a stage ERROR later
     if issues:
         more = f" (and {len(issues) - 1} more)" if len(issues) > 1 else ""
         raise ConfigError(f"config {name}: {issues[0]}{more}")

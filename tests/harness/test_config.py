@@ -106,3 +106,11 @@ def test_cli_lists_and_shows_configs(capsys):
     assert main(["show-config", "tp16-gb300", "--tier", "full"]) == 0
     out = capsys.readouterr().out
     assert 'tier = "full"' in out and 'candidate_backend = "latency_specialized"' in out
+
+
+def test_a_bad_perf_sweep_is_a_config_error(tmp_path):
+    # A sweep axis outside the config's own workload would time cells the scope checks never saw.
+    path = write_variant(tmp_path, "batches = [1, 4]\ncontexts = [17]", "batches = [1, 3]\ncontexts = [17]")
+    with pytest.raises(ConfigError, match="perf") as err:
+        load_config(str(path))
+    assert "\n" not in str(err.value)
