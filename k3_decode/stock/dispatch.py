@@ -58,20 +58,20 @@ class OpRecord:
 
 
 @cache
-def _table() -> dict[str, dict]:
-    text = resources.files("k3_decode.stock").joinpath("attention_ops.toml").read_text()
-    return tomllib.loads(text)["ops"]
+def _table(name: str = "attention_ops.toml") -> dict[str, dict]:
+    return tomllib.loads(resources.files("k3_decode.stock").joinpath(name).read_text())["ops"]
 
 
 def op_names() -> tuple[str, ...]:
     return tuple(_table())
 
 
-def op_info(op: str, device: torch.device | str) -> OpInfo:
-    """The table row of `op` for `device`; raises naming the known ops when `op` is unknown."""
-    table = _table()
+def table_info(op: str, device: torch.device | str, name: str = "attention_ops.toml") -> OpInfo:
+    """The row of `op` in the op table `name` for `device` (on the CPU: "torch-cpu", no launches, no kernels);
+    raises naming the known ops when `op` is unknown."""
+    table = _table(name)
     if op not in table:
-        raise ValueError(f"unknown stock attention op {op!r}; known ops: {sorted(table)}")
+        raise ValueError(f"unknown stock op {op!r} in {name}; known ops: {sorted(table)}")
     row = table[op]
     on_cuda = torch.device(device).type == "cuda"
     return OpInfo(
@@ -82,3 +82,8 @@ def op_info(op: str, device: torch.device | str) -> OpInfo:
         vllm=row["vllm"],
         fair_because=row["fair_because"],
     )
+
+
+def op_info(op: str, device: torch.device | str) -> OpInfo:
+    """The attention_ops.toml row of `op` for `device`."""
+    return table_info(op, device)

@@ -25,11 +25,8 @@ Implementations, reported for the dispatch ledger as `StockMoeOps.implementation
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cache
-from importlib import resources
 
 import torch
 from torch import Tensor
@@ -37,7 +34,7 @@ from torch import Tensor
 from k3_decode.config import ModelDims, RankShapes
 from k3_decode.reference.moe import GatedFfn, LatentMoeWeights
 from k3_decode.reference.mxfp import MxTensor
-from k3_decode.stock.dispatch import Implementation, OpInfo, OpRecord, implementation_for
+from k3_decode.stock.dispatch import Implementation, OpInfo, OpRecord, implementation_for, table_info
 from k3_decode.stock.mlp import check_gated_weights, gated_mlp, linear_bf16, situ_and_mul_torch
 from k3_decode.stock.mlp import dense_mlp as _dense_mlp
 from k3_decode.stock.triton_moe.limits import MAX_PAIRS, check_expert_weights
@@ -45,26 +42,9 @@ from k3_decode.stock.triton_moe.tiles import TileTable, default_tiles
 from k3_decode.weights import DenseMlpWeights, MoeWeights
 
 
-@cache
-def _table() -> dict[str, dict]:
-    return tomllib.loads(resources.files("k3_decode.stock").joinpath("moe_ops.toml").read_text())["ops"]
-
-
 def moe_op_info(op: str, device: torch.device | str) -> OpInfo:
     """The moe_ops.toml row of `op` for `device` (on the CPU: "torch-cpu", no launches, no kernel names)."""
-    table = _table()
-    if op not in table:
-        raise ValueError(f"unknown stock MoE op {op!r}; known ops: {sorted(table)}")
-    row = table[op]
-    on_cuda = torch.device(device).type == "cuda"
-    return OpInfo(
-        op=op,
-        implementation=row["cuda"] if on_cuda else "torch-cpu",
-        launches=row["launches"] if on_cuda else 0,
-        kernels=tuple(row["kernels"]) if on_cuda else (),
-        vllm=row["vllm"],
-        fair_because=row["fair_because"],
-    )
+    return table_info(op, device, "moe_ops.toml")
 
 
 MOE_OPS = ("route", "latent_down", "experts", "shared", "latent_tail")
