@@ -54,20 +54,25 @@ def _fmt_interval(result: CellResult) -> str:
     )
 
 
-def cell_checks(result: CellResult, bandwidth: Bandwidth, amdahl_tolerance: float) -> list[Check]:
+def cell_checks(
+    result: CellResult, bandwidth: Bandwidth, amdahl_tolerance: float, judge_timing: bool = True
+) -> list[Check]:
+    """`judge_timing` False (a device whose numbers are not meaningful, e.g. the CPU at toy dims, where A/A ratio
+    intervals reached 6x under CI load): budget and Amdahl are recorded in the cell metrics but not judged."""
     cell, t = result.cell, result.timing
     cid = cell.id
     out = [Check(f"{cid}: both arms' timers returned finite, positive times", not t.broken, "==", True, t.broken)]
     region = result.region
-    out.append(
-        Check(
-            f"{cid}: ITL ratio (candidate/baseline) upper bound within the budget of region {region.name!r}",
-            None if t.interval is None else t.interval.high,
-            "<=",
-            region.limit,
-            _fmt_interval(result),
+    if judge_timing:
+        out.append(
+            Check(
+                f"{cid}: ITL ratio (candidate/baseline) upper bound within the budget of region {region.name!r}",
+                None if t.interval is None else t.interval.high,
+                "<=",
+                region.limit,
+                _fmt_interval(result),
+            )
         )
-    )
     if t.broken:
         return out  # nothing below can be computed from a broken timer; the failed check above says why
     for arm in ARMS:
@@ -97,16 +102,17 @@ def cell_checks(result: CellResult, bandwidth: Bandwidth, amdahl_tolerance: floa
             )
     a = amdahl(result.profiles["baseline"], result.profiles["candidate"])
     measured = t.interval.ratio if t.interval else float("nan")
-    out.append(
-        Check(
-            f"{cid}: end-to-end ratio consistent with the per-part ratios (Amdahl)",
-            abs(measured - a.predicted),
-            "<=",
-            amdahl_tolerance,
-            f"measured {measured:.4f}, predicted {a.predicted:.4f} from parts ratio {a.parts_ratio:.4f} "
-            f"covering {a.covered:.0%} of the step",
+    if judge_timing:
+        out.append(
+            Check(
+                f"{cid}: end-to-end ratio consistent with the per-part ratios (Amdahl)",
+                abs(measured - a.predicted),
+                "<=",
+                amdahl_tolerance,
+                f"measured {measured:.4f}, predicted {a.predicted:.4f} from parts ratio {a.parts_ratio:.4f} "
+                f"covering {a.covered:.0%} of the step",
+            )
         )
-    )
     for arm in ARMS:
         path = result.paths[arm]
         out.append(
@@ -122,12 +128,16 @@ def cell_checks(result: CellResult, bandwidth: Bandwidth, amdahl_tolerance: floa
 
 
 def sweep_checks(
-    results: Sequence[CellResult], planned: int, bandwidth: Bandwidth, amdahl_tolerance: float
+    results: Sequence[CellResult],
+    planned: int,
+    bandwidth: Bandwidth,
+    amdahl_tolerance: float,
+    judge_timing: bool = True,
 ) -> list[Check]:
     out = [
         Check("copy bandwidth measured in this run (bytes/s)", bandwidth.bytes_per_s, ">", 0, bandwidth.method),
         Check("perf cells measured", len(results), "==", planned),
     ]
     for r in results:
-        out.extend(cell_checks(r, bandwidth, amdahl_tolerance))
+        out.extend(cell_checks(r, bandwidth, amdahl_tolerance, judge_timing))
     return out

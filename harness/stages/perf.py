@@ -104,12 +104,16 @@ class PerfStage:
             plot.render(groups, title, plot_path, note=info.figure_note)
             evidence.append(plot_rel)
             figures.append({"path": plot_rel, "caption": _caption(suite)})
-        checks = sweep_checks(results, len(plan.cells), bandwidth, plan.settings.amdahl_tolerance)
         info = suite.info
+        # Where the numbers mean nothing (the CPU at toy dims) budgets and Amdahl are recorded, not judged.
+        checks = sweep_checks(
+            results, len(plan.cells), bandwidth, plan.settings.amdahl_tolerance, info.numbers_meaningful
+        )
         metrics = {
             "subject": info.subject,
             "device": info.device,
             "numbers_meaningful": info.numbers_meaningful,
+            "timing_judged": info.numbers_meaningful,
             "notes": list(info.notes),
             "ttft": info.ttft,
             "tier": plan.tier,

@@ -90,7 +90,8 @@ def test_every_check_passes_on_the_stock_arms(measured):
     suite, out = measured
     bandwidth = suite.bandwidth()
     for _, result in out.values():
-        failed = [c.describe() for c in sweep_checks([result], 1, bandwidth, 0.5) if not c.passed]
+        judged = suite.info.numbers_meaningful  # on the CPU A/A timing noise is recorded, not judged
+        failed = [c.describe() for c in sweep_checks([result], 1, bandwidth, 0.5, judged) if not c.passed]
         assert failed == [], failed
         assert result.paths["candidate"].expected == "stock" and result.backends["candidate"].endswith("(ran auto)")
 

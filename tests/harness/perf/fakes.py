@@ -12,7 +12,9 @@ BANDWIDTH = Bandwidth(bytes_per_s=1e9, bytes_moved=2_000_000, median_s=2e-3, met
 STEP_BYTES = 1_000_000  # 1 ms at the fake bandwidth: a 10 ms step is at 10% of its roofline
 QUICK = Settings(warmup=1, min_repeats=3, max_repeats=8, ci_target_rel_width=0.05, profile_repeats=2)
 REGION = Region("all", (1, 64), 0.05)
-FAKE_INFO = SuiteInfo("fake", "cpu", False, ("fake numbers",), "not measured", "fake numbers")
+# Judged like a GPU's numbers, so the verdict logic runs; PLUMBING_INFO is the CPU case (recorded, not judged).
+FAKE_INFO = SuiteInfo("fake", "cpu", True, ("fake numbers",), "not measured", "fake numbers")
+PLUMBING_INFO = SuiteInfo("fake", "cpu", False, ("fake numbers",), "not measured", "fake numbers")
 
 
 def cell(batch: int = 2, workload: str = "decode", q: int = 1, **kw) -> Cell:

@@ -53,7 +53,7 @@ def test_an_honest_sweep_passes_with_its_figure_and_cells(tmp_path, monkeypatch)
     assert set(first["arms"]) == {"baseline", "candidate"} and first["timing"]["baseline_s"]
     m = records.metrics
     assert m["figures"] == [{"path": "stages/perf/pareto.png", "caption": m["figures"][0]["caption"]}]
-    assert "fake numbers" in m["figures"][0]["caption"] and m["numbers_meaningful"] is False
+    assert "fake numbers" in m["figures"][0]["caption"] and m["numbers_meaningful"] is True
     assert set(m["pareto_frontiers"]) == {"decode, context 17", "mixed, context 17"}
     # metrics stay apart by axis
     axes = m["cells"][0]["metrics"]["baseline"]
@@ -121,3 +121,14 @@ def test_progress_names_every_cell(tmp_path, monkeypatch):
     ctx = replace(_ctx(tmp_path, _config()), progress=lambda what, frac: seen.append(what))
     perf_stage.PerfStage().run(ctx)
     assert len(seen) == 4 and seen[0].startswith("decode/")
+
+
+def test_numbers_that_mean_nothing_record_budgets_without_judging_them(tmp_path, monkeypatch):
+    from tests.harness.perf.fakes import PLUMBING_INFO
+
+    def slow(c: Cell):
+        return FakeArm("baseline", constant(0.010)), FakeArm("candidate", constant(0.013))
+
+    records, verdict = _run(tmp_path, monkeypatch, FakeSubject(FakeSuite(slow, info=PLUMBING_INFO)))
+    assert verdict.verdict == "PASSED" and records.metrics["timing_judged"] is False
+    assert not any("budget" in c.name or "Amdahl" in c.name for c in records.checks)
