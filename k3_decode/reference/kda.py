@@ -155,17 +155,22 @@ class KdaWeights:
     o_norm: Tensor  # [D]
 
     def check(self, spec: KdaSpec) -> None:
-        expected = {
-            "f_b": (spec.proj, spec.gate_rank),
-            "conv": (spec.conv_channels, spec.conv_width),
-            "a_log": (spec.heads,),
-            "dt_bias": (spec.proj,),
-            "o_norm": (spec.head_dim,),
-        }
-        for name, shape in expected.items():
-            got = tuple(getattr(self, name).shape)
-            if got != shape:
-                raise ValueError(f"KDA weight {name}: shape {got}, expected {shape}")
+        check_weight_shapes(spec, self)
+
+
+def check_weight_shapes(spec: KdaSpec, weights: object) -> None:
+    """Raise naming the first KDA weight (f_b, conv, a_log, dt_bias, o_norm) of `weights` with a wrong shape."""
+    expected = {
+        "f_b": (spec.proj, spec.gate_rank),
+        "conv": (spec.conv_channels, spec.conv_width),
+        "a_log": (spec.heads,),
+        "dt_bias": (spec.proj,),
+        "o_norm": (spec.head_dim,),
+    }
+    for name, shape in expected.items():
+        got = tuple(getattr(weights, name).shape)
+        if got != shape:
+            raise ValueError(f"KDA weight {name}: shape {got}, expected {shape}")
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from k3_decode.reference.kda import KdaCache, KdaSpec, decode_write_set, verify_write_set
+from k3_decode.reference.kda import KdaCache, KdaSpec, check_weight_shapes, decode_write_set, verify_write_set
 from k3_decode.stock import gemm
 from k3_decode.stock.dispatch import Implementation, implementation_for
 from k3_decode.weights import KdaWeights
@@ -42,17 +42,7 @@ def _capturing() -> bool:
 
 
 def _check_common(spec: KdaSpec, weights: KdaWeights, cache: KdaCache, taps: int) -> None:
-    expected = {
-        "f_b": (spec.proj, spec.gate_rank),
-        "conv": (spec.conv_channels, spec.conv_width),
-        "a_log": (spec.heads,),
-        "dt_bias": (spec.proj,),
-        "o_norm": (spec.head_dim,),
-    }
-    for name, shape in expected.items():
-        got = tuple(getattr(weights, name).shape)
-        if got != shape:
-            raise ValueError(f"KDA weight {name}: shape {got}, expected {shape}")
+    check_weight_shapes(spec, weights)
     cache.check(spec, taps)
     if cache.conv.dtype != torch.bfloat16 or cache.recurrent.dtype != torch.float32:
         raise ValueError(
