@@ -33,7 +33,7 @@ from k3_decode.runtime.backend import PROVIDERS, ProviderRegistry
 from k3_decode.runtime.ledger import DispatchRecord, KernelCatalog, Ledger, Mode, graph_key
 from k3_decode.runtime.plan import Planner, StepInput, StepPlan
 from k3_decode.runtime.scope import Deployment, local_device
-from k3_decode.runtime.startup import start
+from k3_decode.runtime.startup import GatherVerdicts, start
 from k3_decode.runtime.writeset import WriteSet, declare_step, kda_state_name, mla_cache_name, scratch_name
 from k3_decode.stock import OpRecord, StockAttentionOps
 from k3_decode.stock.dispatch import Implementation
@@ -156,9 +156,13 @@ class StackExecutor:
         additional_config: Mapping[str, Any] | None = None,
         *,
         device: torch.device | str | None = None,
+        gather: GatherVerdicts | None = None,
         **kwargs: Any,
     ) -> StackExecutor:
-        """Start-up through the runtime (backend, scope checks), then build. Raises the runtime's one-line errors."""
+        """Start-up through the runtime (backend, scope checks), then build. Raises the runtime's one-line errors.
+
+        `gather`: every TP rank's scope verdict (k3_decode.distributed), so the ranks agree before anything is built.
+        """
         kind, capability = local_device()
         device = torch.device(device or kind)
         if device.type != kind:
@@ -179,7 +183,7 @@ class StackExecutor:
             cudagraph_mode="full_decode_only" if kind == "cuda" else "none",
             capture_sizes=tuple(sorted(config.graph_batches)),
         )
-        runtime = start(additional_config, deployment)
+        runtime = start(additional_config, deployment, gather=gather)
         return cls(config, runtime.planner(dims, config.layers), device=device, registry=runtime.registry, **kwargs)
 
     # -- what the executor owns ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -25,7 +26,7 @@ from k3_decode.reference.decoder import LayerTrace
 from k3_decode.stock import AttnResBuffers, PagedLatentCache, StockAttentionOps
 from k3_decode.stock.attention_ops import MLA_DECODE_OPS
 from k3_decode.stock.moe import StockMoeOps
-from k3_decode.weights import DenseMlpWeights, KdaWeights, LayerWeights, MlaWeights, MoeWeights
+from k3_decode.weights import DenseMlpWeights, KdaWeights, LayerWeights, MlaWeights, MoeWeights, ResidualWeights
 
 RANGE_PREFIX = "k3.L"
 MLA_ATTENTION_OPS = ("mla_qkv_a_g", *MLA_DECODE_OPS, "mla_o_proj")
@@ -126,6 +127,44 @@ class StepBuffers:
         self.slot_mapping[n:].fill_(-1)
 
 
+class RowParallel(Protocol):
+    """Where a layer's row-parallel partials become replicated values: after o_proj (feeding the AttnRes after
+    attention), in the MoE tail (the latent and shared-expert sums) and after the dense MLP. One rank holding its
+    shard alone elides the all-reduces (`ELIDED`); k3_decode.distributed runs them across processes."""
+
+    def attention_out(
+        self, ops: StockAttentionOps, work: AttnResBuffers, layer: int, partial: Tensor, residual: ResidualWeights
+    ) -> Tensor:
+        """The MLP input: AttnRes after attention on the all-reduce of the o_proj `partial`."""
+        ...
+
+    def moe_tail(self, moe: StockMoeOps, routed: Tensor, shared: Tensor, weights: MoeWeights) -> Tensor:
+        """The MoE output from this rank's routed-latent and shared-expert partials."""
+        ...
+
+    def reduce(self, partial: Tensor) -> Tensor:
+        """The all-reduce alone (the dense MLP output; per-layer traces of the attention output)."""
+        ...
+
+
+class ElidedRowParallel:
+    """One rank's shard on its own: every all-reduce is the identity (the executor's default)."""
+
+    def attention_out(
+        self, ops: StockAttentionOps, work: AttnResBuffers, layer: int, partial: Tensor, residual: ResidualWeights
+    ) -> Tensor:
+        return ops.attn_res_after(work, layer, partial, residual)
+
+    def moe_tail(self, moe: StockMoeOps, routed: Tensor, shared: Tensor, weights: MoeWeights) -> Tensor:
+        return moe.latent_tail(routed, shared, weights)
+
+    def reduce(self, partial: Tensor) -> Tensor:
+        return partial
+
+
+ELIDED = ElidedRowParallel()
+
+
 class LayerRunner:
     """Runs layers of the stack on the stock ops, over the rows of a StepBuffers."""
 
@@ -144,6 +183,7 @@ class LayerRunner:
         self.k_scale, self.q_scale = k_scale, q_scale
         self.ranges = False  # profiler ranges around each stock call (benchmarks turn them on)
         self.on_layer: Callable[[int], None] | None = None  # told which layer runs next (the op log uses it)
+        self.row_parallel: RowParallel = ELIDED  # the TP executor (k3_decode.distributed) sets its all-reduces
 
     @contextlib.contextmanager
     def _range(self, layer: int, ops: Sequence[str]) -> Iterator[None]:
@@ -189,23 +229,26 @@ class LayerRunner:
             a = self._kda(layer, x, w.attention, buffers, rows)
         else:
             a = self._mla(layer, x, w.attention, buffers, rows, num_splits)
+        # A trace records the replicated attention output (the identity on one rank); all ranks trace alike.
+        a_full = None if trace is None else self.row_parallel.reduce(a)
         with self._range(layer, ("attn_res",)):
-            y = self.attention.attn_res_after(work, layer, a, w.residual)
+            y = self.row_parallel.attention_out(self.attention, work, layer, a, w.residual)
         ids = None
         if isinstance(w.mlp, MoeWeights):
             out, ids = self._moe(layer, y, w.mlp)
         else:
             assert isinstance(w.mlp, DenseMlpWeights)
             with self._range(layer, ("dense",)):
-                out = self.moe.dense(y, w.mlp)
+                out = self.row_parallel.reduce(self.moe.dense(y, w.mlp))
         if trace is not None:
+            assert a_full is not None
             trace.append(
                 LayerTrace(
                     layer=layer,
                     kind=w.kind,
                     mlp_kind=w.mlp_kind,
                     attn_input=x.detach().clone().unsqueeze(1),
-                    attn_output=a.detach().clone().unsqueeze(1),
+                    attn_output=a_full.detach().clone().unsqueeze(1),
                     mlp_input=y.detach().clone().unsqueeze(1),
                     mlp_output=out.detach().clone().unsqueeze(1),
                     expert_ids=None if ids is None else ids.detach().clone().long().unsqueeze(1),
@@ -245,5 +288,5 @@ class LayerRunner:
         with self._range(layer, ("shared",)):
             shared = moe.shared(y, w)
         with self._range(layer, ("latent_tail",)):
-            out = moe.latent_tail(routed, shared, w)
+            out = self.row_parallel.moe_tail(moe, routed, shared, w)
         return out, routing.ids

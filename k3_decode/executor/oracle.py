@@ -21,7 +21,7 @@ oracle still computes in `dtype`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +32,7 @@ from k3_decode.executor.inputs import StackInput
 from k3_decode.executor.state import StepTables
 from k3_decode.reference import attn_res as ra
 from k3_decode.reference import mla as rm
+from k3_decode.reference import moe as rmoe
 from k3_decode.reference.decoder import (
     KdaRank,
     LayerTrace,
@@ -81,6 +82,10 @@ def _mla_attention(
     return o @ w.o_proj.T
 
 
+Reduce = Callable[[Tensor], Tensor]
+"""An all-reduce across the TP ranks of the oracle's row-parallel partial (every rank calls it in the same order)."""
+
+
 def teacher_forced(
     dims: ModelDims,
     tp: int,
@@ -88,8 +93,14 @@ def teacher_forced(
     trace: Sequence[LayerTrace],
     inp: OracleInputs,
     dtype: torch.dtype = torch.float64,
+    reduce: Reduce | None = None,
 ) -> tuple[LayerTrace, ...]:
-    """The oracle's trace of the same layers, each sublayer fed the executor's input to it (see module doc)."""
+    """The oracle's trace of the same layers, each sublayer fed the executor's input to it (see module doc).
+
+    `reduce`: for an executor that runs its all-reduces across processes (k3_decode.distributed), each rank's oracle
+    computes its own shard's partials and combines them through `reduce`; None keeps the all-reduce over this one
+    rank, as the single-rank executor does.
+    """
     numerics = Numerics(dtype=dtype, all_reduce="two_shot", mla_k_scale=inp.k_scale)
     spec = KdaSpec.for_rank(dims, tp)
     block, eps = dims.attn_res_block_size, dims.rms_norm_eps
@@ -109,15 +120,25 @@ def teacher_forced(
             attn = kda_rank_attention(spec, rank, x[:, None], inp.kda[layer], kda_slots, None, dtype)[:, 0]
         else:
             attn = _mla_attention(dims, MlaRank.from_weights(w.attention, dtype), x, inp.mla[layer], inp, dtype)
+        if reduce is not None:
+            attn = reduce(attn)
         mlp_mix = _mix(res.mlp_res, res.post_attn_norm, dtype)
         x_mlp, state = ra.after_attention(state, layer, tr.attn_output[:, 0], mlp_mix, block, eps, dtype)
         y = tr.mlp_input[:, 0].to(dtype)
         ids = None
         if isinstance(w.mlp, DenseMlpWeights):
-            mlp = dense_mlp(dims, [GatedFfn(w.mlp.gate_up.to(dtype), w.mlp.down.to(dtype))], y, numerics)
+            ffn = GatedFfn(w.mlp.gate_up.to(dtype), w.mlp.down.to(dtype))
+            mlp = dense_mlp(dims, [ffn], y, numerics) if reduce is None else reduce(rmoe.dense_mlp(y, ffn, dims))
         else:
             assert isinstance(w.mlp, MoeWeights)
-            mlp, ids = latent_moe(dims, [as_reference(w.mlp, torch.bfloat16)], y, numerics)
+            ref = as_reference(w.mlp, torch.bfloat16)
+            if reduce is None:
+                mlp, ids = latent_moe(dims, [ref], y, numerics)
+            else:
+                combined = rmoe.latent_moe_combine(
+                    [rmoe.latent_moe_partial(y, ref, dims)], ref, dims, reduce=lambda parts: reduce(parts[0])
+                )
+                mlp, ids = combined.out, combined.routing.ids
         out.append(
             LayerTrace(
                 layer=layer,

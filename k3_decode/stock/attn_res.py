@@ -13,7 +13,7 @@ Implementations: "triton" on CUDA (triton_kernels.attn_res, one program per toke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -210,6 +210,50 @@ def after_attention(
 ) -> Tensor:
     """The oracle's after_attention, in place: returns the MLP input (BF16)."""
     return apply(buffers, AttnResSite.after_attention(layer, block_size), attn_out, weights, eps, implementation)
+
+
+class FusedReduceAttnRes(Protocol):
+    """A TP all-reduce of the attention's o_proj partial that runs the AttnRes application after attention as its
+    epilogue, in one launch (k3_decode.distributed.allreduce.PeerAllReduce)."""
+
+    def attn_res_after(
+        self,
+        partial: Tensor,
+        prefix: Tensor,
+        blocks: Tensor,
+        res_norm: Tensor,
+        res_proj: Tensor,
+        out_norm: Tensor | None,
+        *,
+        num_blocks: int,
+        restart: bool,
+        eps: float,
+    ) -> Tensor: ...
+
+
+def after_attention_reduced(
+    buffers: AttnResBuffers,
+    layer: int,
+    partial: Tensor,
+    weights: MixWeights,
+    block_size: int,
+    eps: float,
+    fused: FusedReduceAttnRes,
+) -> Tensor:
+    """after_attention on the TP all-reduce of this rank's o_proj `partial`, both done by `fused` in one launch."""
+    site = AttnResSite.after_attention(layer, block_size)
+    _check(buffers, site, partial, weights)
+    return fused.attn_res_after(
+        partial,
+        buffers.prefix,
+        buffers.blocks,
+        weights.res_norm.reshape(-1),
+        weights.res_proj.reshape(-1),
+        None if weights.out_norm is None else weights.out_norm.reshape(-1),
+        num_blocks=site.num_blocks,
+        restart=site.delta == "restart",
+        eps=eps,
+    )
 
 
 def final(

@@ -83,8 +83,64 @@ def attn_res_kernel(
     BLOCK_O: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    attn_res_row(
+        t,
+        prefix_ptr,
+        delta_ptr + t * stride_delta,
+        blocks_ptr,
+        out_ptr,
+        scratch_ptr,
+        res_norm_ptr,
+        res_proj_ptr,
+        out_norm_ptr,
+        hidden,
+        num_blocks,
+        save_index,
+        stride_prefix,
+        stride_blocks_t,
+        stride_blocks_s,
+        stride_out,
+        eps,
+        HAS_DELTA,
+        RESTART,
+        SAVE,
+        HAS_OUT_NORM,
+        BLOCK_S,
+        BLOCK_H,
+        BLOCK_O,
+    )
+
+
+@triton.jit
+def attn_res_row(
+    t,
+    prefix_ptr,
+    delta_row,
+    blocks_ptr,
+    out_ptr,
+    scratch_ptr,
+    res_norm_ptr,
+    res_proj_ptr,
+    out_norm_ptr,
+    hidden,
+    num_blocks,
+    save_index,
+    stride_prefix,
+    stride_blocks_t,
+    stride_blocks_s,
+    stride_out,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    RESTART: tl.constexpr,
+    SAVE: tl.constexpr,
+    HAS_OUT_NORM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+):
+    """The whole application for token `t` (int64), its delta read from `delta_row`: the stock kernel's body, also
+    the epilogue of the TP all-reduce that produces delta (k3_decode.distributed.triton_twoshot)."""
     prefix_row = prefix_ptr + t * stride_prefix
-    delta_row = delta_ptr + t * stride_delta
     blocks_row = blocks_ptr + t * stride_blocks_t
     scratch_row = scratch_ptr + t * 2 * hidden  # [mix | p'], FP32
     src = tl.arange(0, BLOCK_S)

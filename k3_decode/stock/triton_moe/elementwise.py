@@ -18,12 +18,18 @@ from k3_decode.stock.triton_moe.common import bf16_rne, situ_f32
 def k3_rms_norm(x_ptr, w_ptr, out_ptr, n, stride_x, stride_out, eps, BLOCK: tl.constexpr):
     """out[row] = bf16(x / sqrt(mean(x^2) + eps) * w), one program per row, the row held in registers."""
     row = tl.program_id(0)
+    rms_norm_row(x_ptr + row * stride_x, w_ptr, out_ptr + row * stride_out, n, eps, BLOCK)
+
+
+@triton.jit
+def rms_norm_row(x_row, w_ptr, out_row, n, eps, BLOCK: tl.constexpr):
+    """One row of k3_rms_norm; also the epilogue of the TP all-reduce of the latent (k3_decode.distributed)."""
     cols = tl.arange(0, BLOCK)
     ok = cols < n
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, bf16_rne(x * inv * w), mask=ok)
+    tl.store(out_row + cols, bf16_rne(x * inv * w), mask=ok)
 
 
 @triton.jit

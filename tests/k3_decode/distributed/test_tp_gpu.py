@@ -1,0 +1,52 @@
+"""TP across two or more GPUs (one process each, NCCL and peer memory): the all-reduces' bits, the fused
+epilogues, and a real-shape TP stack against the oracle, replicated exactly, audited per rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.parallel import run_ranks
+from tests.k3_decode.distributed import ranks
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two or more CUDA devices"
+    ),
+]
+WORLD = 2
+
+
+@pytest.mark.parametrize("transport", ["ordered", "peer"])
+def test_rank_order_transports_give_the_oracles_bits_on_gpus(transport: str) -> None:
+    for rank_result in run_ranks(ranks.all_reduce_bits, WORLD, "cuda", (transport, 8), timeout_s=300):
+        for cell, r in rank_result.items():
+            assert r == {"oracle": "ok", "identical": True, "input_unchanged": True}, (transport, cell, r)
+
+
+def test_nccl_replicates_but_is_not_held_to_the_rank_order_rule() -> None:
+    for rank_result in run_ranks(ranks.all_reduce_bits, WORLD, "cuda", ("nccl",), timeout_s=300):
+        assert all(r["identical"] and r["input_unchanged"] for r in rank_result.values()), rank_result
+
+
+def test_the_bit_check_fails_a_reversed_order_transport_on_gpus() -> None:
+    results = run_ranks(ranks.all_reduce_bits, WORLD, "cuda", ("bf16-running",), timeout_s=300)
+    assert all("values differ" in r["64x7168"]["oracle"] for r in results)
+
+
+def test_fused_epilogues_give_the_unfused_bits() -> None:
+    for rank_result in run_ranks(ranks.fused_epilogues, WORLD, "cuda", ([1, 8, 64],), timeout_s=300):
+        assert all(rank_result.values()), rank_result
+
+
+def test_real_shape_tp_stack_matches_the_oracle_and_fused_equals_unfused() -> None:
+    variants = [("ordered", False), ("peer", True), ("nccl", False)]
+    results = run_ranks(ranks.stack_variants, WORLD, "cuda", ("k3-kda-mla", variants), timeout_s=580)
+    for rank, r in enumerate(results):
+        for label, v in r.items():
+            assert v["failures"] == [], (rank, label, v["failures"])
+            assert v["replication"] == [], (rank, label, v["replication"])
+            assert v["audit_passed"], (rank, label, v["audit"])
+        for req, t in r["ordered"]["outputs"].items():
+            assert torch.equal(t.view(torch.int16), r["peer+fused"]["outputs"][req].view(torch.int16)), req
