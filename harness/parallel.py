@@ -53,6 +53,9 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, kind: str, 
         first = str(exc).splitlines()[0] if str(exc) else ""
         outcome = RankOutcome(rank, error=f"{type(exc).__name__}: {first}", trace=traceback.format_exc())
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(outcome))
+    # The result is saved; leave without interpreter teardown, whose NCCL and symmetric-memory finalizers can block
+    # once a peer has exited (seen on a two-GPU host), and must never decide a rank's result.
+    os._exit(0)
 
 
 def run_ranks(

@@ -40,8 +40,7 @@ def check_rows(x: Tensor, world: int, max_rows: int | None = None) -> tuple[int,
     rows, width = x.shape
     if width % world or (width // world) % FRAGMENT_COLS:
         raise AllReduceError(
-            f"width {width} does not split into {world} chunks of whole {FRAGMENT_COLS}-column fragments; "
-            "pad the row"
+            f"width {width} does not split into {world} chunks of whole {FRAGMENT_COLS}-column fragments; pad the row"
         )
     if max_rows is not None and rows > max_rows:
         raise AllReduceError(f"{rows} rows exceed the {max_rows} the buffer was sized for; build it for more rows")
@@ -113,10 +112,7 @@ class PeerAllReduce:
         pad_bytes = _aligned(4 * 2 * self.max_rows * world)  # [2 phases, rows, world] int32
         buffer = symm_mem.empty(slot_bytes + gather_bytes + pad_bytes, dtype=torch.uint8, device=self.group.device)
         buffer.zero_()  # the pads start unsignalled; the data regions are always written before they are read
-        name = self.group.group_name
-        if not symm_mem.is_symm_mem_enabled_for_group(name):
-            symm_mem.enable_symm_mem_for_group(name)
-        handle = symm_mem.rendezvous(buffer, name)
+        handle = symm_mem.rendezvous(buffer, self.group.group_name)
         ptrs = list(handle.buffer_ptrs)
         if len(ptrs) != world or ptrs[self.group.rank] != buffer.data_ptr():
             raise AllReduceError(

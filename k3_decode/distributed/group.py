@@ -91,5 +91,7 @@ class TpGroup:
         dist.barrier()
 
     def leave(self) -> None:
+        """Leave together: no rank tears the communicator down while a peer may still use it."""
         if dist.is_initialized():
+            self.barrier()
             dist.destroy_process_group()

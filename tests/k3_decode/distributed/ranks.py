@@ -65,7 +65,18 @@ class Bf16RunningSum(OrderedAllReduce):
         return acc
 
 
-TRANSPORTS: dict[str, Any] = {"reversed": ReversedOrder, "bf16-running": Bf16RunningSum}
+class TruncatingSum(OrderedAllReduce):
+    """Red team: rank order in FP32, but rounded toward zero instead of to nearest even (wrong at any TP size)."""
+
+    def __call__(self, x: Tensor) -> Tensor:
+        parts = self.group.gather_tensors(x)
+        acc = parts[0].float()
+        for p in parts[1:]:
+            acc = acc + p.float()
+        return (acc.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+
+
+TRANSPORTS: dict[str, Any] = {"reversed": ReversedOrder, "bf16-running": Bf16RunningSum, "truncating": TruncatingSum}
 
 
 def all_reduce_bits(

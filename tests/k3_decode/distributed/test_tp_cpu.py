@@ -21,7 +21,7 @@ def test_ordered_all_reduce_gives_every_rank_the_oracles_bits(world: int) -> Non
             assert r == {"oracle": "ok", "identical": True, "input_unchanged": True}, cell
 
 
-@pytest.mark.parametrize("transport", ["reversed", "bf16-running"])
+@pytest.mark.parametrize("transport", ["reversed", "bf16-running", "truncating"])
 def test_the_bit_check_fails_a_transport_that_sums_in_another_order_or_rounds_early(transport: str) -> None:
     results = run_ranks(ranks.all_reduce_bits, 4, "cpu", (transport,))
     verdicts = [r["3x7168"]["oracle"] for r in results]
