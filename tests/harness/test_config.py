@@ -8,6 +8,8 @@ import pytest
 from harness.cli import main
 from harness.config.loader import builtin_names, load_config
 from harness.errors import ConfigError
+from harness.runners.eval_tasks import evals_data
+from harness.subjects import load_subject
 
 SHIPPED = ["cpu-smoke", "cpu-vllm", "h200", "tp16-gb300", "tp8-gb300", "tp8-h200"]
 
@@ -114,3 +116,108 @@ def test_a_bad_perf_sweep_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="perf") as err:
         load_config(str(path))
     assert "\n" not in str(err.value)
+
+
+# --- the vllm-k3 configs: out-of-scope deployments, small-batch and long-context evals -------------------------
+def vllm_k3_configs() -> list[str]:
+    names = [n for n in SHIPPED if load_config(n).subject == "vllm-k3"]
+    assert names == ["tp16-gb300", "tp8-gb300"]  # the check below must not pass by finding nothing
+    return names
+
+
+def refusal_problems(config: dict) -> list[str]:
+    """Out-of-scope cases whose expected error is not one the model gives (k3_decode/scope/vllm-k3.toml)."""
+    refusal = load_subject("vllm-k3").scope["refusal"]
+    known = {refusal["prefix"] + reason for reason in refusal["reasons"]}
+    cases = config["vllm"].get("out_of_scope", [])
+    problems = [f"{c['name']}: {c['expect_error']!r}" for c in cases if c["expect_error"] not in known]
+    if len({c["name"] for c in cases}) != len(cases):
+        problems.append("two cases share a name (their logs and snapshot folders would collide)")
+    return problems
+
+
+def test_out_of_scope_cases_expect_the_models_own_refusals(tmp_path):
+    for name in vllm_k3_configs():
+        vllm = load_config(name).data["vllm"]
+        assert len(vllm["out_of_scope"]) >= 5 and refusal_problems({"vllm": vllm}) == []
+        # The V1-runner case reaches the model through the environment, not an argument.
+        assert {"VLLM_USE_V2_MODEL_RUNNER": "0"} in [c.get("env") for c in vllm["out_of_scope"]]
+    # Broken case: a paraphrased error would never match the log, so the case could only ever fail.
+    bad = load_config("tp8-gb300").data["vllm"]
+    bad = {"vllm": {**bad, "out_of_scope": [{**bad["out_of_scope"][0], "expect_error": "does not support eager"}]}}
+    assert refusal_problems(bad) == ["eager, no CUDA graphs: 'does not support eager'"]
+
+
+def test_vllm_k3_evals_cover_small_batches_long_context_and_full_datasets():
+    prepared = set(load_subject("vllm-k3").scope["deployment"]["prepared_batches"])
+    for name in vllm_k3_configs():
+        vllm = load_config(name).data["vllm"]
+        ev = vllm["evals"]
+        assert ev["datasets"] == "dir" and "dataset_dir" not in ev  # the user's folder, never a path of ours
+        assert ev["tasks"] == ["gsm8k", "gpqa_diamond", "aime25", "mrcr_v2"]
+        assert ev["concurrency"][0] == 1 and max(ev["concurrency"]) == 8 and set(ev["concurrency"]) <= prepared
+        # Long context: MRCR rows up to max_model_len minus its answer budget; forcing prompts must still fit.
+        assert vllm["max_model_len"] >= 131072
+        assert ev["teacher_forcing_tokens"] + 64 < vllm["max_model_len"]
+        assert vllm["cudagraph_mode"] in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
+def test_the_in_process_configs_have_no_vllm_table():
+    for name in ("h200", "tp8-h200", "cpu-smoke"):
+        assert "vllm" not in load_config(name).data
+
+
+def gb300_variant(tmp_path: Path, old: str, new: str) -> Path:
+    text = resources.files("harness.config.configs").joinpath("tp8-gb300.toml").read_text()
+    assert old in text, f"test setup: {old!r} not in tp8-gb300.toml"
+    path = tmp_path / "tp8-gb300.toml"
+    path.write_text(text.replace(old, new, 1))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "names"),
+    [
+        (
+            'env = {VLLM_USE_V2_MODEL_RUNNER = "0"}',
+            "env = {VLLM_USE_V2_MODEL_RUNNER = 0}",
+            ["VLLM_USE_V2_MODEL_RUNNER"],
+        ),
+        ('name = "expert parallelism"', 'name = "expert parallelism"\nexpect = "refusal"', ["'expect'", "allowed"]),
+        ("concurrency = [1, 2, 4, 8]", "concurrency = [0, 8]", ["vllm.evals.concurrency.0", "minimum"]),
+        ('datasets = "dir"', 'datasets = "hub"', ["vllm.evals.datasets", "'fixtures'"]),
+    ],
+)
+def test_bad_vllm_k3_values_are_one_line_errors(tmp_path, old, new, names):
+    with pytest.raises(ConfigError) as err:
+        load_config(str(gb300_variant(tmp_path, old, new)))
+    message = str(err.value)
+    assert "\n" not in message and " — " in message
+    for part in names:
+        assert part in message
+
+
+def test_show_config_prints_the_out_of_scope_cases_and_eval_cells(capsys):
+    assert main(["show-config", "tp16-gb300"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("[[vllm.out_of_scope]]") == 6 and "[vllm.out_of_scope.env]" in out
+    assert "[vllm.evals]" in out and 'datasets = "dir"' in out
+
+
+# --- the teacher-forcing limits say where their numbers come from -----------------------------------------------
+def uncalibrated(limits: dict) -> list[str]:
+    """Limits (max_*/min_*) whose why text does not say they are CPU-calibrated placeholders."""
+    why = limits.get("why", {})
+    return [
+        key
+        for key in limits
+        if key.startswith(("max_", "min_")) and "CPU-calibrated placeholder, not a GPU number" not in why.get(key, "")
+    ]
+
+
+def test_teacher_forcing_limits_are_marked_cpu_calibrated_placeholders():
+    limits = evals_data()["teacher_forcing"]
+    assert {k for k in limits if k.startswith(("max_", "min_"))} == set(limits["why"])
+    assert uncalibrated(limits) == []
+    # Broken case: a new limit without its reason is caught.
+    assert uncalibrated({**limits, "max_js": 0.1}) == ["max_js"]
