@@ -33,8 +33,26 @@ class K3Subject:
         return tomllib.loads(self.scope_text)
 
     def code_scope(self) -> dict[str, Any] | None:
-        """The `[isolation]` table of the scope file (paths, globs, declared switches), or None if it has none."""
-        return self.scope.get("isolation")
+        """The `[isolation]` table of the scope file (paths, globs, declared switches), or None if it has none.
+
+        Its `coverage` table is the runtime half's (see `coverage_scope`), not a key of the static code scope."""
+        section = self.scope.get("isolation")
+        if section is None:
+            return None
+        return {key: value for key, value in section.items() if key != "coverage"}
+
+    def coverage_scope(self) -> dict[str, Any] | None:
+        """`[isolation.coverage]`: the specialized modules whose line coverage the isolation stage measures."""
+        return self.scope.get("isolation", {}).get("coverage")
+
+    def isolation_suite(self, config: Any) -> Any:
+        """The runtime isolation suite of the in-process subject (its executor under the write-set audit and proof
+        of path); vLLM's subject proves its path through the vLLM plugin in the scope stage instead."""
+        if self.name != "k3-hopper":
+            return None
+        from k3_decode.isolation_suite import K3IsolationSuite  # late: torch is needed only when the stage runs
+
+        return K3IsolationSuite.from_config(self.name, config)
 
     def numerics_suite(self, config: Any) -> Any:
         """The numerics suite of the in-process subject; vLLM's subject is judged by its evals instead."""

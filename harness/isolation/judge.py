@@ -12,10 +12,11 @@ from harness.isolation.hygiene import RULES, Finding, check_source
 from harness.isolation.scope import CodeScope
 from harness.verdicts import Check, StageRecords
 
-# Said in every record, so no reader takes the static checks for the whole of isolation.
-RUNTIME_NOT_BUILT = (
-    "not part of this build: the runtime write-set audit and proof of path need the subject's executor; "
-    "the checks recorded are the static ones (diff classification, co-change rules, code hygiene)"
+# Said in every static judgement, so no reader takes the static checks for the whole of isolation; the isolation
+# stage of a run replaces it with what its runtime half ran (harness/stages/isolation.py).
+STATIC_ONLY = (
+    "static checks only (diff classification, co-change rules, code hygiene): the runtime write-set audit and "
+    "proof of path run in the isolation stage of `k3gate run`, through the subject's runtime isolation suite"
 )
 DETAIL_ITEMS = 20  # findings named in a check's detail; the evidence file has all of them
 
@@ -115,7 +116,7 @@ def metrics(report: StaticReport) -> dict[str, Any]:
         "python_files_checked": len(report.python_checked),
         "findings": {rule: sum(f.rule == rule for f in report.failing_findings) for rule in RULES},
         "declared_findings": sum(bool(f.accepted) for f in report.findings),
-        "runtime_audit": RUNTIME_NOT_BUILT,
+        "runtime_audit": STATIC_ONLY,
     }
 
 

@@ -1,9 +1,9 @@
 """Red team of the isolation stage (static part): changes that each leave the model's area in one way.
 
 Each case builds a two-commit repository in the scratch folder and judges it with a real subject's code scope
-through the stage's own path; the stage must FAIL. The runtime cases of the issue (a step that writes another
-request's KDA state, a step that runs stock while claiming specialized) need the k3_decode executor and are not
-part of this build.
+through the stage's own path; the stage must FAIL. The runtime cases (a specialized step that writes another
+request's KDA state, a step that runs stock while its ledger claims specialized) are broken providers of the
+k3-hopper subject, so they live with it (k3_decode/isolation_redteam.py) and harness/redteam.toml lists both modules.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ _KEYS = {
     "registrations": "table: dotted registry call (glob) -> why a reviewer accepted calling it on import",
     "repository": "'self' (the repository that holds the gate) or 'external' (found through repository_env)",
     "repository_env": "environment variable that names the repository's folder when repository = 'external'",
+    "coverage": "table {modules, floor, why}: line coverage of the specialized modules (the runtime half reads it)",
 }
 _RULE_KEYS = ("name", "when", "forbids", "why")
 

@@ -5,11 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.report.model import ICONS, ReportView, build
+from harness.report.model import ICONS, TIMELINE_COLUMNS, ReportView, build
 
 
 def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _plain(text: Any) -> str:
+    """Text that quotes globs (`**`), which markdown would read as emphasis."""
+    return _cell(text).replace("*", r"\*")
 
 
 def render_view(view: ReportView) -> str:
@@ -31,8 +36,19 @@ def render_view(view: ReportView) -> str:
     if view.not_run:
         lines += ["", "### Did not run", ""]
         lines += [f"- **{s.stage}** ({s.verdict}): {s.reason}" for s in view.not_run]
+    items = [(s.stage, i) for s in view.stages for i in s.not_run_items]
+    if items:
+        lines += ["", "### Not run inside stages (never counted as passed)", ""]
+        lines += [f"- {stage}: **{_plain(i['name'])}**: {_plain(i['reason'])}" for stage, i in items]
     if view.not_selected:
         lines += ["", f"Not selected for this run (`--stages`): {', '.join(view.not_selected)}."]
+    for s in view.stages:
+        for t in s.timelines:
+            lines += ["", f"### {s.stage}: {_cell(t.title)}", ""]
+            lines += ["| " + " | ".join(TIMELINE_COLUMNS) + " |", "|" + "---|" * len(TIMELINE_COLUMNS)]
+            lines += ["| " + " | ".join(_cell(r[c]) for c in TIMELINE_COLUMNS) + " |" for r in t.rows]
+            if t.left_out:
+                lines.append(f"\n{t.left_out} more rows in the stage's evidence (stages/{s.stage}/timeline.json).")
     figures = [(s.stage, f) for s in view.stages for f in s.figures]
     if figures:
         lines += ["", "### Figures", ""]

@@ -13,6 +13,11 @@ ICONS = {"PASSED": "✅", "FAILED": "❌", "NOT_RUN": "⏸️", "ERROR": "💥",
 # A stage shows a figure by listing the file as evidence and naming it in its metrics' "figures" list
 # ({"path", "caption"}); only these types, which every browser shows inline, are embedded.
 IMAGE_TYPES = {".png": "image/png", ".svg": "image/svg+xml"}
+# A stage shows a dispatch timeline by naming it in its metrics' "timelines" list ({"title", "rows"}), each row the
+# fields below (harness/isolation/runtime.py makes them from a dispatch ledger); a long one is cut in the report
+# and kept whole in the stage's evidence.
+TIMELINE_COLUMNS = ("step", "cell", "mode", "event", "path", "where", "reason", "wrote")
+TIMELINE_ROWS = 40
 
 
 @dataclass
@@ -21,6 +26,13 @@ class FigureView:
     caption: str
     media_type: str
     data: bytes | None  # None when the file is missing from the bundle
+
+
+@dataclass
+class TimelineView:
+    title: str
+    rows: list[dict[str, Any]]  # at most TIMELINE_ROWS
+    left_out: int  # rows not shown
 
 
 @dataclass
@@ -34,6 +46,9 @@ class StageView:
     metrics: dict[str, Any] = field(default_factory=dict)
     evidence: list[str] = field(default_factory=list)
     figures: list[FigureView] = field(default_factory=list)
+    # Checks the stage could not run here although it ran (metrics "not_run": [{"name", "reason"}]): never passes.
+    not_run_items: list[dict[str, str]] = field(default_factory=list)
+    timelines: list[TimelineView] = field(default_factory=list)
 
 
 @dataclass
@@ -76,6 +91,26 @@ def _figures(bundle_dir: Path, rec: dict[str, Any]) -> list[FigureView]:
     return out
 
 
+def _not_run_items(metrics: dict[str, Any]) -> list[dict[str, str]]:
+    items = metrics.get("not_run", [])
+    if not isinstance(items, list):
+        return []
+    return [
+        {"name": str(i.get("name", "?")), "reason": str(i.get("reason", "no reason given"))}
+        for i in items
+        if isinstance(i, dict)
+    ]
+
+
+def _timelines(metrics: dict[str, Any]) -> list[TimelineView]:
+    out = []
+    for t in metrics.get("timelines", []) if isinstance(metrics.get("timelines"), list) else []:
+        rows = [r for r in t.get("rows", []) if isinstance(r, dict)]
+        shown = [{c: r.get(c, "") for c in TIMELINE_COLUMNS} for r in rows[:TIMELINE_ROWS]]
+        out.append(TimelineView(str(t.get("title", "Timeline")), shown, len(rows) - len(shown)))
+    return out
+
+
 def build(
     predicate: dict[str, Any], bundle_dir: Path, bundle_id: str | None = None, signer: str | None = None
 ) -> ReportView:
@@ -95,6 +130,8 @@ def build(
                 metrics=rec.get("metrics", {}),
                 evidence=rec.get("evidence", []),
                 figures=_figures(bundle_dir, rec),
+                not_run_items=_not_run_items(rec.get("metrics", {})),
+                timelines=_timelines(rec.get("metrics", {})),
             )
         )
     env = predicate["environment"]

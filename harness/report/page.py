@@ -8,7 +8,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from harness.report.model import ICONS, FigureView, ReportView, build
+from harness.report.model import ICONS, TIMELINE_COLUMNS, FigureView, ReportView, StageView, build
 
 _STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2rem auto;max-width:70rem;color:#1b1f24;padding:0 1rem}
@@ -29,6 +29,21 @@ def _figure(stage: str, f: FigureView) -> str:
     return f"<figure><img alt='{e(stage)}: {e(f.path)}' src='{uri}'><figcaption>{e(f.caption)}</figcaption></figure>"
 
 
+def _timelines(s: StageView) -> str:
+    e = escape
+    out = []
+    head = "".join(f"<th>{e(c)}</th>" for c in TIMELINE_COLUMNS)
+    for t in s.timelines:
+        rows = "".join("<tr>" + "".join(f"<td>{e(str(r[c]))}</td>" for c in TIMELINE_COLUMNS) + "</tr>" for r in t.rows)
+        more = (
+            f"<p>{t.left_out} more rows in the stage's evidence (stages/{e(s.stage)}/timeline.json).</p>"
+            if t.left_out
+            else ""
+        )
+        out.append(f"<h3>{e(s.stage)}: {e(t.title)}</h3><table><tr>{head}</tr>{rows}</table>{more}")
+    return "".join(out)
+
+
 def render_view(view: ReportView) -> str:
     e = escape
     rows = "".join(
@@ -44,6 +59,10 @@ def render_view(view: ReportView) -> str:
     )
     figures = "".join(_figure(s.stage, f) for s in view.stages for f in s.figures)
     not_run = "".join(f"<li><b>{e(s.stage)}</b> ({e(s.verdict)}): {e(s.reason)}</li>" for s in view.not_run)
+    items = "".join(
+        f"<li>{e(s.stage)}: <b>{e(i['name'])}</b>: {e(i['reason'])}</li>" for s in view.stages for i in s.not_run_items
+    )
+    timelines = "".join(_timelines(s) for s in view.stages)
     ident = (
         f"<p>Bundle <code>{e(view.bundle_id)}</code> · {e(view.signer or 'signature not checked')}</p>"
         if view.bundle_id
@@ -59,7 +78,9 @@ def render_view(view: ReportView) -> str:
         "<table><tr><th>stage</th><th>required</th><th>verdict</th><th>reason</th></tr>"
         f"{rows}</table>"
         + (f"<h2>Did not run</h2><ul>{not_run}</ul>" if not_run else "")
+        + (f"<h2>Not run inside stages (never counted as passed)</h2><ul>{items}</ul>" if items else "")
         + (f"<p>Not selected for this run: {e(', '.join(view.not_selected))}</p>" if view.not_selected else "")
+        + (f"<h2>Dispatch timelines</h2>{timelines}" if timelines else "")
         + (f"<h2>Figures</h2>{figures}" if figures else "")
         + f"<h2>Records</h2>{details}</body></html>\n"
     )

@@ -1,4 +1,4 @@
-"""The stack executor: decode steps for many requests through N real-shape layers on the stock path.
+"""The stack executor: decode steps for many requests through N real-shape layers, stock or specialized per op.
 
 What one instance holds (one rank's shard on one device; the TP all-reduces are the identity, see config.py):
 seeded synthetic weights of its layers, a KDA state slot and MLA pages for each of max_requests requests, eager
@@ -6,22 +6,29 @@ step buffers, and one captured CUDA graph per prepared batch size (static inputs
 its inputs in and replays).
 
 Every step is planned by the runtime's Planner and recorded in the dispatch ledger: eager steps when they run,
-graph steps once at capture (with the eager warm-up before it), then counted at every replay. The executor runs
-the stock path only: a plan that routes an op to the specialized path is refused before anything runs, since the
-specialized kernels are not built (and the runtime already refuses `latency_specialized` at start-up for that
-reason). Prefill and mixed steps run eagerly, token by token through the decode kernels (correct, not fast).
+graph steps once at capture (with the eager warm-up before it), then counted at every replay. The layer runner
+(forward.py) calls the stock op objects; the executor hands it routed views of them (`RoutedOps`), so each call
+the plan sends to the specialized path goes to the op's registered provider instead, through the callables the
+provider bound at start (`ExecutableProvider.bind`). A specialized decision with no provider is refused before
+anything runs (the specialized kernels are not built; the runtime refuses `latency_specialized` at start-up for
+that reason too). Every call, stock or provider, lands in the op log with the runtime ops it carried, so what ran
+can be joined with what the ledger records (executor/audit.py). Prefill and mixed steps run eagerly, token by
+token through the decode kernels (correct, not fast).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
 
+from k3_decode.config import ModelDims
 from k3_decode.executor.config import StackConfig
 from k3_decode.executor.forward import LayerRunner, StepBuffers
 from k3_decode.executor.inputs import StackInput
@@ -29,10 +36,12 @@ from k3_decode.executor.memory import DeviceBudget, MemoryPlan, plan_memory
 from k3_decode.executor.opmap import StockOpMap, load_op_map
 from k3_decode.executor.state import RequestState
 from k3_decode.reference.decoder import LayerTrace
-from k3_decode.runtime.backend import PROVIDERS, ProviderRegistry
+from k3_decode.runtime.backend import PROVIDERS, KernelProvider, ProviderRegistry
 from k3_decode.runtime.ledger import DispatchRecord, KernelCatalog, Ledger, Mode, graph_key
+from k3_decode.runtime.optable import OpTable
 from k3_decode.runtime.plan import Planner, StepInput, StepPlan
 from k3_decode.runtime.scope import Deployment, local_device
+from k3_decode.runtime.scopefile import RuntimeScope
 from k3_decode.runtime.startup import GatherVerdicts, start
 from k3_decode.runtime.writeset import WriteSet, declare_step, kda_state_name, mla_cache_name, scratch_name
 from k3_decode.stock import OpRecord, StockAttentionOps
@@ -43,6 +52,61 @@ from k3_decode.weights import LayerWeights, MoeWeights, SyntheticWeights
 
 class StepRoutingError(ValueError):
     """The plan routed a step somewhere this executor cannot run it."""
+
+
+Side = Literal["attention", "moe"]
+
+# Which runtime ops (k3_decode/runtime/ops.toml) each call of the layer runner (forward.py) carries, per layer part,
+# and which of the runner's op objects it is a method of. This describes forward.py's code, so it lives beside the
+# code that routes those calls; the op-log join (executor/audit.py) checks it against ops.toml on every audited step.
+# A provider replaces whole calls: MLA's in_proj, mla and o_proj are one call (mla_attention), so none of them can
+# be specialized alone until forward.py splits that call.
+RUNNER_CALLS: dict[str, tuple[Side, dict[str, tuple[str, ...]]]] = {
+    "kda": (
+        "attention",
+        {
+            "attn_res_before": ("attn_res",),
+            "kda_in_proj": ("in_proj",),
+            "kda_decode": ("kda",),
+            "kda_o_proj": ("o_proj",),
+            "attn_res_after": ("o_proj",),
+        },
+    ),
+    "mla": (
+        "attention",
+        {
+            "attn_res_before": ("attn_res",),
+            "mla_attention": ("in_proj", "mla", "o_proj"),
+            "attn_res_after": ("o_proj",),
+        },
+    ),
+    "dense": ("moe", {"dense": ("dense_mlp",)}),
+    "moe": (
+        "moe",
+        {call: ("moe",) for call in ("route", "latent_down", "experts", "shared", "latent_tail")},
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ProviderTarget:
+    """What a specialized provider binds its kernels to: one rank's shard of a model on one device."""
+
+    dims: ModelDims
+    tp: int
+    rank: int
+    device: torch.device
+
+
+class ExecutableProvider(KernelProvider, Protocol):
+    """A provider the executor can call: besides its op, name and launches (runtime.backend.KernelProvider), it
+    binds to a target and returns, for each runner call of its op (RUNNER_CALLS), a callable with the stock
+    method's signature and return value. A provider may also report device-side launch counts (audit builds)."""
+
+    def bind(self, target: ProviderTarget) -> Mapping[str, Callable[..., Any]]: ...
+
+
+ProviderGuard = Callable[["OpLogEntry"], AbstractContextManager[Any]]
 
 
 @dataclass(frozen=True)
@@ -65,12 +129,36 @@ class StepResult:
 
 @dataclass(frozen=True)
 class OpLogEntry:
-    """One stock op call as the stock ops reported it, with where it ran (graph: recorded at capture)."""
+    """One op call, with where it ran (graph: recorded at capture): a stock op as the stock ops reported it, or a
+    provider call as the executor made it. `ops`: the runtime ops of the runner call it ran under (empty for a call
+    made outside the layer runner)."""
 
     step: int
     layer: int
     graph: str | None
     record: OpRecord
+    ops: tuple[str, ...] = ()
+    source: Literal["stock", "provider"] = "stock"
+
+
+@dataclass(frozen=True)
+class _Bound:
+    provider: KernelProvider
+    fn: Callable[..., Any]
+    launches: int  # launches logged for this call: the op's launches on its first runner call, 0 on the others
+
+
+class RoutedOps:
+    """A stock op object as the layer runner sees it: every call RUNNER_CALLS names goes through the executor's
+    router (stock or a provider, as the step's plan says); any other attribute is the stock object's own."""
+
+    def __init__(self, executor: StackExecutor, side: Side) -> None:
+        self._executor, self._side = executor, side
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._executor._routed_calls[self._side]:
+            return lambda *args, **kwargs: self._executor._route(self._side, name, args, kwargs)
+        return getattr(self._executor._stock(self._side), name)
 
 
 @dataclass
@@ -97,9 +185,11 @@ class StackExecutor:
         registry: ProviderRegistry = PROVIDERS,
         weights: Mapping[int, LayerWeights] | None = None,
         log: Callable[[str], None] = print,
+        provider_guard: ProviderGuard | None = None,
     ) -> None:
         """`weights`: this config's layers already generated (SyntheticWeights of the same dims, TP, rank and seed),
-        to share them between executors; None generates them on `device`."""
+        to share them between executors; None generates them on `device`. `provider_guard`: a context manager
+        entered around every provider call (the isolation audit watches what code runs inside it)."""
         self.config, self.planner, self.registry = config, planner, registry
         self.dims = config.dims
         self.device = torch.device(device)
@@ -129,6 +219,10 @@ class StackExecutor:
         self.ledger = Ledger()
         self.op_log: list[OpLogEntry] = []
         self._where: tuple[int, int, str | None] = (0, -1, None)  # step, layer, graph of the op being logged
+        self._tag: tuple[str, ...] = ()  # runtime ops of the runner call running now
+        self._active: StepPlan | None = None  # the plan of the layers running now (None: no planned step)
+        self._rows = 0  # rows of the iteration running now
+        self.provider_guard = provider_guard
         # The executor builds every slot table from its own request state (state.py checks them on the host), so the
         # stock ops' per-call slot checks, which synchronize with the device, are left off.
         self.attention = StockAttentionOps(
@@ -138,8 +232,16 @@ class StackExecutor:
         for w in self.weights.values():
             if isinstance(w.mlp, MoeWeights):
                 self.moe.check_weights(w.mlp)
+        self._routed_calls: dict[Side, frozenset[str]] = {
+            side: frozenset(c for s, calls in RUNNER_CALLS.values() if s == side for c in calls)
+            for side in ("attention", "moe")
+        }
+        self._bound: dict[tuple[str, str], _Bound] = self._bind_providers()
+        # The runner gets routed views of the stock ops (typed as the stock objects it calls them as).
+        routed_attention: Any = RoutedOps(self, "attention")
+        routed_moe: Any = RoutedOps(self, "moe")
         self.runner = LayerRunner(
-            self.dims, self.weights, self.state, self.attention, self.moe, config.k_scale, config.q_scale
+            self.dims, self.weights, self.state, routed_attention, routed_moe, config.k_scale, config.q_scale
         )
         self.runner.on_layer = self._on_layer
         self.eager = StepBuffers.allocate(
@@ -157,11 +259,16 @@ class StackExecutor:
         *,
         device: torch.device | str | None = None,
         gather: GatherVerdicts | None = None,
+        registry: ProviderRegistry = PROVIDERS,
+        scope: RuntimeScope | None = None,
+        table: OpTable | None = None,
         **kwargs: Any,
     ) -> StackExecutor:
         """Start-up through the runtime (backend, scope checks), then build. Raises the runtime's one-line errors.
 
         `gather`: every TP rank's scope verdict (k3_decode.distributed), so the ranks agree before anything is built.
+        `registry`, `scope`, `table`: the runtime's defaults (the shipped providers, scope file and op table) unless
+        a test or red-team case starts a private deployment.
         """
         kind, capability = local_device()
         device = torch.device(device or kind)
@@ -183,7 +290,7 @@ class StackExecutor:
             cudagraph_mode="full_decode_only" if kind == "cuda" else "none",
             capture_sizes=tuple(sorted(config.graph_batches)),
         )
-        runtime = start(additional_config, deployment, gather=gather)
+        runtime = start(additional_config, deployment, gather=gather, scope=scope, table=table, registry=registry)
         return cls(config, runtime.planner(dims, config.layers), device=device, registry=runtime.registry, **kwargs)
 
     # -- what the executor owns ---------------------------------------------------------------------------------
@@ -215,7 +322,101 @@ class StackExecutor:
 
     def _on_op(self, record: OpRecord) -> None:
         step, layer, graph = self._where
-        self.op_log.append(OpLogEntry(step, layer, graph, record))
+        self.op_log.append(OpLogEntry(step, layer, graph, record, self._tag))
+
+    # -- specialized providers ----------------------------------------------------------------------------------
+
+    def _stock(self, side: Side) -> Any:
+        return self.attention if side == "attention" else self.moe
+
+    def _bind_providers(self) -> dict[tuple[str, str], _Bound]:
+        """Bind every registered provider of an op the table specializes, when the backend can route to it.
+
+        Each must bind exactly the runner calls of its op (RUNNER_CALLS) in the parts where the op is specialized;
+        an op whose call carries other ops too cannot be taken alone. Ops without a provider stay unbound: a plan
+        that routes to one is refused per step (`_plan`), as the kernels are not built."""
+        if self.planner.backend != "latency_specialized":
+            return {}
+        table = self.planner.table
+        target = ProviderTarget(self.dims, self.config.tp, self.config.rank, self.device)
+        bound: dict[tuple[str, str], _Bound] = {}
+        for provider in self.registry:
+            calls: list[str] = []
+            for part, ops in table.parts.items():
+                if provider.op not in ops.specialized:
+                    continue
+                for call, carried in RUNNER_CALLS[part][1].items():
+                    if provider.op not in carried:
+                        continue
+                    if len(carried) > 1:
+                        raise StepRoutingError(
+                            f"op {provider.op!r} is specialized in [{part}] of the op table, but the layer runner "
+                            f"makes it in one call ({call}) with {', '.join(o for o in carried if o != provider.op)}; "
+                            "split that call in executor/forward.py or keep the op stock"
+                        )
+                    if call not in calls:
+                        calls.append(call)
+            if not calls:
+                continue
+            bind = getattr(provider, "bind", None)
+            if bind is None:
+                raise StepRoutingError(
+                    f"provider {provider.name!r} of op {provider.op!r} has no bind(target), so the executor cannot "
+                    f"call it; give it bind() returning callables for {', '.join(calls)}"
+                )
+            fns = dict(bind(target))
+            if sorted(fns) != sorted(calls):
+                raise StepRoutingError(
+                    f"provider {provider.name!r} binds {sorted(fns)} but op {provider.op!r} runs as the runner calls "
+                    f"{sorted(calls)}; bind exactly those"
+                )
+            launches = sum(provider.launches.values())
+            for i, call in enumerate(calls):
+                bound[(provider.op, call)] = _Bound(provider, fns[call], launches if i == 0 else 0)
+        return bound
+
+    @contextlib.contextmanager
+    def _running(self, plan: StepPlan, rows: int) -> Iterator[None]:
+        """The plan and rows the runner's calls are routed by while one iteration runs."""
+        self._active, self._rows = plan, rows
+        try:
+            yield
+        finally:
+            self._active, self._rows = None, 0
+
+    def _route(self, side: Side, call: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One runner call: the stock op, or the provider the plan routes its runtime op to, logged with its ops."""
+        step, layer, graph = self._where
+        stock = getattr(self._stock(side), call)
+        plan = self._active
+        if plan is None or layer < 0:
+            return stock(*args, **kwargs)  # outside a planned step (a benchmark driving the runner): stock
+        part = self.dims.layer_kind(layer) if side == "attention" else self.dims.mlp_kind(layer)
+        carried = RUNNER_CALLS[part][1].get(call)
+        if carried is None:
+            raise StepRoutingError(
+                f"the layer runner called {call} in {part} layer {layer}, which RUNNER_CALLS does not map to a "
+                "runtime op; add it there"
+            )
+        specialized = [op for op in carried if plan.path_of(layer, op) == "specialized"]
+        outer = self._tag
+        self._tag = carried
+        try:
+            if not specialized:
+                return stock(*args, **kwargs)
+            bound = self._bound.get((specialized[0], call))
+            if len(carried) > 1 or bound is None:
+                raise StepRoutingError(
+                    f"layer {layer} {call}: the plan routes {specialized[0]} to the specialized path but no provider "
+                    "is bound to this call; the executor refuses such plans before a step runs, so this is a bug"
+                )
+            record = OpRecord(bound.provider.name, f"provider {bound.provider.name}", bound.launches, self._rows, 1)
+            entry = OpLogEntry(step, layer, graph, record, carried, "provider")
+            self.op_log.append(entry)
+            with self.provider_guard(entry) if self.provider_guard else contextlib.nullcontext():
+                return bound.fn(*args, **kwargs)
+        finally:
+            self._tag = outer
 
     def _records(
         self, plan: StepPlan, graph: str | None, layers: Sequence[int], note: str = ""
@@ -226,18 +427,24 @@ class StackExecutor:
         for rec in plan.records(self.config.rank, graph):
             if rec.layer not in layers:
                 continue
-            impl = ", ".join(self.opmap.implementations(self._part[(rec.layer, rec.op)], device))
-            reason = f"{rec.reason}; stock ops run as {impl}" + (f"; {note}" if note else "")
+            if rec.path == "specialized":
+                names = sorted({b.provider.name for (op, _), b in self._bound.items() if op == rec.op})
+                ran = f"provider {', '.join(names)}"
+            else:
+                impl = self.opmap.implementations(self._part[(rec.layer, rec.op)], device)
+                ran = f"stock ops run as {', '.join(impl)}"
+            reason = f"{rec.reason}; {ran}" + (f"; {note}" if note else "")
             out.append(dataclasses.replace(rec, reason=reason))
         return out
 
     def _plan(self, step: StepInput) -> StepPlan:
         plan = self.planner.plan(step)
+        bound = {op for op, _ in self._bound}
         for d in plan.decisions:
-            if d.path != "stock":
+            if d.path == "specialized" and d.op not in bound:
                 raise StepRoutingError(
-                    f"the plan routes layer {d.layer} op {d.op} to the specialized path ({d.reason}); this executor "
-                    "runs the stock path only because the specialized kernels are not built; use decode_backend 'auto'"
+                    f"the plan routes layer {d.layer} op {d.op} to the specialized path ({d.reason}) but no provider "
+                    f"is registered for {d.op}: the specialized kernels are not built; use decode_backend 'auto'"
                 )
         return plan
 
@@ -278,7 +485,8 @@ class StackExecutor:
             self.eager.load(inputs, tables)
             splits = self.attention.mla_num_splits(len(ids), tables.max_seq_len) if self.config.mla_layers else 1
             self._where = (self._step, -1, None)
-            out = self.runner.forward(self.eager, len(ids), self.config.layers, splits, layer_trace)
+            with self._running(plan, len(ids)):
+                out = self.runner.forward(self.eager, len(ids), self.config.layers, splits, layer_trace)
             for b, r in enumerate(ids):
                 outputs[r].append(out[b : b + 1].clone())
             self.state.advance(ids)
@@ -328,7 +536,7 @@ class StackExecutor:
         self._where = (self._step, -1, None)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), self._running(warm, batch):
             self.runner.forward(buffers, batch, layers, splits)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
@@ -338,7 +546,7 @@ class StackExecutor:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         self._where = (self._step, -1, name)
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool), self._running(plan, batch):
             output = self.runner.forward(buffers, batch, layers, splits)
         self.ledger.record(*self._records(plan, name, layers))
         self._step += 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from harness.isolation import scratch
-from harness.isolation.judge import RUNTIME_NOT_BUILT, judge, to_records
+from harness.isolation.judge import STATIC_ONLY, judge, to_records
 from harness.isolation.scope import for_subject
 from harness.verdicts import Verdict, derive_verdict
 
@@ -49,7 +49,7 @@ def test_only_changed_model_python_is_checked(tmp_path):
     assert verdict.verdict is Verdict.PASSED, verdict.reason  # the test file is not model code
     assert report.python_checked == [MODEL]
     assert records.metrics["paths_by_area"] == {"allowed": 1, "model": 1}
-    assert records.metrics["runtime_audit"] == RUNTIME_NOT_BUILT
+    assert records.metrics["runtime_audit"] == STATIC_ONLY
 
 
 def test_a_deleted_model_file_is_classified_but_not_parsed(tmp_path):
