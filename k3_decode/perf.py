@@ -6,14 +6,18 @@ the baseline starts with `perf.baseline_backend` (normally "auto", the stock pat
 candidate arm runs the stock path too and says so in every record: its ratio is ~1 by construction and exercises
 only the plumbing and the verdict logic.
 
-- Timing. On a GPU, a pure decode cell of one token per request replays the arm's CUDA graph of the stack, timed by
-  CUDA events (the L2 flush is enqueued before the start event). Mixed and verify (q > 1) steps cannot be captured,
-  so they run eagerly and are timed on the host around a synchronized step. CPU steps are timed by the process's
-  CPU time, not the wall clock: other processes on a shared machine then cannot stretch one arm's run. Timed
-  steps do not advance any request: a replay rewrites the same cache row, and an eager step's context lengths are
-  put back after it, so every run of a cell does the same work.
-- Per-layer time and launches. GPU graph cells: one CUDA graph per layer, timed like the stack, its launches counted
-  by torch.profiler. GPU eager cells: torch.profiler with the executor's per-op ranges (kernels attributed to the
+- Timing. A sample is several steps back to back (harness/perf/timing.py chooses how many). On a GPU, a pure decode
+  cell of one token per request replays the arm's CUDA graph of the stack; mixed and verify (q > 1) steps cannot be
+  captured, so they run eagerly. Both are timed by CUDA events with one host sync per sample: an eager step is
+  host-launch bound, and the events see the host's launch time as the gaps it leaves on the stream. With the L2
+  flush on, each step has its own pair of events and the flush is enqueued before the start event. CPU steps are
+  timed by the process's CPU time, not the wall clock: other processes on a shared machine then cannot stretch one
+  arm's run. Timed steps do not advance any request: a replay rewrites the same cache row, and an eager step's
+  context lengths are put back after it, so every run of a cell does the same work.
+- Per-layer time and launches. GPU graph cells: one CUDA graph per layer, timed like the stack (the mean of
+  `[profile] graph_replays` replays after an untimed one: single replays of a 0.25 ms layer graph varied by 10-20%
+  between profiled runs on the H200, enough to fail the Amdahl check of an A/A run), its launches counted by
+  torch.profiler. GPU eager cells: torch.profiler with the executor's per-op ranges (kernels attributed to the
   layer that launched them). CPU: the host clock at each layer boundary (the profiler would cost more than the step
   it measures; the last layer of an iteration also carries the host work after it).
 - Bytes. The least HBM traffic of one decode iteration of the cell's decode rows (k3_decode.executor.roofline),
@@ -63,6 +67,7 @@ class PerfData:
     stacks: dict[str, str]  # model -> stack of k3_decode/executor/stacks.toml
     flush_bytes: dict[str, int]  # device kind -> bytes
     copy_bytes: dict[str, int]
+    graph_profile_replays: int  # replays averaged per layer graph (and the stack's) in one profiled run
 
 
 @cache
@@ -70,7 +75,10 @@ def perf_data() -> PerfData:
     raw = tomllib.loads(resources.files("k3_decode").joinpath("perf.toml").read_text())
     dev = raw["device"]
     return PerfData(
-        dict(raw["stacks"]), {k: v["flush_bytes"] for k, v in dev.items()}, {k: v["copy_bytes"] for k, v in dev.items()}
+        dict(raw["stacks"]),
+        {k: v["flush_bytes"] for k, v in dev.items()},
+        {k: v["copy_bytes"] for k, v in dev.items()},
+        int(raw["profile"]["graph_replays"]),
     )
 
 
@@ -183,14 +191,61 @@ class K3Arm:
         if self.flush_buffer is not None:
             self.flush_buffer.zero_()
 
-    def _time_graph(self, name: str) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self._flush()  # enqueued before the start event, so the GPU flushes outside the timed region
-        start.record()
-        self.ex.replay(name)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+    def _time_graph(self, name: str, steps: int = 1, lead_in: int = 0) -> float:
+        """Seconds of `steps` replays after `lead_in` untimed ones, one host sync at the end. With an L2 flush each
+        replay has its own pair of events and the flush is enqueued before the start event, outside the timed
+        region; without one a single pair spans all timed replays."""
+        pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        per_replay = self.flush_buffer is not None
+
+        def before(i: int) -> None:
+            self._flush()
+            if i >= lead_in and (per_replay or i == lead_in):
+                pairs.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                pairs[-1][0].record()
+
+        def after(i: int) -> None:
+            if i >= lead_in and (per_replay or i == lead_in + steps - 1):
+                pairs[-1][1].record()
+
+        self.ex.replay(name, lead_in + steps, before, after)
+        pairs[-1][1].synchronize()
+        return sum(start.elapsed_time(end) for start, end in pairs) / 1e3
+
+    def _mark(self) -> Any:
+        """A point on the timeline: a recorded CUDA event on a GPU, the process's CPU clock on the CPU."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return self.clock()
+
+    def _between(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3 if self.device.type == "cuda" else end - start
+
+    def _eager_step(self) -> None:
+        try:
+            self.ex.step(self.requests)
+        finally:
+            self._restore()
+
+    def _time_eager(self, steps: int, lead_in: int) -> float:
+        """Seconds of `steps` eager steps after `lead_in` untimed ones, with no host sync between steps (on a GPU,
+        CUDA events around them see the host's launch time as the gaps it leaves). The L2 flush, where on, goes
+        before every step with a pair of marks per step, so it stays outside the timed region."""
+        per_step = self.flush_buffer is not None
+        spans: list[tuple[Any, Any]] = []
+        start: Any = None
+        for i in range(lead_in + steps):
+            self._flush()
+            timed = i >= lead_in
+            if timed and (per_step or i == lead_in):
+                start = self._mark()
+            self._eager_step()
+            if timed and (per_step or i == lead_in + steps - 1):
+                spans.append((start, self._mark()))
+        _sync(self.device)
+        return sum(self._between(a, b) for a, b in spans)
 
     def _part_name(self, layer: int) -> str:
         return f"layer {layer} {self.dims.layer_kind(layer)}+{self.dims.mlp_kind(layer)}"
@@ -200,18 +255,10 @@ class K3Arm:
 
     # -- the Arm protocol -----------------------------------------------------------------------------------
 
-    def run(self) -> float:
+    def run(self, steps: int = 1, lead_in: int = 0) -> float:
         if self.graph is not None:
-            return self._time_graph(self.graph)
-        self._flush()
-        _sync(self.device)
-        t0 = self.clock()
-        try:
-            self.ex.step(self.requests)
-            _sync(self.device)
-            return self.clock() - t0
-        finally:
-            self._restore()
+            return self._time_graph(self.graph, steps, lead_in)
+        return self._time_eager(steps, lead_in)
 
     def profile(self) -> StepProfile:
         if self.graph is not None:
@@ -252,21 +299,23 @@ class K3Arm:
 
     def _profile_graphs(self) -> StepProfile:
         launches = self._graph_launches()
+        replays = perf_data().graph_profile_replays
         parts = []
         for layer, name in self.layer_graphs.items():
             entries = [e for e in self.ex.op_log if e.graph == name]
             parts.append(
                 PartProfile(
                     self._part_name(layer),
-                    self._time_graph(name),
+                    self._time_graph(name, replays, lead_in=1) / replays,
                     launches[layer],
                     self._declared(entries, layer),
                     self.part_bytes[layer],
                 )
             )
         assert self.graph is not None
-        total = self._time_graph(self.graph)
-        return StepProfile(tuple(parts), total, "one CUDA graph per layer and one of the stack, CUDA events")
+        total = self._time_graph(self.graph, replays, lead_in=1) / replays
+        method = f"one CUDA graph per layer and one of the stack, CUDA events, mean of {replays} replays after one"
+        return StepProfile(tuple(parts), total, method)
 
     def _profile_eager_cuda(self) -> StepProfile:
         logged = len(self.ex.op_log)

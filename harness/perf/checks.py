@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from harness.perf.measure import ARMS, CellResult, MergedProfile
 from harness.perf.suite import Bandwidth
+from harness.perf.timing import PairTiming
 from harness.verdicts import Check
 
 ROOFLINE_CEILING = 1.0
@@ -44,7 +45,11 @@ def roofline_fraction(nbytes: int, bandwidth: Bandwidth, seconds: float) -> floa
 
 
 def _fmt_interval(result: CellResult) -> str:
-    t = result.timing
+    return interval_text(result.timing)
+
+
+def interval_text(t: PairTiming) -> str:
+    """The ratio's interval in one line, or why there is none."""
     i = t.interval
     if i is None:
         return t.broken

@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from harness.perf.stats import MIN_ROUNDS
+
 WORKLOADS = ("decode", "mixed")
 ROUTINGS = ("synthetic", "real")
 TIERS = ("smoke", "standard", "full")
@@ -52,11 +54,24 @@ class Settings:
     ci_level: float = 0.95
     ci_method: str = "bootstrap"  # "bootstrap" (median ratio, paired) or "t" (geometric mean ratio, paired)
     ci_target_rel_width: float = 0.02  # stop once (high - low) / ratio is at most this
+    # One timed sample is as many back-to-back steps as it takes to last min_sample_s (calibrated per cell, the
+    # same count for both arms, at most max_steps_per_sample), after lead_in_steps untimed ones: a 1 ms graph replay
+    # alone is dominated by launch jitter and by the pause before it. Not longer: host-bound eager steps on the H200
+    # switched between a fast and a slow host speed every 0.1-3 s, and a sample longer than that puts the two arms
+    # of a round in different regimes (200 ms samples gave wider A/A intervals than 50 ms ones).
+    min_sample_s: float = 0.02
+    lead_in_steps: int = 1
+    max_steps_per_sample: int = 1000
     l2_flush: bool = True  # overwrite a buffer larger than the last-level cache before every timed run
     profile_repeats: int = 3  # profiled runs per arm for per-layer time and launches (medians)
     amdahl_tolerance: float = 0.05  # |measured ratio - ratio the per-layer times predict| allowed
 
     def __post_init__(self) -> None:
+        if self.max_repeats < MIN_ROUNDS:
+            raise PerfConfigError(
+                f"perf.max_repeats: {self.max_repeats} rounds cannot give an interval (it needs {MIN_ROUNDS}, two of "
+                f"each order) — raise it to {MIN_ROUNDS} or more"
+            )
         if self.max_repeats < self.min_repeats:
             raise PerfConfigError(
                 f"perf.max_repeats: {self.max_repeats} is below perf.min_repeats {self.min_repeats} — raise it"

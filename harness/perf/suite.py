@@ -62,8 +62,9 @@ class Arm(Protocol):
     name: str  # "baseline" or "candidate"
     backend: str  # what the arm selected (a decode backend name)
 
-    def run(self) -> float:
-        """Run one step and return the seconds of its timed region (any flush happens before, outside it)."""
+    def run(self, steps: int = 1, lead_in: int = 0) -> float:
+        """Run `lead_in` untimed steps, then `steps` steps back to back, and return the seconds of the timed region
+        over those `steps` (a flush before each step, where there is one, stays outside it)."""
         ...
 
     def profile(self) -> StepProfile:

@@ -1,8 +1,10 @@
 """The perf stage: the config's sweep, baseline and candidate interleaved per cell, judged by region budgets and
 plausibility (roofline, Amdahl), with the Pareto figure in the bundle's evidence and the report.
 
-The subject supplies the suite (`subject.perf_suite(config)`); a subject without one is NOT_RUN with the reason,
-as is a sweep cell the suite cannot measure: a run that skipped part of the sweep it was asked for is incomplete.
+A config with a `[vllm]` table is served by vLLM: its cells are serving benchmark rounds against both arms' servers
+(harness/perf/serving.py). Otherwise the subject supplies an in-process suite (`subject.perf_suite(config)`); a
+subject without one is NOT_RUN with the reason, as is a sweep cell the suite cannot measure: a run that skipped
+part of the sweep it was asked for is incomplete.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from harness.perf import plot
 from harness.perf.checks import sweep_checks
@@ -49,15 +52,21 @@ class PerfStage:
     name: str = "perf"
     description: str = "Principle 4: performance sweeps with a verdict"
     needs_hardware: bool = True
+    provider: Any = None  # served subjects: tests hand in running servers (a harness.runners.session.ArmProvider)
+    overrides: Any = None  # served subjects: red-team environment per arm (harness.runners.arms.ArmOverrides)
 
     def run(self, ctx: StageContext) -> StageRecords:
         config = ctx.config
+        if why := plot.available():
+            return StageRecords.not_run(self.name, why)
+        if "vllm" in config.data:
+            from harness.perf import serving  # late: the in-process path needs none of the vLLM runner
+
+            return serving.run_stage(ctx, self.name, self.provider, self.overrides)
         subject = load_subject(config.subject)
         make_suite = getattr(subject, "perf_suite", None)
         if make_suite is None:
             return StageRecords.not_run(self.name, f"subject {config.subject} has no perf suite in this build")
-        if why := plot.available():
-            return StageRecords.not_run(self.name, why)
         suite: PerfSuite | None = None
         try:
             suite = make_suite(config)
@@ -76,7 +85,7 @@ class PerfStage:
                     f"{config.subject} cannot measure {len(blocked)} of {len(plan.cells)} perf cells; "
                     f"first: {cell.id}: {why}",
                 )
-            bandwidth, results = run_sweep(suite, plan, ctx.progress)
+            return self.measure(ctx, suite, plan)
         except PerfConfigError as exc:
             # No table at all: the evidence was never asked for (NOT_RUN); a table that is wrong is an error.
             if "perf" not in config.data:
@@ -85,10 +94,21 @@ class PerfStage:
         finally:
             if suite is not None:
                 suite.close()
-        return self._records(ctx, suite, plan, bandwidth, results)
+
+    def measure(self, ctx: StageContext, suite: PerfSuite, plan: PerfPlan, figure: bool = True) -> StageRecords:
+        """The sweep measured and judged: what `run` does once it has a suite and a plan (the red team calls it
+        with perturbed suites; `figure` False leaves the Pareto figure out, which no check reads)."""
+        bandwidth, results = run_sweep(suite, plan, ctx.progress)
+        return self._records(ctx, suite, plan, bandwidth, results, figure)
 
     def _records(
-        self, ctx: StageContext, suite: PerfSuite, plan: PerfPlan, bandwidth: Bandwidth, results: list[CellResult]
+        self,
+        ctx: StageContext,
+        suite: PerfSuite,
+        plan: PerfPlan,
+        bandwidth: Bandwidth,
+        results: list[CellResult],
+        figure: bool = True,
     ) -> StageRecords:
         cells_path, cells_rel = ctx.evidence_path(self.name, CELLS)
         with cells_path.open("w") as fh:
@@ -97,7 +117,7 @@ class PerfStage:
         evidence = [cells_rel]
         groups = points(results)
         figures = []
-        if groups:
+        if groups and figure:
             plot_path, plot_rel = ctx.evidence_path(self.name, PLOT)
             info = suite.info
             title = f"{info.subject} on {info.device}: Pareto view of the perf sweep"

@@ -10,7 +10,16 @@ from harness.perf.suite import Bandwidth, PartProfile, PathReport, PreparedCell,
 
 BANDWIDTH = Bandwidth(bytes_per_s=1e9, bytes_moved=2_000_000, median_s=2e-3, method="fake copy")
 STEP_BYTES = 1_000_000  # 1 ms at the fake bandwidth: a 10 ms step is at 10% of its roofline
-QUICK = Settings(warmup=1, min_repeats=3, max_repeats=8, ci_target_rel_width=0.05, profile_repeats=2)
+# One step per sample and no lead-in: a fake arm's run i is sample i (timing tests set calibration up themselves).
+QUICK = Settings(
+    warmup=1,
+    min_repeats=3,
+    max_repeats=8,
+    ci_target_rel_width=0.05,
+    profile_repeats=2,
+    min_sample_s=0.0,
+    lead_in_steps=0,
+)
 REGION = Region("all", (1, 64), 0.05)
 # Judged like a GPU's numbers, so the verdict logic runs; PLUMBING_INFO is the CPU case (recorded, not judged).
 FAKE_INFO = SuiteInfo("fake", "cpu", True, ("fake numbers",), "not measured", "fake numbers")
@@ -36,11 +45,16 @@ class FakeArm:
     runs: int = 0
     log: list[str] = field(default_factory=list)
 
-    def run(self) -> float:
-        t = self.seconds(self.runs)
-        self.runs += 1
+    def run(self, steps: int = 1, lead_in: int = 0) -> float:
+        """Steps are numbered across calls (lead-in ones too); the timed ones' seconds add up."""
+        total = 0.0
+        for i in range(lead_in + steps):
+            t = self.seconds(self.runs)
+            self.runs += 1
+            if i >= lead_in:
+                total += t
         self.log.append(self.name)
-        return t
+        return total
 
     def profile(self) -> StepProfile:
         total = self.profile_s if self.profile_s is not None else self.seconds(0)

@@ -83,6 +83,7 @@ DELETE = object()
         (_edit("perf.budgets.1.batches", [5, 64]), ["perf.budgets", "b4", "no region", "cover 4"]),
         (_edit("perf.budgets.1.batches", [2, 64]), ["perf.budgets", "b2", "small batches, larger batches", "disjoint"]),
         (_edit("perf.min_repeats", 10), ["perf.max_repeats", "min_repeats 10", "raise"]),
+        (_edit("perf.max_repeats", 3), ["perf.max_repeats", "3 rounds", "two of each order", "raise"]),
     ],
 )
 def test_rules_the_schema_cannot_say_are_one_line_errors(edit, words):
@@ -120,6 +121,8 @@ def test_region_coverage_counts_cells_of_every_tier():
         ('routing = "synthetic"\nbatches = [1, 4]', 'routin = "synthetic"\nbatches = [1, 4]', ["routin", "allowed"]),
         ('ci_method = "bootstrap"', 'ci_method = "jackknife"', ["perf.ci_method", "'bootstrap'"]),
         ("min_repeats = 3", "min_repeats = 2", ["perf.min_repeats", "minimum"]),
+        ("l2_flush = false", "l2_flush = false\nmin_sample_s = -1", ["perf.min_sample_s", "minimum"]),
+        ("l2_flush = false", "l2_flush = false\nlead_in_steps = 0.5", ["perf.lead_in_steps", "integer"]),
         ("max_itl_regression = 0.25", "max_itl_regression = -0.1", ["max_itl_regression", "minimum"]),
     ],
 )

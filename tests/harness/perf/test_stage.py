@@ -75,9 +75,16 @@ def test_a_subject_without_a_perf_suite_is_not_run(tmp_path, monkeypatch):
     assert verdict.verdict == "NOT_RUN" and "has no perf suite" in verdict.reason
 
 
-def test_the_vllm_subjects_are_not_run_with_the_reason(tmp_path):
-    records = perf_stage.PerfStage().run(_ctx(tmp_path, _config(name="cpu-vllm")))
-    assert records.status == "not_run" and "vllm-generic has no perf suite" in records.reason
+def test_a_served_subject_goes_to_the_serving_benchmark_not_to_a_subject_suite(tmp_path, monkeypatch):
+    """A config with a [vllm] table never asks its subject for an in-process suite (the vLLM subjects have none):
+    tp8-gb300 has no [perf] table, so the serving path says that, not "no perf suite"."""
+
+    def no_suite(name):
+        raise AssertionError("a served subject's perf must not load an in-process suite")
+
+    monkeypatch.setattr(perf_stage, "load_subject", no_suite)
+    records = perf_stage.PerfStage().run(_ctx(tmp_path, _config(name="tp8-gb300", tier="standard")))
+    assert records.status == "not_run" and "has no [perf] table" in records.reason
 
 
 def test_no_perf_table_is_not_run_and_a_bad_one_is_an_error(tmp_path, monkeypatch):
