@@ -3,62 +3,17 @@
 from __future__ import annotations
 
 import functools
-import tomllib
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from k3_decode.executor import StackExecutor, StepRequest, load_stack, random_input
-from k3_decode.executor.oracle import OracleInputs, layer_errors, routing_mismatches, teacher_forced
-from k3_decode.reference.decoder import LayerTrace
-from k3_decode.reference.kda import KdaCache
+from k3_decode.executor.layer_check import layer_failures, snapshot
+from k3_decode.executor.oracle import teacher_forced
 from k3_decode.weights import LayerWeights, SyntheticWeights
 
-TOLERANCE_FILE = Path(__file__).with_name("tolerances.toml")
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    rms_rel: float
-    peak_rel: float
-    reason: str
-
-
-@functools.cache
-def _tolerances() -> dict[str, Any]:
-    return tomllib.loads(TOLERANCE_FILE.read_text())
-
-
-def tolerance(field: str, trace: LayerTrace) -> Tolerance:
-    row = _tolerances()[field]
-    if "rms_rel" not in row:
-        row = row[trace.kind if field == "attn_output" else trace.mlp_kind]
-    return Tolerance(row["rms_rel"], row["peak_rel"], row["reason"])
-
-
-def layer_failures(got: Sequence[LayerTrace], ref: Sequence[LayerTrace]) -> list[str]:
-    """Every sublayer outside its tolerance, or trivial (non-finite, constant, wrongly scaled), and routing flips."""
-    out = routing_mismatches(got, ref)
-    by_layer = {t.layer: t for t in got}
-    for e in layer_errors(got, ref):
-        trace = by_layer[e.layer]
-        tol = tolerance(e.field, trace)
-        value = getattr(trace, e.field)
-        where = f"layer {e.layer} {e.field}"
-        if not bool(torch.isfinite(value).all()):
-            out.append(f"{where}: non-finite output")
-        elif e.constant:
-            out.append(f"{where}: constant output")
-        elif not 0.5 < e.rms_ratio < 2.0:
-            out.append(f"{where}: output rms is {e.rms_ratio:.3g}x the reference's")
-        elif e.rms_rel > tol.rms_rel or e.peak_rel > tol.peak_rel:
-            out.append(
-                f"{where}: rms_rel {e.rms_rel:.3g} (tol {tol.rms_rel}), peak_rel {e.peak_rel:.3g} (tol {tol.peak_rel})"
-            )
-    return out
+__all__ = ["build", "decode_requests", "layer_failures", "oracle_failures", "prefill", "snapshot", "stack_weights"]
 
 
 @functools.cache
@@ -87,20 +42,6 @@ def decode_requests(ex: StackExecutor, requests: Sequence[int], seed: int) -> li
 def prefill(ex: StackExecutor, lengths: dict[int, int], seed: int = 0) -> None:
     first = ex.config.layers[0]
     ex.prefill({r: random_input(ex.dims, first, n, seed + r, ex.device) for r, n in lengths.items()})
-
-
-def snapshot(ex: StackExecutor, requests: Sequence[StepRequest]) -> OracleInputs:
-    """What the oracle needs to replay the next step: taken before it runs."""
-    from k3_decode.executor.inputs import StackInput
-
-    return OracleInputs(
-        entry=StackInput.cat([r.inputs for r in requests]),
-        tables=ex.state.tables([r.request for r in requests]),
-        kda={i: KdaCache(c.conv.clone(), c.recurrent.clone()) for i, c in ex.state.kda.items()},
-        mla={i: c.clone() for i, c in ex.state.mla.items()},
-        k_scale=ex.config.k_scale,
-        q_scale=ex.config.q_scale,
-    )
 
 
 def oracle_failures(
