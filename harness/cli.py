@@ -17,7 +17,13 @@ from harness.verdicts import ExitCode
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 # Modules that add a subcommand through `register(subparsers)`.
-EXTRA_COMMANDS = ("harness.redteam", "harness.isolation.command", "harness.bundle.sigstore_sign", "harness.byo")
+EXTRA_COMMANDS = (
+    "harness.redteam",
+    "harness.isolation.command",
+    "harness.bundle.sigstore_sign",
+    "harness.byo",
+    "suites.sanitize",
+)
 
 VERDICT_STYLE = {
     "PASSED": "green",

@@ -62,6 +62,15 @@ class K3Subject:
 
         return K3Suite(self.name, config.data.get("model", self.default_model or "k3"))
 
+    def distributed_numerics(self, config: Any) -> Any:
+        """The numerics stage's tensor-parallel cells for a config with `parallel.mode = "distributed"` (one process
+        per GPU), or None for a config that runs one rank's shard on one device."""
+        if self.name != "k3-hopper":
+            return None
+        from suites.k3.tp import TpNumerics  # late: torch is needed only when the stage runs
+
+        return TpNumerics.from_config(config)
+
     def perf_suite(self, config: Any) -> Any:
         """The perf suite of the in-process subject; vLLM's subject is timed through vLLM, which is not built here."""
         if self.name != "k3-hopper":

@@ -1,7 +1,10 @@
-"""The numerics red team: broken versions of the stock KDA decode step, each of which the stage must FAIL.
+"""The numerics red team: broken versions of stock ops, each of which the stage must FAIL.
 
-Every case runs the numerics stage's own evaluation over cells chosen to expose its cheat; on a machine
-without CUDA the side-stream case cannot run and says so.
+Eight cheats wrapped around the stock KDA decode step (zeros, the oracle, caching, grid-shaped code, a side stream,
+stale state, a mutated input, half a batch), then one realistic bug per op family of the other cells: AttnRes
+reading a wrong bank slot, MLA attending one position short, the router breaking ties toward the higher expert id,
+the experts dropping a top-k slot. Every case runs the numerics stage's own evaluation over cells chosen to expose
+its bug; on a machine without CUDA the side-stream case cannot run and says so.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from harness.redteam import RedTeamCase
 from harness.stages.numerics import evaluate
 from harness.verdicts import StageRecords
 from k3_decode.config import K3_MINI
-from suites.k3 import kda
+from suites.k3 import attn_res, kda, mla, moe
 from suites.k3.suite import K3Suite
 
 SUITE = K3Suite("k3-hopper", "k3-mini")
@@ -70,4 +73,70 @@ CASES = [
         "mutates-input", "mutates its input (the packed projection)", lambda impl: rt.mutates_an_input(impl, "packed")
     ),
     _case("skips-batch", "skips part of the batch", lambda impl: rt.skips_part_of_the_batch(impl, "packed")),
+]
+
+
+def _op_case(name: str, description: str, cells: Callable[[], list], op: str, broken: Callable[[Impl], Impl]):
+    def run(_tmp: Path) -> StageRecords:
+        stock = SUITE.implementations(_device())[0].ops[op]
+        impl = Implementation("redteam", {op: broken(stock)})
+        return evaluate(cells(), [impl], _device(), ToleranceTable.load(), SUITE.forbidden(), seed=7)
+
+    return RedTeamCase("numerics", name, description, run)
+
+
+def _zero_block0(call) -> dict[str, torch.Tensor]:
+    blocks = call.tensors["blocks"].clone()
+    blocks[:, 0] = 0
+    return {"blocks": blocks}
+
+
+def _one_short(call) -> dict[str, torch.Tensor]:
+    return {"seq_lens": (call.tensors["seq_lens"] - 1).clamp(min=0)}
+
+
+def _reverse_experts(call) -> dict[str, torch.Tensor]:
+    return {"router": call.tensors["router"].flip(0), "router_bias": call.tensors["router_bias"].flip(0)}
+
+
+def _ids_back(call, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    last = call.tensors["router"].shape[0] - 1
+    return {"logits": out["logits"].flip(-1), "ids": (last - out["ids"]).to(torch.int32), "weights": out["weights"]}
+
+
+def _drop_last_slot(call) -> dict[str, torch.Tensor]:
+    w = call.tensors["weights"].clone()
+    w[:, -1] = 0
+    return {"weights": w}
+
+
+CASES += [
+    _op_case(
+        "attn-res-wrong-block",
+        "AttnRes mixes a wrong bank slot (block 0 read as zeros)",
+        lambda: [attn_res.AttnResCell(K3_MINI, 4, "before-plain")],
+        "attn_res",
+        lambda impl: rt.reads_altered_inputs(impl, _zero_block0),
+    ),
+    _op_case(
+        "mla-one-position-short",
+        "MLA decode attends one position short (the new token's own row left out)",
+        lambda: [mla.MlaCell(K3_MINI, 1, 4, 64, "auto", 16)],
+        "mla_decode",
+        lambda impl: rt.reads_altered_inputs(impl, _one_short),
+    ),
+    _op_case(
+        "route-ties-to-higher-id",
+        "the router lets the higher expert id win exact ties",
+        lambda: [moe.RouteCell(K3_MINI, 8, "ties")],
+        "moe_route",
+        lambda impl: rt.maps_outputs(rt.reads_altered_inputs(impl, _reverse_experts), _ids_back),
+    ),
+    _op_case(
+        "experts-drop-a-slot",
+        "the routed experts skip the last top-k slot",
+        lambda: [moe.ExpertsCell(K3_MINI, 1, 5)],
+        "moe_experts",
+        lambda impl: rt.reads_altered_inputs(impl, _drop_last_slot),
+    ),
 ]

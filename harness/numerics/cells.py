@@ -21,6 +21,20 @@ class OpCall:
 
 
 @dataclass(frozen=True)
+class Judged:
+    """How one output (or in-place tensor) is judged where it differs from its op's defaults.
+
+    An op whose outputs differ in kind (FP32 router logits, integer expert ids) names, per output, the dtype the
+    output must have and the tolerance-table entry `[<tolerance>.<dtype>]` it is held to (an entry may demand
+    bit-exact equality: `exact = true`).
+    """
+
+    name: str
+    dtype: str | None = None  # None: the op's dtype
+    tolerance: str | None = None  # None: the op's key (outputs) or "<op>.state" (in-place tensors)
+
+
+@dataclass(frozen=True)
 class OpSpec:
     op: str  # the tolerance-table key
     dtype: str  # the dtype the implementation computes in (tolerance-table key)
@@ -28,6 +42,22 @@ class OpSpec:
     inplace: tuple[str, ...] = ()  # state tensors the op may update (only where allowed_writes says)
     deterministic: bool = True  # bit-identical reruns are promised
     steps: int = 1  # consecutive calls chaining the in-place state (stale reads show only over steps)
+    judged: tuple[Judged, ...] = ()  # per-output dtype and tolerance entry, where not the defaults
+
+    def _override(self, name: str) -> Judged | None:
+        return next((j for j in self.judged if j.name == name), None)
+
+    def dtype_of(self, name: str) -> str:
+        """The dtype output `name` must have and whose tolerance entry applies."""
+        j = self._override(name)
+        return j.dtype if j is not None and j.dtype else self.dtype
+
+    def tolerance_of(self, name: str) -> str:
+        """The tolerance-table key of output or in-place tensor `name`."""
+        j = self._override(name)
+        if j is not None and j.tolerance:
+            return j.tolerance
+        return f"{self.op}.state" if name in self.inplace else self.op
 
 
 class Case(Protocol):

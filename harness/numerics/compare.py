@@ -23,6 +23,11 @@ class Tolerance:
     max_abs: float  # no element may be further off than this, matched or not
     nontrivial_margin: float  # the reference must reach margin * atol somewhere: zeros cannot pass
     reason: str
+    exact: bool = False  # every element bit-equal to the reference (ids, state copied unchanged)
+
+    @classmethod
+    def exact_match(cls, reason: str) -> Tolerance:
+        return cls(0.0, 0.0, 1.0, 0.0, 0.0, reason, exact=True)
 
 
 class ToleranceError(KeyError):
@@ -48,6 +53,12 @@ class ToleranceTable:
             entry = {k: v for k, v in node[dtype].items() if k in Tolerance.__dataclass_fields__}
         except (KeyError, TypeError):
             raise ToleranceError(f"no tolerance for op {op!r} dtype {dtype!r} in {self.source}") from None
+        if entry.get("exact"):
+            # An exact entry carries only its reason: numeric bounds beside it would be ignored, so they are refused.
+            extra = sorted(set(entry) - {"exact", "reason"})
+            if extra:
+                raise ToleranceError(f"[{op}.{dtype}] in {self.source} is exact; drop {', '.join(extra)}")
+            return Tolerance.exact_match(entry.get("reason", ""))
         return Tolerance(**entry)
 
 
@@ -68,6 +79,9 @@ def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: Tolera
     err = (a - e).abs()
     err = torch.where(ref_finite, err, torch.zeros_like(err))
     ok = err <= tol.atol + tol.rtol * e.abs()
+    if tol.exact:
+        # Bit-equal: +0.0 and -0.0 differ, which a numeric difference of zero would hide.
+        ok = ok & (torch.signbit(a) == torch.signbit(e))
     # Where the reference is NaN or Inf (a defined behaviour of the stock path), the output must be the same.
     special = ~ref_finite
     a_s, e_s = a[special], e[special]
@@ -81,7 +95,14 @@ def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: Tolera
         Check(f"{name}: NaN/Inf where the reference has them", same_special, "==", True),
         Check(f"{name}: matched fraction", round(matched, 6), ">=", tol.matched_fraction),
         Check(f"{name}: max abs error", max_err, "<=", tol.max_abs),
-        Check(f"{name}: reference is non-trivial (peak / atol)", ref_peak / tol.atol, ">=", tol.nontrivial_margin),
     ]
+    if tol.atol == 0:
+        # Exact or purely relative: no absolute slack to hide behind, but a reference that is zero everywhere
+        # would still prove nothing.
+        checks.append(Check(f"{name}: reference is non-trivial (peak)", ref_peak, ">", 0.0))
+    else:
+        checks.append(
+            Check(f"{name}: reference is non-trivial (peak / atol)", ref_peak / tol.atol, ">=", tol.nontrivial_margin)
+        )
     metrics = {"max_abs_error": max_err, "matched_fraction": matched, "ref_peak": ref_peak, "elements": n}
     return checks, metrics

@@ -29,7 +29,15 @@ from harness.numerics.compare import Tolerance, ToleranceTable, compare
 from harness.verdicts import Check
 
 GUARD = 64  # elements of sentinel on each side of every input tensor
-_SENTINEL = {torch.float32: -7.25e30, torch.float64: -7.25e300, torch.bfloat16: -3.0e38, torch.float16: -6.0e4}
+# Values no kernel plausibly writes; FP8 has no such finite value (every byte but NaN is a plausible output), so
+# its bands hold NaN, compared by bits.
+_SENTINEL = {
+    torch.float32: -7.25e30,
+    torch.float64: -7.25e300,
+    torch.bfloat16: -3.0e38,
+    torch.float16: -6.0e4,
+    torch.float8_e4m3fn: float("nan"),
+}
 
 
 @dataclass
@@ -61,8 +69,8 @@ def guarded(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _bands_intact(flat: torch.Tensor) -> bool:
-    fill = torch.full((GUARD,), _sentinel(flat.dtype), dtype=flat.dtype, device=flat.device)
-    return torch.equal(flat[:GUARD], fill) and torch.equal(flat[-GUARD:], fill)
+    fill = _bits(torch.full((GUARD,), _sentinel(flat.dtype), dtype=flat.dtype, device=flat.device))
+    return torch.equal(_bits(flat[:GUARD]), fill) and torch.equal(_bits(flat[-GUARD:]), fill)
 
 
 class OracleCalled(RuntimeError):
@@ -122,12 +130,19 @@ def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
 
 
+def _tolerances(case: Case, table: ToleranceTable) -> dict[str, Tolerance]:
+    """The tolerance entry of every output and in-place tensor of the case's op (looked up before anything runs,
+    so a missing entry fails the cell at once)."""
+    spec = case.spec
+    return {name: table.get(spec.tolerance_of(name), spec.dtype_of(name)) for name in (*spec.outputs, *spec.inplace)}
+
+
 def _compare_all(
     prefix: str,
     case: Case,
     out: dict[str, torch.Tensor],
     ref: dict[str, torch.Tensor],
-    tol: Tolerance,
+    tols: dict[str, Tolerance],
 ) -> tuple[list[Check], dict[str, Any]]:
     checks: list[Check] = []
     metrics: dict[str, Any] = {}
@@ -136,7 +151,7 @@ def _compare_all(
     checks.append(Check(f"{prefix}outputs returned", missing, "==", []))
     for name in spec.outputs:
         if name in out:
-            c, m = compare(f"{prefix}{name}", out[name], ref[name], tol)
+            c, m = compare(f"{prefix}{name}", out[name], ref[name], tols[name])
             checks += c
             metrics[name] = m
     return checks, metrics
@@ -151,8 +166,7 @@ def run_cell(
     seed: int = 0,
 ) -> CellResult:
     spec = case.spec
-    tol = table.get(spec.op, spec.dtype)
-    state_tol = table.get(f"{spec.op}.state", spec.dtype) if spec.inplace else tol
+    tols = _tolerances(case, table)
     result = CellResult(case.id, dict(case.axes))
     forbidden = tuple(forbidden)
 
@@ -167,11 +181,11 @@ def run_cell(
     before = {k: t.clone() for k, t in call.tensors.items()}
     with oracle_guard(forbidden) as oracle_calls:
         out, after = _run_on_stream(impl, call)
-    checks, metrics = _compare_all("", case, out, ref, tol)
+    checks, metrics = _compare_all("", case, out, ref, tols)
     result.metrics.update(metrics)
-    want_dtype = getattr(torch, spec.dtype)
     for name in spec.outputs:
         if name in out:
+            want_dtype = getattr(torch, spec.dtype_of(name))
             checks.append(Check(f"{name}: dtype", str(out[name].dtype), "==", str(want_dtype)))
             checks.append(Check(f"{name}: contiguous", out[name].is_contiguous(), "==", True))
     for k in call.tensors:
@@ -179,7 +193,7 @@ def run_cell(
             changed = _bits(after[k]) != _bits(before[k])
             outside = int((changed & ~allowed[k]).sum())  # masks have the tensor's shape
             checks.append(Check(f"{k}: writes outside the declared write set", outside, "==", 0))
-            c, _ = compare(f"{k} (state after the call)", after[k], ref[k], state_tol)
+            c, _ = compare(f"{k} (state after the call)", after[k], ref[k], tols[k])
             checks += c
         else:
             same = torch.equal(_bits(after[k]), _bits(before[k]))
@@ -200,7 +214,7 @@ def run_cell(
         t.copy_(fresh.tensors[k])
     ref_fresh = case.reference(fresh.clone())
     out3, _ = _run_on_stream(impl, reuse)
-    c, _ = _compare_all("fresh values in reused buffers: ", case, out3, ref_fresh, tol)
+    c, _ = _compare_all("fresh values in reused buffers: ", case, out3, ref_fresh, tols)
     checks += c
 
     # 4. Chained steps: state written by step s is read by step s+1.
@@ -217,11 +231,11 @@ def run_cell(
             impl_call = nxt
             ref_out = case.reference(ref_next)
             step_out, seen = _run_on_stream(impl, impl_call)
-            c, _ = _compare_all(f"step {step}: ", case, step_out, ref_out, tol)
+            c, _ = _compare_all(f"step {step}: ", case, step_out, ref_out, tols)
             checks += c
             ref_call = OpCall({**ref_next.tensors, **{k: ref_out[k] for k in spec.inplace}}, ref_next.args)
             for name in spec.inplace:
-                c, _ = compare(f"step {step}: {name}", seen[name], ref_out[name], state_tol)
+                c, _ = compare(f"step {step}: {name}", seen[name], ref_out[name], tols[name])
                 checks += c
     result.checks = checks
     return result

@@ -124,3 +124,33 @@ def side_stream_without_sync(impl: Impl, delay_cycles: int = 200_000_000) -> Imp
         return late
 
     return run
+
+
+def reads_altered_inputs(impl: Impl, alter: Callable[[OpCall], dict[str, torch.Tensor]]) -> Impl:
+    """Computes from inputs changed by `alter` (a wrong index, a missing row, a reversed table), then puts the
+    caller's inputs back: what a kernel that loads the wrong elements computes, with no visible side effect.
+
+    `alter` returns the replacement values of the tensors it changes, by name; they are copied in before the call
+    and the originals restored after it."""
+
+    def run(call: OpCall) -> dict[str, torch.Tensor]:
+        changes = alter(call)
+        saved = {name: call.tensors[name].clone() for name in changes}
+        for name, value in changes.items():
+            call.tensors[name].copy_(value)
+        try:
+            return impl(call)
+        finally:
+            for name, value in saved.items():
+                call.tensors[name].copy_(value)
+
+    return run
+
+
+def maps_outputs(impl: Impl, change: Callable[[OpCall, dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> Impl:
+    """Post-processes the outputs (a wrong epilogue: a bias added twice, ids mapped back the wrong way)."""
+
+    def run(call: OpCall) -> dict[str, torch.Tensor]:
+        return change(call, impl(call))
+
+    return run

@@ -54,6 +54,16 @@ class NumericsStage:
         path, rel = ctx.evidence_path(self.name, "cells.jsonl")
         records = evaluate(cells, impls, device, table, suite.forbidden(), self.seed, ctx.progress, path)
         records.evidence.append(rel)
+        make_tp = getattr(subject, "distributed_numerics", None)
+        tp_cells = make_tp(ctx.config) if make_tp else None
+        if tp_cells is not None:
+            if ctx.progress:
+                ctx.progress("tensor-parallel cells", 1.0)
+            checks, not_run, metrics = tp_cells.run()
+            records.checks.extend(checks)
+            records.metrics["tensor_parallel"] = metrics
+            if not_run:  # a TP size the config asks for did not run: the stage cannot pass
+                records.status, records.reason = "not_run", "; ".join(not_run)
         return records
 
 

@@ -20,6 +20,9 @@ def test_cpu_smoke_numerics_passes_on_the_stock_path(tmp_path, capsys):
     assert records["metrics"]["implementations"] == {"stock": "torch-cpu"}
     assert records["metrics"]["cells"] >= 10 and records["metrics"]["cells_failed"] == 0
     assert {"stock kda_decode", "stock kda_verify"} <= set(records["metrics"]["pass_map"])
+    assert {"stock attn_res", "stock mla_decode", "stock moe_route", "stock moe", "stock dense_mlp"} <= set(
+        records["metrics"]["pass_map"]
+    )
     assert verify(tmp_path / "b").ok
 
 
@@ -27,7 +30,7 @@ def test_cells_follow_the_config_and_include_off_grid_shapes():
     suite = K3Suite("k3-hopper", "k3-mini")
     cells = suite.cells(load_config("cpu-smoke"), random.Random(1))
     grid = set(suite.grid["axes"]["batches"])
-    assert {c.axes["tp"] for c in cells} == {1, 2}
+    assert {c.axes["tp"] for c in cells if "tp" in c.axes} == {1, 2}
     assert any(c.axes["batch"] not in grid for c in cells)  # robust-kbench: hard-coded shapes fail here
     assert all(c.axes["q"] > 1 for c in cells if c.spec.op == "kda_verify")
 

@@ -44,3 +44,15 @@ def test_a_tp_size_without_its_gpus_is_not_run(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     checks, not_run, _ = TpNumerics("k3", (8,), (1,), "cuda").run()
     assert checks == [] and not_run == ["TP8 needs 8 GPUs on one host, this host has 2"]
+
+
+def test_the_subject_gives_tp_cells_only_to_distributed_configs() -> None:
+    from harness.config.loader import load_config
+    from harness.subjects import load_subject
+
+    subject = load_subject("k3-hopper")
+    assert subject.distributed_numerics(load_config("cpu-smoke")) is None
+    assert subject.distributed_numerics(load_config("h200")) is None  # one rank's shard on one GPU
+    cells = subject.distributed_numerics(load_config("tp8-h200"))
+    assert cells is not None and cells.tps == (8,) and cells.kind == "cuda"
+    assert cells.batches == (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
