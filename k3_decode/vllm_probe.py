@@ -33,9 +33,10 @@ CUDA graphs: plan() returns a Step only while a FULL graph is captured. The V2 r
 `forward_fn`), and replays with `CudaGraphManager.run_fullgraph(batch_desc)` (v1/worker/gpu/model_runner.py:2059),
 which runs no model Python and enters no forward context. Every replay of a BatchExecutionDescriptor (FULL,
 num_tokens, num_reqs, uniform_token_count) repeats the decision made when that graph was captured, so the decision
-states the captured token count and q; crediting replays to it is the plugin recorder's job. (The recorder keys a
-capture by the batch descriptor in the forward context, which the V2 runner leaves empty; until the plugin follows
-V2's replays, FULL-graph decode steps of vllm-k3 are not counted, so coverage fails rather than passes.)
+states the captured token count and q; crediting replays to it is the plugin's job. The V2 runner leaves the
+forward context's batch descriptor empty, so harness/vllm_plugin/graphs.py joins each decision with its graph at
+the graph manager (the graph store at capture, run_fullgraph at replay); a replay it could not follow counts as no
+decode step, so coverage fails rather than passes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Read the vLLM plugin's proof-of-path snapshots and turn a request cell's share of them into coverage.
 
 The plugin rewrites `path-<pid>.json` (one per worker, so one per TP rank) every 0.1 s. A cell takes a snapshot
-before its requests and one after (newer than its last response), and the difference is what the cell ran.
+before its requests and one after (newer than its last response), and the difference is what the cell ran. A
+snapshot counts the target model's steps only; steps that ran only another model of the worker (a speculative
+drafter) are kept apart in `other_steps`, and `replays` says how FULL-graph replays were followed.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class CellPath:
     by_mode: dict[str, int] = field(default_factory=dict)
     by_descriptor: dict[str, int] = field(default_factory=dict)
     fallback_reasons: dict[str, int] = field(default_factory=dict)
+    other_models: list[str] = field(default_factory=list)
+    other_steps: dict[str, int] = field(default_factory=dict)
+    replays: str = ""
     stale: bool = False
 
     @property
@@ -80,6 +85,9 @@ class CellPath:
             "by_mode": self.by_mode,
             "by_descriptor": self.by_descriptor,
             "fallback_reasons": self.fallback_reasons,
+            "other_models": self.other_models,
+            "other_steps": self.other_steps,
+            "replays": self.replays,
         }
 
 
@@ -103,6 +111,9 @@ def cell_path(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]
             by_mode=_diff(snap.get("by_mode", {}), prev.get("by_mode", {})),
             by_descriptor=_diff(snap.get("by_descriptor", {}), prev.get("by_descriptor", {})),
             fallback_reasons=_diff(snap.get("fallback_reasons", {}), prev.get("fallback_reasons", {})),
+            other_models=list(snap.get("other_models", [])),
+            other_steps=_diff(snap.get("other_steps", {}), prev.get("other_steps", {})),
+            replays=snap.get("replays", ""),
             stale=snap.get("written_at", 0) <= after_time,
         )
         if worst is None or (cell.coverage or 0.0) < (worst.coverage or 0.0) or cell.probe is None:
@@ -119,7 +130,8 @@ def coverage_check(label: str, path: CellPath, floor: float) -> tuple[Check | No
         return None, f"{label}: coverage not judged: {path.probe_note}"
     if path.decode_steps == 0:
         # A cell that ran no decode step proves nothing about the decode path: that is a failure of the cell.
-        return Check(f"{label}: decode steps observed", 0, ">=", 1, "the cell ran no decode step"), None
+        detail = "the cell ran no decode step" + (f" the plugin saw ({path.replays})" if path.replays else "")
+        return Check(f"{label}: decode steps observed", 0, ">=", 1, detail), None
     top = ", ".join(f"{k} x{v}" for k, v in sorted(path.fallback_reasons.items(), key=lambda kv: -kv[1])[:2])
     return (
         Check(

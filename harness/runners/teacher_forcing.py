@@ -4,6 +4,10 @@ The baseline samples a continuation per prompt; then each arm is forced along it
 processor admits only the next target token) and returns its raw top-k logprobs at every step. Forcing keeps the
 two arms on identical inputs for long generations, so a difference is the decode path's, not a divergence of
 sampled text; prompt logprobs would only exercise prefill.
+
+Every limit comes with its reason from evals/evals.toml [teacher_forcing.why] (today each says it is a
+CPU-calibrated placeholder), and the reason travels with the check into the report: a PASS near a limit must be
+read with it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,26 @@ from harness.runners.client import OpenAIClient, token_id
 from harness.verdicts import Check
 
 FORCE_KEY = "k3gate_force"
+# The limits a comparison is judged against, each with a reason in [teacher_forcing.why].
+LIMIT_KEYS = ("max_mean_kl", "max_p99_kl", "min_mean_top5_overlap", "max_abs_target_logprob_diff")
+
+
+def limit_reasons(limits: dict[str, Any]) -> dict[str, str]:
+    """Each limit's reason; a limit without one is an error in the data file, not something to judge with."""
+    why = limits.get("why") or {}
+    missing = [key for key in LIMIT_KEYS if not str(why.get(key, "")).strip()]
+    if missing:
+        raise ValueError(
+            f"evals/evals.toml [teacher_forcing.why] gives no reason for {', '.join(missing)}: add one line per "
+            "limit saying where its number comes from"
+        )
+    return {key: str(why[key]) for key in LIMIT_KEYS}
+
+
+def limits_record(limits: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The limits with their reasons, for a stage's metrics."""
+    reasons = limit_reasons(limits)
+    return {key: {"limit": limits[key], "why": reasons[key]} for key in LIMIT_KEYS}
 
 
 @dataclass(frozen=True)
@@ -123,7 +147,8 @@ def compare(base: list[Forced], cand: list[Forced]) -> Comparison:
 
 
 def checks(result: Comparison, label: str, limits: dict[str, Any]) -> list[Check]:
-    where = f"worst step {result.worst_step[1]} of prompt {result.worst_step[0]}, KL {result.max_kl}"
+    why = limit_reasons(limits)
+    where = f"worst step {result.worst_step[1]} of prompt {result.worst_step[0]}, KL {result.max_kl}; "
     return [
         Check(f"{label}: forced steps compared", result.steps, ">=", 1),
         Check(f"{label}: steps that left the forced sequence", result.unfollowed, "==", 0),
@@ -132,14 +157,27 @@ def checks(result: Comparison, label: str, limits: dict[str, Any]) -> list[Check
             result.mean_kl,
             "<=",
             limits["max_mean_kl"],
-            where,
+            f"{where}limit: {why['max_mean_kl']}",
         ),
-        Check(f"{label}: p99 KL per step (nats)", result.p99_kl, "<=", limits["max_p99_kl"], where),
-        Check(f"{label}: mean top-5 overlap", result.mean_top5_overlap, ">=", limits["min_mean_top5_overlap"]),
+        Check(
+            f"{label}: p99 KL per step (nats)",
+            result.p99_kl,
+            "<=",
+            limits["max_p99_kl"],
+            f"{where}limit: {why['max_p99_kl']}",
+        ),
+        Check(
+            f"{label}: mean top-5 overlap",
+            result.mean_top5_overlap,
+            ">=",
+            limits["min_mean_top5_overlap"],
+            f"limit: {why['min_mean_top5_overlap']}",
+        ),
         Check(
             f"{label}: worst |forced-token logprob difference| (nats)",
             result.max_target_diff,
             "<=",
             limits["max_abs_target_logprob_diff"],
+            f"limit: {why['max_abs_target_logprob_diff']}",
         ),
     ]

@@ -3,8 +3,12 @@
 Both arms serve the same weights; the real lm-eval runs the k3gate task YAMLs (evals/) against each arm's chat
 endpoint at every configured concurrency (small-batch cells), keeping `--log_samples`. Each task gets a paired
 non-inferiority decision with the margin from evals/evals.toml, and a teacher-forced comparison judges the
-per-step decode distributions of the two arms on identical token sequences, long context included. The
-candidate's decode steps are matched against the plugin's proof-of-path counts.
+per-step decode distributions of the two arms on identical token sequences, long context included (its limits
+and their reasons go into the metrics). The candidate's decode steps are matched against the plugin's
+proof-of-path counts.
+
+Full datasets (datasets = "dir") come from the first of: $K3GATE_EVAL_DATA, the config's vllm.evals.dataset_dir,
+and the cache folder $XDG_CACHE_HOME/k3gate/eval-data (~/.cache/k3gate/eval-data without XDG_CACHE_HOME).
 """
 
 from __future__ import annotations
@@ -29,6 +33,22 @@ from harness.verdicts import StageRecords
 STAGE = "evals"
 DATA_ENV = "K3GATE_EVAL_DATA"  # a folder with <dataset_file> per task; overrides [vllm.evals] dataset_dir
 FORCING_SEED = 97
+
+
+def cache_dir() -> Path:
+    """Where datasets are looked for when neither K3GATE_EVAL_DATA nor vllm.evals.dataset_dir names a folder."""
+    root = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(root) if os.path.isabs(root) else Path.home() / ".cache"  # the XDG spec ignores a relative path
+    return base / "k3gate" / "eval-data"
+
+
+def dataset_folder(configured: str | None) -> tuple[Path, str]:
+    """The folder the full datasets are read from, and what named it."""
+    if env := os.environ.get(DATA_ENV):
+        return Path(env), DATA_ENV
+    if configured:
+        return Path(configured), "vllm.evals.dataset_dir"
+    return cache_dir(), "the cache folder"
 
 
 @dataclass
@@ -76,6 +96,7 @@ class EvalsStage:
         plan, problem = _plan(vllm, python.path)
         if plan is None:
             return StageRecords.not_run(STAGE, problem)
+        tf = eval_tasks.evals_data()["teacher_forcing"]
         findings.metrics.update(
             {
                 "vllm": python.vllm_version,
@@ -83,15 +104,19 @@ class EvalsStage:
                 "datasets": plan.source,
                 "tasks": [s.name for s in plan.specs],
                 "concurrency": plan.concurrency,
+                # Each limit with the reason for its number (CPU-calibrated placeholders today): read a PASS with it.
+                "teacher_forcing_limits": teacher_forcing.limits_record(tf),
             }
         )
+        if plan.source != "fixtures":
+            # What named the folder, not its path: the bundle is shared, the user's folder layout is theirs.
+            findings.metrics["dataset_source"] = dataset_folder(vllm.get("evals", {}).get("dataset_dir"))[1]
         if note := load_subject(ctx.config.subject).describe().get("note"):
             findings.metrics["subject_note"] = note
         provider = self.provider
         if provider is None:
             model_path = arms.resolve_model(vllm["model"], python.path)
             provider = session.config_provider(vllm, python.path, model_path, stage_dir, self.overrides)
-        tf = eval_tasks.evals_data()["teacher_forcing"]
         decisions: dict[str, Any] = {}
         try:
             for dep in arms.deployments(ctx.config.data):
@@ -129,17 +154,17 @@ def _plan(vllm: dict[str, Any], python: str) -> tuple[Plan | None, str]:
     if source == "fixtures":
         rows = {s.name: eval_tasks.fixture_rows(s) for s in specs}
     else:
-        folder = os.environ.get(DATA_ENV) or ev.get("dataset_dir")
-        if not folder:
-            return None, (
-                f"no eval datasets: set vllm.evals.dataset_dir or {DATA_ENV} to a folder with "
-                + ", ".join(s.dataset_file for s in specs)
-                + " (or datasets = 'fixtures' for a plumbing run)"
-            )
-        missing = [s.dataset_file for s in specs if not (Path(folder) / s.dataset_file).is_file()]
+        folder, named_by = dataset_folder(ev.get("dataset_dir"))
+        missing = [s.dataset_file for s in specs if not (folder / s.dataset_file).is_file()]
         if missing:
-            return None, f"eval datasets missing in {folder}: {', '.join(missing)}"
-        rows = {s.name: eval_tasks.select_rows(s, eval_tasks.read_rows(Path(folder) / s.dataset_file)) for s in specs}
+            configured = ev.get("dataset_dir")
+            return None, (
+                f"eval datasets missing in {folder} (named by {named_by}): {', '.join(missing)} — the stage reads "
+                f"the first folder named by {DATA_ENV} ({os.environ.get(DATA_ENV) or 'not set'}), "
+                f"vllm.evals.dataset_dir ({configured or 'not set'}) or the cache folder {cache_dir()}; put each "
+                "task's test split there as JSON lines (or set datasets = 'fixtures' for a plumbing run)"
+            )
+        rows = {s.name: eval_tasks.select_rows(s, eval_tasks.read_rows(folder / s.dataset_file)) for s in specs}
     tf = eval_tasks.evals_data()["teacher_forcing"]
     plan = Plan(
         python=python,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from harness.runners import paired, teacher_forcing
 from harness.runners.eval_tasks import evals_data, task_specs
 from harness.runners.findings import Findings
@@ -73,6 +75,29 @@ def test_teacher_forcing_passes_identical_arms_and_fails_a_nudge_or_broken_forci
     assert "tf: steps that left the forced sequence" in failed(teacher_forcing.checks(broken, "tf", LIMITS))
     empty = teacher_forcing.compare([], [])
     assert "tf: forced steps compared" in failed(teacher_forcing.checks(empty, "tf", LIMITS))
+
+
+def test_teacher_forcing_checks_carry_each_limits_reason():
+    result = teacher_forcing.compare(forced(), forced(top_shift=0.3))
+    by_name = {c.name.removeprefix("tf: "): c for c in teacher_forcing.checks(result, "tf", LIMITS)}
+    reasons = {
+        "mean KL(baseline || candidate) per step (nats)": "max_mean_kl",
+        "p99 KL per step (nats)": "max_p99_kl",
+        "mean top-5 overlap": "min_mean_top5_overlap",
+        "worst |forced-token logprob difference| (nats)": "max_abs_target_logprob_diff",
+    }
+    for name, key in reasons.items():
+        assert by_name[name].limit == LIMITS[key]
+        assert by_name[name].detail.endswith(f"limit: {LIMITS['why'][key]}")
+        assert "CPU-calibrated placeholder" in by_name[name].detail
+    assert "worst step" in by_name["p99 KL per step (nats)"].detail  # where it went wrong stays in front
+    # Broken case: a limit whose reason is missing (or blank) is refused, naming the key and the fix.
+    no_reason = {**LIMITS, "why": {k: v for k, v in LIMITS["why"].items() if k != "max_p99_kl"}}
+    with pytest.raises(ValueError, match=r"no reason for max_p99_kl: add one line per limit"):
+        teacher_forcing.checks(result, "tf", no_reason)
+    blank = {**LIMITS, "why": {**LIMITS["why"], "max_mean_kl": " "}}
+    with pytest.raises(ValueError, match="max_mean_kl"):
+        teacher_forcing.limits_record(blank)
 
 
 def test_findings_rule():

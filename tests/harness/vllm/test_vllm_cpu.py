@@ -114,6 +114,10 @@ def test_nudged_logits_fail_the_evals_stage_and_no_probe_is_not_a_pass(vllm_pyth
     assert verdict.verdict is Verdict.FAILED
     failed = failed_names(records)
     assert "tp1-dcp1 teacher-forced decode: mean KL(baseline || candidate) per step (nats)" in failed, failed
+    # each teacher-forcing limit reaches the report with its reason (CPU-calibrated placeholders today)
+    kl = next(c for c in records["checks"] if c["name"].endswith("mean KL(baseline || candidate) per step (nats)"))
+    assert "limit: CPU-calibrated placeholder" in kl["detail"]
+    assert set(records["metrics"]["teacher_forcing_limits"]) >= {"max_mean_kl", "max_p99_kl"}
     assert not any("items whose prompt differs" in n for n in failed)
     # the tiny Llama has no probe here: coverage is listed as not judged, never counted as passed
     assert any(
