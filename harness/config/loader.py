@@ -100,7 +100,9 @@ def _generic_issues(name: str, data: dict[str, Any]) -> list[str]:
     hw = data["hardware"]
     if (hw["gpu"] == "none") != (hw["gpu_count"] == 0):
         issues.append("hardware.gpu_count: must be 0 exactly when hardware.gpu is 'none' — make them agree")
-    if data["parallel"].get("mode") == "distributed" and hw["gpu_count"] < max(data["parallel"]["tp"]):
+    # A distributed config on the CPU runs its ranks as processes (gloo); on GPUs each rank needs its own GPU.
+    distributed = data["parallel"].get("mode") == "distributed"
+    if distributed and hw["gpu"] != "none" and hw["gpu_count"] < max(data["parallel"]["tp"]):
         issues.append(
             f"hardware.gpu_count: {hw['gpu_count']} GPUs cannot hold TP={max(data['parallel']['tp'])} "
             "— raise gpu_count or use parallel.mode = 'per-rank-shapes'"

@@ -30,6 +30,10 @@ FRAGMENT_COLS = 8  # BF16 columns per 16-byte store: an owned chunk is a whole n
 ALIGN = 256
 
 
+# torch 2.13 renames all_gather_into_tensor (and warns on the old name); torch 2.11 has only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class AllReduceError(ValueError):
     """A row the transport cannot reduce; the message names the shape and the fix."""
 
@@ -84,7 +88,7 @@ class OrderedAllReduce:
             acc = acc + slots[src].float()
         mine = _canonical_zero(acc.bfloat16()).contiguous()
         gathered = torch.empty(world * rows, chunk, dtype=x.dtype, device=x.device)  # owners stacked on dim 0
-        dist.all_gather_into_tensor(gathered, mine)
+        _all_gather_single(gathered, mine)
         return gathered.view(world, rows, chunk).transpose(0, 1).reshape(rows, width)
 
 

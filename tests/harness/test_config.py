@@ -11,7 +11,7 @@ from harness.errors import ConfigError
 from harness.runners.eval_tasks import evals_data
 from harness.subjects import load_subject
 
-SHIPPED = ["cpu-smoke", "cpu-vllm", "h200", "tp16-gb300", "tp8-gb300", "tp8-h200"]
+SHIPPED = ["cpu-smoke", "cpu-tp2", "cpu-vllm", "h200", "tp16-gb300", "tp8-gb300", "tp8-h200"]
 
 
 def cpu_smoke_text() -> str:
@@ -221,3 +221,13 @@ def test_teacher_forcing_limits_are_marked_cpu_calibrated_placeholders():
     assert uncalibrated(limits) == []
     # Broken case: a new limit without its reason is caught.
     assert uncalibrated({**limits, "max_js": 0.1}) == ["max_js"]
+
+
+def test_a_distributed_config_needs_a_gpu_per_rank_on_gpus_but_not_on_the_cpu(tmp_path: Path) -> None:
+    text = resources.files("harness.config.configs").joinpath("tp8-h200.toml").read_text()
+    path = tmp_path / "tp8-h200.toml"
+    path.write_text(text.replace("gpu_count = 8", "gpu_count = 4"))
+    with pytest.raises(ConfigError, match=r"hardware\.gpu_count: 4 GPUs cannot hold TP=8"):
+        load_config(str(path))
+    cfg = load_config("cpu-tp2")  # CPU ranks are processes: no GPU count applies
+    assert cfg.data["parallel"] == {"tp": [2], "dcp": [1], "mode": "distributed"}

@@ -4,6 +4,8 @@ GPUs is NOT_RUN with the count it needs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from suites.k3.tp import TpNumerics, checks_for
@@ -56,3 +58,19 @@ def test_the_subject_gives_tp_cells_only_to_distributed_configs() -> None:
     cells = subject.distributed_numerics(load_config("tp8-h200"))
     assert cells is not None and cells.tps == (8,) and cells.kind == "cuda"
     assert cells.batches == (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
+
+
+def test_the_cpu_tp2_config_runs_the_tp_cells_in_the_numerics_stage(tmp_path) -> None:
+    from harness.cli import main
+
+    out = tmp_path / "run"
+    assert main(["run", "--config", "cpu-tp2", "--stages", "numerics", "--out", str(out)]) == 0
+    records = json.loads((out / "stages" / "numerics" / "records.json").read_text())
+    tp = [c for c in records["checks"] if c["name"].startswith("TP2 ")]
+    assert records["status"] == "ran" and records["metrics"]["tensor_parallel"]["tp2"]["ranks"] == 2
+    assert {c["name"] for c in tp} >= {
+        "TP2 rank 0: all-reduce cells with the oracle's bits",
+        "TP2 rank 1 stack ordered oracle",
+        "TP2 rank 1 stack ordered replication",
+        "TP2 rank 0 stack ordered audit",
+    }
