@@ -23,6 +23,7 @@ EXTRA_COMMANDS = (
     "harness.bundle.sigstore_sign",
     "harness.byo",
     "suites.sanitize",
+    "harness.kernels_cmd",
 )
 
 VERDICT_STYLE = {

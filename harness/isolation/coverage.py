@@ -24,6 +24,9 @@ from harness.verdicts import Check
 
 CHECK_NAME = "line coverage of the specialized modules"
 _KEYS = {"modules": "globs of the specialized modules", "floor": "least line coverage, 0..1", "why": "why that floor"}
+# Optional: files matching `modules` that are not measured, each glob with the reason a reviewer accepted (a kernel
+# that is compiled and checked but not yet selectable, say). Listed in the evidence and the check's detail.
+_OPTIONAL = {"exclude": "table: glob -> why those files are not measured"}
 DETAIL_FILES = 5  # least-covered files named in the check's detail; the evidence file has all of them
 
 
@@ -37,6 +40,7 @@ class CoverageScope:
     floor: float  # least fraction of their statements that must run
     why: str
     source: str  # where the table came from, for messages
+    exclude: Mapping[str, str] = field(default_factory=dict)  # glob -> why it is not measured
 
 
 def parse(table: Any, source: str) -> CoverageScope:
@@ -47,8 +51,8 @@ def parse(table: Any, source: str) -> CoverageScope:
 
     if not isinstance(table, Mapping):
         raise fail("", "is not a table", "write [isolation.coverage] with modules, floor and why")
-    if extra := sorted(set(table) - set(_KEYS)):
-        raise fail(extra[0], "is not a key of the coverage table", f"use only: {', '.join(_KEYS)}")
+    if extra := sorted(set(table) - set(_KEYS) - set(_OPTIONAL)):
+        raise fail(extra[0], "is not a key of the coverage table", f"use only: {', '.join([*_KEYS, *_OPTIONAL])}")
     if missing := [k for k in _KEYS if k not in table]:
         raise fail(missing[0], "is missing", f"give {', '.join(f'{k} ({v})' for k, v in _KEYS.items())}")
     modules = table["modules"]
@@ -65,7 +69,17 @@ def parse(table: Any, source: str) -> CoverageScope:
     why = table["why"]
     if not isinstance(why, str) or not why.strip():
         raise fail("why", "is empty", "say why a reviewer accepted this floor")
-    return CoverageScope(tuple(modules), float(floor), why, source)
+    exclude = table.get("exclude", {})
+    if not isinstance(exclude, Mapping) or not all(
+        isinstance(g, str) and isinstance(w, str) and w.strip() for g, w in exclude.items()
+    ):
+        raise fail("exclude", f"{exclude!r} is not a table of glob = why", 'write e.g. {"pkg/x.py" = "why"}')
+    for glob in exclude:
+        try:
+            compile_glob(glob)
+        except GlobError as exc:
+            raise fail("exclude", str(exc), "fix the glob") from None
+    return CoverageScope(tuple(modules), float(floor), why, source, dict(exclude))
 
 
 @dataclass(frozen=True)
@@ -122,6 +136,8 @@ class CoverageResult:
             for f in lowest[:DETAIL_FILES]
         )
         detail = f"{self.scope.why}; {len(self.files)} files, lowest first: {named}"
+        if self.scope.exclude:
+            detail += "; not measured: " + "; ".join(f"{g} ({w})" for g, w in self.scope.exclude.items())
         return Check(self.name(), round(fraction, 4), ">=", self.scope.floor, detail)
 
     def not_run_item(self) -> NotRun | None:
@@ -137,6 +153,7 @@ class CoverageResult:
             "modules": list(self.scope.modules),
             "floor": self.scope.floor,
             "why": self.scope.why,
+            "exclude": dict(self.scope.exclude),
             "during": self.during,
             "not_run": self.not_run,
             "statements": self.statements,
@@ -156,7 +173,9 @@ def _static_prefix(glob: str) -> str:
 
 
 def matching_files(scope: CoverageScope, root: Path) -> list[str]:
-    """Repository-relative Python files under `root` that match one of the scope's globs, sorted."""
+    """Repository-relative Python files under `root` that match one of the scope's globs and none of its
+    exclusions, sorted."""
+    excluded = [compile_glob(g) for g in scope.exclude]
     found: set[str] = set()
     for glob in scope.modules:
         pattern = compile_glob(glob)
@@ -167,7 +186,7 @@ def matching_files(scope: CoverageScope, root: Path) -> list[str]:
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
             for name in files:
                 rel = (Path(folder) / name).relative_to(root).as_posix()
-                if name.endswith(".py") and pattern.match(rel):
+                if name.endswith(".py") and pattern.match(rel) and not any(x.match(rel) for x in excluded):
                     found.add(rel)
     return sorted(found)
 
@@ -180,9 +199,11 @@ def measure(scope: CoverageScope, root: Path, during: str) -> Iterator[CoverageR
     files = matching_files(scope, root)
     globs = ", ".join(scope.modules)
     if not files:
+        excluded = ", ".join(f"{g}: {w}" for g, w in scope.exclude.items())
+        skipped = f" (not measured: {excluded})" if excluded else ""
         result.not_run = (
             f"no file matches {globs}: no specialized module exists yet, so there is nothing to cover "
-            f"(the floor {scope.floor} applies as soon as one does)"
+            f"(the floor {scope.floor} applies as soon as one does){skipped}"
         )
         yield result
         return

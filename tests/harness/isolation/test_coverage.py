@@ -115,11 +115,24 @@ def test_coverage_py_missing_is_not_run(repo, monkeypatch):
         ({"modules": ["a/**"], "floor": 0, "why": "x"}, r"floor: 0 is not a fraction in \(0, 1\]"),
         ({"modules": ["a/**"], "floor": True, "why": "x"}, "floor: True is not a fraction"),
         ({"modules": ["a/**"], "floor": 0.9, "why": " "}, "why: is empty"),
+        ({"modules": ["a/**"], "floor": 0.9, "why": "x", "exclude": ["a/b.py"]}, "exclude: .* is not a table"),
+        ({"modules": ["a/**"], "floor": 0.9, "why": "x", "exclude": {"a/b.py": ""}}, "exclude: .* is not a table"),
     ],
 )
 def test_a_malformed_table_is_a_one_line_error(table, message):
     with pytest.raises(CoverageScopeError, match=message):
         parse(table, "test")
+
+
+def test_excluded_files_are_not_measured_and_the_reason_is_said(repo):
+    table = {"modules": ["pkgcov/kernels/**"], "floor": 0.9, "why": "w", "exclude": {"pkgcov/kernels/f*.py": "why"}}
+    scope = parse(table, "test")
+    assert matching_files(scope, repo) == ["pkgcov/kernels/__init__.py"]
+    table["exclude"] = {"pkgcov/kernels/*.py": "compiled only"}
+    with measure(parse(table, "test"), repo, "the test") as result:
+        pass
+    item = result.not_run_item()
+    assert item is not None and "not measured: pkgcov/kernels/*.py: compiled only" in item.reason
 
 
 def test_the_shipped_k3_hopper_table_parses_and_matches_nothing_yet():
@@ -129,5 +142,7 @@ def test_the_shipped_k3_hopper_table_parses_and_matches_nothing_yet():
 
     scope = parse(K3_HOPPER.coverage_scope(), "k3-hopper")
     assert scope.modules == ("k3_decode/kernels/**/*.py",) and scope.floor == 0.9
+    # The compiled-only kernels are excluded, each glob with its reason, until a provider registers them.
+    assert all(why.strip() for why in scope.exclude.values())
     assert matching_files(scope, Path(__file__).resolve().parents[3]) == []
     assert "coverage" not in K3_HOPPER.code_scope()  # the static code scope does not see the runtime's table
