@@ -71,6 +71,14 @@ class K3Subject:
 
         return TpNumerics.from_config(config)
 
+    def kernel_builds(self) -> Any:
+        """The specialized kernels `k3gate kernels build` compiles and checks; vLLM's subject builds none of ours."""
+        if self.name != "k3-hopper":
+            return None
+        from k3_decode.kernels.builds import K3_KERNEL_BUILDS  # late: only the command needs it
+
+        return K3_KERNEL_BUILDS
+
     def perf_suite(self, config: Any) -> Any:
         """The perf suite of the in-process subject; vLLM's subject is timed through vLLM, which is not built here."""
         if self.name != "k3-hopper":

@@ -1,0 +1,142 @@
+"""The k3-hopper subject's kernel builds for `k3gate kernels build` (protocol in harness/kernels_cmd.py).
+
+Which kernels and shapes: builds.toml. What each build must look like: expectations.toml. Listing the builds
+imports neither torch nor CuTe DSL; compiling one imports CuTe DSL in the process that compiles it.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from functools import cached_property
+from importlib import resources
+from typing import Any
+
+from harness.kernels_cmd import KernelArtifacts
+from k3_decode.config import ShardError, load_dims
+from k3_decode.kernels import cutedsl
+from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
+
+PACKAGE = "k3_decode.kernels"
+
+
+@dataclass(frozen=True)
+class AttnResBuild:
+    """The AttnRes kernel of one kind at one batch, on K3's rows (hidden) and bank (capacity)."""
+
+    hidden: int
+    capacity: int
+    batch: int
+    kind: AttnResKind
+    tps: tuple[int, ...]
+    sites: int  # how many applications of the model use this kind
+    example_site: str
+
+    kernel = "attn_res"
+
+    @property
+    def name(self) -> str:
+        return f"attn_res/b{self.batch}/{self.kind.tag}"
+
+    @property
+    def tags(self) -> dict[str, Any]:
+        """Facts the expectations select on, and the instruction counts this kind's code must show."""
+        k, plan = self.kind, ClusterPlan.for_hidden(self.hidden)
+        mix = k.num_blocks > 0
+        delta_loads = 0 if k.delta == "none" else {"bfloat16": 1, "float32": 2}[k.delta_dtype]
+        return {
+            "batch": self.batch,
+            "tp": ",".join(str(t) for t in self.tps),
+            "num_blocks": k.num_blocks,
+            "delta": k.delta,
+            "delta_dtype": k.delta_dtype,
+            "save": k.save,
+            "out_norm": k.out_norm,
+            "mix": mix,  # more than one source, so the softmax weights need the first exchange
+            "cluster": plan.cluster,
+            "threads": plan.threads,
+            # 16-byte loads before griddepcontrol.wait: res_norm and res_proj when mixing, and the output norm.
+            "weight_loads": 2 * mix + k.out_norm,
+            # 16-byte loads after it: the bank blocks, the old prefix unless delta replaces it, the delta.
+            "row_loads": k.num_blocks + (k.delta != "restart") + delta_loads,
+            "row_stores": 1 + (k.delta != "none") + k.save,  # the output, the prefix, the saved block
+            "pushes": (k.partials // 4 if mix else 0) + k.out_norm,  # st.async per pushing lane
+            "exchanges": mix + k.out_norm,
+            "sites": self.sites,
+            "example_site": self.example_site,
+        }
+
+    def compile(self, arch: str) -> KernelArtifacts:
+        from k3_decode.kernels.attn_res import AttnResKernel, compile_args  # imports CuTe DSL
+
+        args = compile_args(self.hidden, self.kind, self.batch, self.capacity)
+        return cutedsl.compile_artifacts(AttnResKernel(self.hidden, self.kind), args, arch)
+
+
+@dataclass(frozen=True)
+class K3KernelBuilds:
+    """The KernelBuildSet of the k3-hopper subject."""
+
+    table_file: str = "builds.toml"
+    expectations_file: str = "expectations.toml"
+
+    @cached_property
+    def table(self) -> dict[str, Any]:
+        return tomllib.loads(resources.files(PACKAGE).joinpath(self.table_file).read_text())
+
+    @property
+    def archs(self) -> tuple[str, ...]:
+        return tuple(self.table["archs"])
+
+    @property
+    def expectations_name(self) -> str:
+        return f"k3_decode/kernels/{self.expectations_file}"
+
+    def environment(self, arch: str) -> dict[str, str]:
+        return cutedsl.environment(arch)
+
+    def missing(self) -> str | None:
+        return cutedsl.missing()
+
+    def expectations_text(self) -> str:
+        return resources.files(PACKAGE).joinpath(self.expectations_file).read_text()
+
+    def builds(self, arch: str) -> list[AttnResBuild]:
+        return self.attn_res_builds()
+
+    def attn_res_builds(self) -> list[AttnResBuild]:
+        dims = load_dims(self.table["model"])
+        spec = self.table["attn_res"]
+        widths = set()
+        for tp in spec["tp"]:
+            try:
+                widths.add(dims.shard(tp).hidden)
+            except ShardError as exc:
+                raise ValueError(f"builds.toml attn_res.tp: {exc}") from None
+        if len(widths) != 1:  # the rows would differ per rank, and each width needs builds of its own
+            raise ValueError(f"builds.toml attn_res.tp gives row widths {sorted(widths)}; list one width at a time")
+        kinds = site_kinds(dims)
+        for tag in spec["float32_delta"]:
+            base = AttnResKind.from_tag(tag)
+            if base not in kinds:
+                raise ValueError(f"builds.toml attn_res.float32_delta: {tag} is not a kind of {dims.name}'s sites")
+            f32 = AttnResKind(base.num_blocks, base.delta, base.save, base.out_norm, "float32")
+            kinds[f32] = kinds[base]
+        (width,) = widths
+        ordered = sorted(kinds.items(), key=lambda item: (item[0].num_blocks, item[0].tag))
+        return [
+            AttnResBuild(
+                hidden=width,
+                capacity=dims.num_attn_res_blocks,
+                batch=batch,
+                kind=kind,
+                tps=tuple(spec["tp"]),
+                sites=len(sites),
+                example_site=sites[0],
+            )
+            for batch in spec["batches"]
+            for kind, sites in ordered
+        ]
+
+
+K3_KERNEL_BUILDS = K3KernelBuilds()
