@@ -7,5 +7,7 @@ against the oracle. Until then it is compiled and checked on the CPU by `k3gate 
 
 - attn_res.py: AttnRes (prefix update, block save, mixing, RMSNorm) in one kernel; attn_res_plan.py: its kinds and
   launch plan without CuTe DSL; attn_res_op.py: the kernel on torch tensors, for the GPU test.
+- kda_in_proj.py: the KDA input projection x[B, 7168] @ W[R, 7168]^T as a weight stream for decode batches;
+  kda_in_proj_plan.py: its launch plan; kda_in_proj_op.py: on torch tensors, for the GPU test.
 - cutedsl.py: compiling without a GPU (toolchain check, fake tensors, PTX/cubin/SASS); builds.py: the build set.
 """

@@ -16,6 +16,7 @@ from harness.kernels_cmd import KernelArtifacts
 from k3_decode.config import ShardError, load_dims
 from k3_decode.kernels import cutedsl
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
+from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 
 PACKAGE = "k3_decode.kernels"
 
@@ -74,6 +75,59 @@ class AttnResBuild:
 
 
 @dataclass(frozen=True)
+class KdaInProjBuild:
+    """The KDA input projection out[B, R] = x[B, K] @ W[R, K]^T at one rank's rows and one batch."""
+
+    tp: int
+    plan: InProjPlan
+
+    @property
+    def kernel(self) -> str:
+        # Chunked batches (above 8) have expectations of their own: they may use the whole register file.
+        return "kda_in_proj_chunked" if self.plan.chunked else "kda_in_proj"
+
+    @property
+    def name(self) -> str:
+        return f"kda_in_proj/tp{self.tp}/b{self.plan.batch}"
+
+    @property
+    def tags(self) -> dict[str, Any]:
+        """Facts the expectations select on, and the instruction counts the plan implies for the code.
+
+        Counts are of instructions in the code, not executed ones: the k loop is one rolled body per chunk body
+        (`code_chunks`), unrolled `depth` steps deep; a chunk body after the first reloads the first weight group.
+        """
+        p = self.plan
+        bodies = p.code_chunks
+        group = p.depth * p.rows_per_warp  # 16-byte weight loads per refill of every slot
+        return {
+            "tp": self.tp,
+            "batch": p.batch,
+            "rows": p.rows,
+            "rows_per_warp": p.rows_per_warp,
+            "ctas": p.ctas,
+            "ctas_per_sm": p.ctas_per_sm,
+            "depth": p.depth,
+            "chunked": p.chunked,
+            "weight_bytes": p.weight_bytes,
+            "weight_loads_ahead": group,  # issued before griddepcontrol.wait
+            # ahead + one refill per k-loop body + a first-group reload per later body + the x staging loads
+            "global_loads": group + len(bodies) * group + (len(bodies) - 1) * group + sum(map(p.fill_loads, bodies)),
+            "x_stages": sum(map(p.fill_loads, bodies)),  # shared stores of the staged x
+            "x_reads": sum(p.depth * c for c in bodies),  # ld.shared.v4 of x, one per step and batch row
+            "fmas": sum(p.depth * p.rows_per_warp * c * 8 for c in bodies),
+            "out_stores": sum(p.rows_per_warp * c for c in bodies),
+            "shuffles": sum(5 * p.rows_per_warp * c for c in bodies),
+            "barriers": 2 * len(bodies) - 1,
+        }
+
+    def compile(self, arch: str) -> KernelArtifacts:
+        from k3_decode.kernels.kda_in_proj import KdaInProjKernel, compile_args  # imports CuTe DSL
+
+        return cutedsl.compile_artifacts(KdaInProjKernel(self.plan), compile_args(self.plan), arch)
+
+
+@dataclass(frozen=True)
 class K3KernelBuilds:
     """The KernelBuildSet of the k3-hopper subject."""
 
@@ -101,8 +155,8 @@ class K3KernelBuilds:
     def expectations_text(self) -> str:
         return resources.files(PACKAGE).joinpath(self.expectations_file).read_text()
 
-    def builds(self, arch: str) -> list[AttnResBuild]:
-        return self.attn_res_builds()
+    def builds(self, arch: str) -> list[AttnResBuild | KdaInProjBuild]:
+        return [*self.attn_res_builds(), *self.kda_in_proj_builds()]
 
     def attn_res_builds(self) -> list[AttnResBuild]:
         dims = load_dims(self.table["model"])
@@ -137,6 +191,20 @@ class K3KernelBuilds:
             for batch in spec["batches"]
             for kind, sites in ordered
         ]
+
+    def kda_in_proj_builds(self) -> list[KdaInProjBuild]:
+        dims = load_dims(self.table["model"])
+        spec = self.table["kda_in_proj"]
+        builds = []
+        for tp in spec["tp"]:
+            try:
+                shard = dims.shard(tp)
+            except ShardError as exc:
+                raise ValueError(f"builds.toml kda_in_proj.tp: {exc}") from None
+            for batch in spec["batches"]:
+                plan = InProjPlan.for_shape(shard.kda_in_proj_rows, shard.hidden, batch, spec["sm_count"])
+                builds.append(KdaInProjBuild(tp, plan))
+        return builds
 
 
 K3_KERNEL_BUILDS = K3KernelBuilds()

@@ -31,7 +31,7 @@ TOL = load_tolerances()["attn_res"]
 DEV = "cuda"
 HIDDEN, CAPACITY, EPS = K3.hidden_size, K3.num_attn_res_blocks, K3.rms_norm_eps
 SPARE_ROWS = 2  # rows after the batch in every buffer: the kernel must not touch them
-ALL_KINDS = sorted({b.kind for b in K3_KERNEL_BUILDS.builds("sm_90a")}, key=lambda k: k.tag)  # what CI compiles
+ALL_KINDS = sorted({b.kind for b in K3_KERNEL_BUILDS.attn_res_builds()}, key=lambda k: k.tag)  # what CI compiles
 # At B = 1 and 64 a kind of each shape: layer 0, a restart, a save, the heaviest, no norm, FP32 delta.
 EDGE_KINDS = [
     AttnResKind.from_tag(t)

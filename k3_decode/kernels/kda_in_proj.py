@@ -1,0 +1,246 @@
+"""The KDA input projection for Hopper (sm_90a) in CuTe DSL: out[B, R] = x[B, K] @ W[R, K]^T, BF16 in and out.
+
+NOT YET RUN ON A GPU. This kernel has only been compiled (for sm_90a, on a CPU, its PTX and SASS checked by
+`k3gate kernels build`). It is not a specialized provider (k3_decode/runtime/backend.py registers nothing) and
+nothing can select it until tests/k3_decode/kernels/test_kda_in_proj_gpu.py has passed on an H200.
+
+Semantics: `torch.nn.functional.linear(x, W)` for BF16 x and W: every output is an FP32 sum of the K products,
+rounded once to BF16 (round to nearest even). Only the summation order differs from cuBLAS, so the two agree
+within one BF16 rounding of the FP32 sum plus the FP32 accumulation error (the GPU test states the bound).
+
+Why this design. At decode, B = 1..8 rows meet K = 7168 and R = 6288 (TP8) or 3216 (TP16) weight rows, so the
+kernel moves R * K * 2 bytes of weight (90 MB at TP8, 46 MB at TP16) for at most 2 * 8 * R * K FLOPs: about
+8 FLOPs per byte at B = 8, far under an H200's ridge point of roughly 15 (CUDA-core FP32) to 200 (tensor core)
+FLOPs per byte. The time is the time to stream W once, 90 MB / ~4.3 TB/s = ~21 us at TP8 B = 1..8, and
+everything below serves that stream:
+- Wide loads, no staging of W. Each lane loads one 16-byte vector (8 columns) of each of its warp's rows per k step
+  of 256 columns, straight into registers (`ld.global.v4`): a warp's load instruction reads 512 contiguous bytes of
+  one row, whole 32-byte sectors, and W never touches shared memory (a TMA + mbarrier pipeline would add a shared
+  round trip for data each thread uses once; it pays off for tensor-core operands, not here).
+- Enough bytes in flight. Keeping HBM busy needs about bandwidth x latency = 4.3 TB/s x ~1 us = ~4 MB in flight,
+  ~30 KB per SM. Each thread keeps `depth` k steps of its rows in flight, 12 loads of 16 bytes (the plan's
+  LOADS_IN_FLIGHT), so a CTA of 256 threads holds 48 KB: 96 KB per SM at TP8 (two CTAs), 48 KB at TP16, a
+  1.5-3x margin for latency under load. The k loop runs in groups of `depth` steps (one rolled loop body, unrolled
+  `depth` deep): step s's slot is refilled with step s + depth right after it is converted, before the products of
+  step s, so the schedule is in the code, not left to the compiler (fully unrolled, ptxas hoisted every load and
+  needed 206 registers at B = 8).
+- x once per CTA. A chunk of up to 8 batch rows (at most 112 KiB) is staged in shared memory once per CTA and read
+  with `ld.shared.v4` (512 contiguous bytes per warp instruction: no bank conflicts). A staged x vector is reused
+  for every row of the warp; a converted W vector for every batch row. x costs B x 14 KB of L2 reads per CTA,
+  262 CTAs x 112 KB = 29 MB at TP8 B = 8, from L2, against 90 MB from HBM.
+- Every SM busy, no tail. A CTA of 8 warps owns 8 x rows_per_warp consecutive rows; the plan picks the most rows
+  per warp (most reuse of each x vector) that leaves no partial CTA and at least one CTA per SM: 3 rows at both TP8
+  (262 CTAs, two per SM, all resident in one wave) and TP16 (134 CTAs). With every CTA resident at once there is no
+  second wave, and no split-K: each warp sums its rows over all of K itself, so no partial sums go through memory.
+- FP32 accumulation on CUDA cores. Per k step a thread does rows x batch x 8 FMAs; at B = 8 that is 8 FLOPs per
+  weight byte, below the ~15 the SMs' FP32 units sustain per byte of HBM bandwidth, so the FMAs hide under the
+  stream. Each (row, batch) sum is a chain of FMAs per lane, then a butterfly over the warp's 32 lanes, in a fixed
+  order: results are deterministic and independent of scheduling.
+- Programmatic dependent launch. The first `depth` k steps of weights (12 of a thread's loads) are issued before
+  `griddepcontrol.wait`, so under PDL the weight stream starts while the previous kernel (the AttnRes that produces
+  x) finishes. x is read only after the wait, with plain loads: an invariant `ld.global.nc` may legally be hoisted
+  above the wait and read x half-written (the build forbids it). `griddepcontrol.launch_dependents` follows the
+  staging of the first x chunk.
+- At most 128 registers per thread for B <= 8 (`.minnctapersm 2`; the build checks the cubin, and that nothing
+  spills to local memory): two CTAs of 256 threads per SM. CuTe DSL would ask the driver for the SM's shared memory
+  to honour that at compile time unless the shared-memory carveout is named, so the launch names it (100%).
+
+Expected bandwidth at B = 1..8: the stream is the only significant traffic, every SM has at least 48 KB of loads
+in flight, and the non-overlapped parts are one load latency at the start (hidden by PDL in a decode step) and
+the final warp reductions and stores (~1-2 us). At TP8 (~21 us of streaming) that predicts ~90% of the measured
+copy bandwidth; at TP16 (~11 us) the fixed costs weigh twice as much, ~80-85%. Measured: not yet (the GPU test
+prints it).
+
+Batches above 8 (16, 32, 64; lower priority): the batch is processed in chunks of 8 and W is streamed once per
+chunk (L2 absorbs part of it at TP16, where W is 46 MB of a 50 MB L2), and a CTA may use the whole register file
+(one CTA per SM: 238-250 registers, which under a 128 cap spilled), so TP8's 262 CTAs run in two waves. That is
+correct but not bandwidth-optimal, and at B = 64 the CUDA-core FMAs alone take ~4x the stream time. Those batches
+want tensor cores (`mma.sync` m16n8k16 with W as the A operand: with K permuted consistently in x and W, each
+thread's A fragment is two contiguous 16-byte row vectors, so the same wide loads feed the MMA); not done here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, const_expr
+
+from k3_decode.kernels import cutedsl
+from k3_decode.kernels.kda_in_proj_plan import VECTOR, WARP, InProjPlan
+
+
+def compile_args(plan: InProjPlan) -> tuple[Any, ...]:
+    """Fake arguments of one compile: x [B, K], W [R, K], out [B, R], all BF16, row-major, 16-byte aligned."""
+    return (
+        cutedsl.fake_tensor(BFloat16, (plan.batch, plan.k)),
+        cutedsl.fake_tensor(BFloat16, (plan.rows, plan.k)),
+        cutedsl.fake_tensor(BFloat16, (plan.batch, plan.rows)),
+        cutedsl.fake_stream(),
+    )
+
+
+class KdaInProjKernel:
+    """out = x @ W^T for one fixed shape (the plan). Arguments of the compiled function: x [B, K], W [R, K],
+    out [B, R] (BF16, contiguous, 16-byte aligned, on one device) and the CUDA stream."""
+
+    def __init__(self, plan: InProjPlan) -> None:
+        self.plan = plan
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, stream: Any):
+        plan = self.plan
+        self.kernel(x, w, out).launch(
+            grid=[plan.ctas, 1, 1],
+            block=[plan.threads, 1, 1],
+            smem=plan.smem_bytes,
+            # B <= 8: two CTAs per SM, so ptxas caps registers at 128 (.minnctapersm 2) and the whole shared
+            # memory is asked for, so that two staged x chunks fit. Naming the carveout also keeps CuTe DSL from
+            # asking the driver for the SM's shared memory at compile time, which a CPU build cannot answer.
+            min_blocks_per_mp=plan.ctas_per_sm,
+            preferred_smem_carveout=100,
+            stream=stream,
+            use_pdl=True,
+        )
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor):
+        plan = self.plan
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        row0 = (cta * (plan.threads // WARP) + warp) * plan.rows_per_warp
+
+        smem = cutlass.utils.SmemAllocator()
+        xs = smem.allocate_tensor(
+            BFloat16, cute.make_layout((plan.chunk_rows, plan.k), stride=(plan.k, 1)), byte_alignment=16
+        )
+        # The weight vectors in flight: slot j holds step g * depth + j of every row of the warp. Only constant
+        # indices touch them, so they live in registers.
+        slots = [
+            [cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(plan.rows_per_warp)] for _ in range(plan.depth)
+        ]
+
+        # Weights first: they do not depend on the previous kernel, so they stream while it finishes.
+        self._load_group(w, slots, row0, lane, Int32(0))
+        cute.arch.griddepcontrol_wait()
+
+        chunks = plan.chunks
+        self._chunk(x, w, out, xs, slots, row0, lane, tidx, Int32(0), chunks[0], True)
+        middle = [c for c in chunks[1:] if c == chunks[0]]
+        for c in cutlass.range(len(middle), unroll=1):  # batches above 8: one rolled body for every full chunk
+            cute.arch.sync_threads()  # every warp is done reading the previous chunk
+            self._load_group(w, slots, row0, lane, Int32(0))
+            self._chunk(x, w, out, xs, slots, row0, lane, tidx, (c + 1) * chunks[0], chunks[0], False)
+        if const_expr(len(chunks) > 1 + len(middle)):  # a last, partial chunk
+            cute.arch.sync_threads()
+            self._load_group(w, slots, row0, lane, Int32(0))
+            self._chunk(x, w, out, xs, slots, row0, lane, tidx, Int32(plan.batch - chunks[-1]), chunks[-1], False)
+
+    @cute.jit
+    def _load_group(self, w: cute.Tensor, slots: list, row0: Int32, lane: Int32, group: Int32):
+        """Issue the weight loads of k steps group * depth .. + depth - 1 into the slots."""
+        plan = self.plan
+        for j in cutlass.range_constexpr(plan.depth):
+            for r in cutlass.range_constexpr(plan.rows_per_warp):
+                _load8(w[row0 + r, None], lane + WARP * (group * plan.depth + j), slots[j][r])
+
+    @cute.jit
+    def _chunk(
+        self,
+        x: cute.Tensor,
+        w: cute.Tensor,
+        out: cute.Tensor,
+        xs: cute.Tensor,
+        slots: list,
+        row0: Int32,
+        lane: Int32,
+        tidx: Int32,
+        first: Int32,
+        chunk: cutlass.Constexpr[int],
+        is_first: cutlass.Constexpr[bool],
+    ):
+        """out[first .. first + chunk - 1, the warp's rows], with group 0 of the weights already in the slots."""
+        plan = self.plan
+        rows = plan.rows_per_warp
+        self._stage(x, xs, first, chunk, tidx)
+        cute.arch.sync_threads()
+        if const_expr(is_first):
+            cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
+
+        acc = cute.make_rmem_tensor((rows * chunk,), Float32)
+        acc.fill(0.0)
+        for g in cutlass.range(plan.groups, unroll=1):
+            for j in cutlass.range_constexpr(plan.depth):
+                wv = [_to_f32(slots[j][r].load()) for r in range(rows)]
+                if g + 1 < plan.groups:  # refill the slot just read: the stream runs `depth` steps ahead
+                    for r in cutlass.range_constexpr(rows):
+                        _load8(w[row0 + r, None], lane + WARP * ((g + 1) * plan.depth + j), slots[j][r])
+                step = g * plan.depth + j
+                for b in cutlass.range_constexpr(chunk):
+                    xv = _to_f32(_load(xs[b, None], lane + WARP * step))
+                    for r in cutlass.range_constexpr(rows):
+                        a = acc[r * chunk + b]
+                        for i in cutlass.range_constexpr(VECTOR):
+                            a = a + wv[r][i] * xv[i]
+                        acc[r * chunk + b] = a
+
+        # Lane r * chunk + b writes out[first + b, row0 + r]; every lane holds every warp total.
+        for r in cutlass.range_constexpr(rows):
+            for b in cutlass.range_constexpr(chunk):
+                total = _warp_sum(acc[r * chunk + b])
+                if lane == r * chunk + b:
+                    out[first + b, row0 + r] = total.to(BFloat16)
+
+    @cute.jit
+    def _stage(self, x: cute.Tensor, xs: cute.Tensor, first: Int32, chunk: cutlass.Constexpr[int], tidx: Int32):
+        """Copy x rows first .. first + chunk - 1 into shared memory, one 16-byte vector per thread and pass."""
+        plan = self.plan
+        per_row = plan.k // VECTOR
+        for i in cutlass.range_constexpr(plan.fill_loads(chunk)):
+            v = tidx + plan.threads * i
+            if const_expr(plan.threads * (i + 1) <= chunk * per_row):
+                _copy8(x[first + v // per_row, None], xs[v // per_row, None], v % per_row)
+            else:
+                if v < chunk * per_row:  # the last pass of a chunk that does not fill every thread
+                    _copy8(x[first + v // per_row, None], xs[v // per_row, None], v % per_row)
+
+
+@cute.jit
+def _load8(row: cute.Tensor, vec: Int32, frag: cute.Tensor):
+    """The 8 BF16 elements of column group `vec` of a row into `frag`, in one 16-byte load."""
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), row.element_type, num_bits_per_copy=128)
+    cute.copy(atom, cute.local_tile(row, (VECTOR,), (vec,)), frag)
+
+
+@cute.jit
+def _load(row: cute.Tensor, vec: Int32) -> cute.TensorSSA:
+    frag = cute.make_rmem_tensor((VECTOR,), row.element_type)
+    _load8(row, vec, frag)
+    return frag.load()
+
+
+@cute.jit
+def _copy8(src: cute.Tensor, dst: cute.Tensor, vec: Int32):
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), src.element_type, num_bits_per_copy=128)
+    frag = cute.make_rmem_tensor((VECTOR,), src.element_type)
+    cute.copy(atom, cute.local_tile(src, (VECTOR,), (vec,)), frag)
+    cute.copy(atom, frag, cute.local_tile(dst, (VECTOR,), (vec,)))
+
+
+@cute.jit
+def _to_f32(v: cute.TensorSSA) -> cute.Tensor:
+    """8 BF16 values as FP32 registers, indexable one by one (exact: BF16 is FP32 with a shorter significand)."""
+    frag = cute.make_rmem_tensor((VECTOR,), Float32)
+    frag.store(v.to(Float32))
+    return frag
+
+
+@cute.jit
+def _warp_sum(x: Float32) -> Float32:
+    """Butterfly sum: every lane ends with the same bits (each step adds the same pair, in either order)."""
+    for i in cutlass.range_constexpr(5):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << i)
+    return x

@@ -1,0 +1,72 @@
+"""The CuTe DSL KDA input projection (k3_decode/kernels/kda_in_proj.py) called on torch tensors.
+
+NOT A PROVIDER. Nothing registers this op in k3_decode/runtime/backend.py: until
+tests/k3_decode/kernels/test_kda_in_proj_gpu.py has passed on an H200, the specialized path cannot select it. The
+GPU test is its only caller.
+
+`linear(x, weight)` has the contract of the stock `k3_decode.stock.gemm.linear` for this projection: x [B, K] and
+weight [R, K] in BF16, out [B, R] BF16 = x @ weight^T with FP32 accumulation. The kernel is compiled once per plan
+(rows, K, batch, the device's SM count), from the same fake-tensor signature that `k3gate kernels build` checks.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from k3_decode.kernels.kda_in_proj_plan import InProjPlan
+
+DTYPE = torch.bfloat16
+ALIGN = 16  # bytes: x and the weight are read in 16-byte vectors
+
+
+@cache
+def _compiled(plan: InProjPlan) -> Any:
+    import cutlass.cute as cute
+
+    from k3_decode.kernels.kda_in_proj import KdaInProjKernel, compile_args
+
+    return cute.compile(KdaInProjKernel(plan), *compile_args(plan))
+
+
+def _check_tensor(name: str, t: Tensor, device: torch.device) -> None:
+    if t.device != device or t.dtype != DTYPE:
+        raise ValueError(f"KDA in_proj {name} must be {DTYPE} on {device}, got {t.dtype} on {t.device}")
+    if not t.is_contiguous() or t.data_ptr() % ALIGN:
+        raise ValueError(f"KDA in_proj {name} must be contiguous and {ALIGN}-byte aligned; pass .contiguous()")
+
+
+def plan_for(x: Tensor, weight: Tensor) -> InProjPlan:
+    """The plan that runs x @ weight^T on x's device; raises for what the kernel cannot take."""
+    if x.device.type != "cuda":
+        raise ValueError(f"the CuTe DSL KDA in_proj runs on a CUDA device, got {x.device}; use the stock op")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"KDA in_proj: x {tuple(x.shape)} and weight {tuple(weight.shape)} need [B, K] x [R, K]")
+    _check_tensor("x", x, x.device)
+    _check_tensor("weight", weight, x.device)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    return InProjPlan.for_shape(weight.shape[0], weight.shape[1], x.shape[0], sms)
+
+
+def linear(x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """x [B, K] @ weight[R, K]^T -> [B, R] BF16, on the current stream of x's device."""
+    plan = plan_for(x, weight)
+    if out is None:
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=DTYPE, device=x.device)
+    elif tuple(out.shape) != (x.shape[0], weight.shape[0]):
+        raise ValueError(f"KDA in_proj out {tuple(out.shape)} must be [B, R] = {(x.shape[0], weight.shape[0])}")
+    _check_tensor("out", out, x.device)
+    launch(_compiled(plan), x, weight, out, torch.cuda.current_stream(x.device).cuda_stream)
+    return out
+
+
+def launch(compiled: Any, x: Tensor, weight: Tensor, out: Tensor, stream: int) -> None:
+    """Call a compiled kernel on the CUDA stream with handle `stream`. No checks: see `linear`."""
+    import cuda.bindings.driver as cuda
+    from cutlass.cute.runtime import from_dlpack
+
+    args = [from_dlpack(t, assumed_align=ALIGN) for t in (x, weight, out)]
+    compiled(*args, cuda.CUstream(stream))
