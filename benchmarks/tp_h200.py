@@ -34,7 +34,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.stock_h200 import FLUSH_BYTES, environment, measure_copy_bandwidth, summarize  # noqa: E402
+from benchmarks.stock_h200 import (  # noqa: E402
+    FLUSH_BYTES,
+    environment,
+    measure_copy_bandwidth,
+    summarize,
+    time_graph,
+)
 from harness.parallel import RankFailure, run_ranks  # noqa: E402
 from k3_decode.config import K3  # noqa: E402
 from k3_decode.distributed.allreduce import TRANSPORTS, build  # noqa: E402
@@ -160,22 +166,6 @@ def bench_fused(group: TpGroup, opts: dict[str, Any]) -> list[dict[str, Any]]:
     return cells
 
 
-def time_replays(ex: StackExecutor, name: str, reps: int, flush: torch.Tensor, group: TpGroup) -> dict[str, float]:
-    ex.replay(name, 3)
-    group.barrier()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-
-    def before(i: int) -> None:
-        flush.zero_()
-        starts[i].record()
-
-    ex.replay(name, reps, before, lambda i: ends[i].record())
-    torch.cuda.synchronize()
-    group.barrier()
-    return summarize([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)])
-
-
 def bench_layers(group: TpGroup, opts: dict[str, Any]) -> dict[str, Any]:
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=group.device)
     cells: list[dict[str, Any]] = []
@@ -207,7 +197,8 @@ def bench_layers(group: TpGroup, opts: dict[str, Any]) -> dict[str, Any]:
             stack = ex.capture(batch)
             ex.load_graph_inputs(stack, reqs)
             for layer, name in [*names.items(), (None, stack)]:
-                timing = time_replays(ex, name, opts["reps_layer"], flush, group)
+                group.barrier()  # the ranks start timing together: every replay all-reduces
+                timing = time_graph(ex, name, opts["reps_layer"], flush)
                 kind = "stack" if layer is None else f"{dims.layer_kind(layer)}+{dims.mlp_kind(layer)}"
                 cells.append(
                     {"variant": spec.label, "batch": batch, "layer": layer, "kind": kind, "context": opts["context"]}

@@ -14,9 +14,6 @@ Steps are driven through the plugin's PathRecorder the way its forward-context h
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,6 +33,7 @@ from harness.vllm_plugin import recorder as recorder_mod
 from harness.vllm_plugin.recorder import PathRecorder, StepInfo
 from k3_decode import vllm_probe
 from k3_decode.vllm_probe import StepView
+from tests.harness.vllm import in_vllm
 
 from .conftest import REPO
 
@@ -562,17 +560,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_the_real_runtime_reads_vllms_forward_context(vllm_python):
-    proc = subprocess.run(
-        [vllm_python.path, "-c", RUNTIME_SCRIPT],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = in_vllm.json_from(vllm_python, RUNTIME_SCRIPT)
     assert out["outside"] == {"capturing": False, "context": False, "piecewise": False}
     assert out["PIECEWISE"] == {"capturing": False, "piecewise": True, "metadata": ["model.layers.0.attn"]}
     assert out["NONE"]["piecewise"] is False and out["NONE"]["metadata"] == ["model.layers.0.attn"]

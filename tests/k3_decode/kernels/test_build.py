@@ -21,12 +21,14 @@ from k3_decode.config import K3, K3_MINI
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS
 from k3_decode.stock.attn_res import AttnResSite
+from tests.k3_decode.kernels.helpers import (
+    BUILDS,
+    REPO,
+    assert_launch_reaches_the_driver,
+    needs_cutedsl,
+)
 
-REPO = Path(__file__).resolve().parents[3]
-BUILDS = "k3_decode.kernels.builds:K3_KERNEL_BUILDS"
 BROKEN = Path(__file__).with_name("broken_expectations.toml")
-HAS_CUTEDSL = importlib.util.find_spec("cutlass") is not None
-needs_cutedsl = pytest.mark.skipif(not HAS_CUTEDSL, reason="CuTe DSL is not installed: pip install 'k3gate[cutedsl]'")
 
 
 def command(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
@@ -236,13 +238,4 @@ except Exception as exc:
 def test_the_gpu_launch_path_binds_every_argument(tmp_path):
     """The launcher the GPU test uses compiles from the same fake signature and hands over every argument; on a
     machine without a driver the call gets as far as the launch (CUDA error 35), not a binding error."""
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("CPU tensors must not reach a real launch; the GPU tests cover this machine")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CUTE_DSL_ARCH": "sm_90a"}
-    proc = subprocess.run(
-        [sys.executable, "-c", LAUNCH_ON_CPU], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "RAISED DSLCudaRuntimeError True" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert_launch_reaches_the_driver(LAUNCH_ON_CPU, tmp_path)

@@ -1,0 +1,31 @@
+"""What the kernel build tests share: where the repo is, whether CuTe DSL is here, and the driverless launch probe."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+BUILDS = "k3_decode.kernels.builds:K3_KERNEL_BUILDS"
+HAS_CUTEDSL = importlib.util.find_spec("cutlass") is not None
+needs_cutedsl = pytest.mark.skipif(not HAS_CUTEDSL, reason="CuTe DSL is not installed: pip install 'k3gate[cutedsl]'")
+
+
+def assert_launch_reaches_the_driver(script: str, tmp_path: Path) -> None:
+    """Run `script` (a launcher call on CPU tensors) in a fresh process: it must get as far as the launch, which
+    fails for want of a driver (CUDA error 35), not at binding an argument. Skips where a GPU would really run."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU tensors must not reach a real launch; the GPU tests cover this machine")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUTE_DSL_ARCH": "sm_90a"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RAISED DSLCudaRuntimeError True" in proc.stdout, proc.stdout + proc.stderr[-3000:]
