@@ -4,7 +4,8 @@ Compiling needs no GPU: the subject builds each kernel at its real shapes for a 
 and hands back PTX, cubin and SASS. The gate keeps all three under `--out` and checks every build against the
 subject's expectations, kept as data (a TOML file per subject): regular-expression counts over the PTX or SASS
 (instructions the kernel must or must not contain, optionally only before an anchor instruction, optionally only
-for builds with given tags), a register ceiling and a local-memory (stack frame) ceiling read from the cubin.
+for builds with given tags), a register ceiling and a local-memory (stack frame) ceiling read from the cubin; and,
+for every kernel, no butterfly reduction step contracted into an FMA (harness/ptx_lint.py).
 Exit 0 only if every build compiled and met every expectation; 1 otherwise; 2 for a usage problem (no kernels,
 unknown architecture, a missing toolchain, a malformed expectations file).
 
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from harness.errors import UsageError
+from harness.ptx_lint import contracted_butterflies
 from harness.subjects import load_subject, subject_names
 from harness.verdicts import Check, ExitCode
 
@@ -394,6 +396,16 @@ def judge(
     result.checks.append(Check("registers", res.registers, "<=", expect.max_registers, expect.why))
     result.checks.append(
         Check("local-memory frame bytes", res.frame_bytes, "<=", expect.max_frame_bytes, "spills and local arrays")
+    )
+    contracted = contracted_butterflies(artifacts.ptx)
+    result.checks.append(
+        Check(
+            "butterfly steps contracted into FMAs",
+            len(contracted),
+            "==",
+            0,
+            contracted[0].describe() if contracted else "lanes of a warp reduction must hold equal sums",
+        )
     )
     texts = {"ptx": artifacts.ptx, "sass": artifacts.sass}
     for rule in expect.rules:

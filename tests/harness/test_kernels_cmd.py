@@ -169,6 +169,7 @@ class FakeBuild:
     arch_in_ptx: str | None = None  # None: the requested arch
     error: str | None = None
     kernel: str = "k"
+    contracted_butterfly: bool = False  # a warp-reduction step fused into an FMA (lanes end with different sums)
 
     @property
     def tags(self) -> dict[str, int | bool | str]:
@@ -178,6 +179,8 @@ class FakeBuild:
         if self.error:
             raise RuntimeError(f"{self.error}\nsecond line of a long compiler message")
         body = "\n".join(["ld.global.v4.b32 {%r1}, [%rd1];"] * self.loads)
+        if self.contracted_butterfly:
+            body += "\nshfl.sync.bfly.b32 %r3, %r2, 16, 31, -1;\nfma.rn.f32 %r4, %r1, %r1, %r3;"
         ptx = PTX.format(arch=self.arch_in_ptx or arch, body=body)
         return KernelArtifacts(ptx, make_cubin({"kern": (self.registers, self.frame)}), "LDG.E.128\n" * self.loads)
 
@@ -212,6 +215,7 @@ RED = FakeSet(
         FakeBuild("k/fat", registers=96),
         FakeBuild("k/wrong-arch", arch_in_ptx="sm_100a"),
         FakeBuild("k/broken", error="ptxas fatal: something"),
+        FakeBuild("k/racy-reduction", contracted_butterfly=True),
     )
 )
 NO_TOOLCHAIN = FakeSet(GREEN.items, why_missing="the toolchain is not installed — pip install 'pkg[extra]'")
@@ -253,10 +257,11 @@ def test_every_kind_of_violation_fails_the_command(tmp_path, capsys):
         "k/fat": ["registers"],
         "k/wrong-arch": ["ptx .target"],
         "k/broken": ["compiles"],
+        "k/racy-reduction": ["butterfly steps contracted into FMAs"],
     }
     broken = next(c for c in report["k/broken"]["checks"] if c["name"] == "compiles")
     assert broken["detail"] == "RuntimeError: ptxas fatal: something"  # one line of the compiler's message
-    assert "1 of 5 builds passed" in err and "registers (96 <= 64)" in err
+    assert "1 of 6 builds passed" in err and "registers (96 <= 64)" in err
 
 
 def test_a_stricter_expectations_file_fails_builds_that_pass_their_own(tmp_path, capsys):
