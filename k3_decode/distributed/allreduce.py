@@ -186,6 +186,7 @@ class PeerAllReduce:
         import triton
 
         from k3_decode.distributed.triton_twoshot import two_shot_attn_res_kernel
+        from k3_decode.stock.triton_kernels import LANE_SYMMETRIC
         from k3_decode.stock.triton_kernels import attn_res as kernel
 
         rows, width, consts = self._launch_args(partial)
@@ -224,6 +225,7 @@ class PeerAllReduce:
             BLOCK_H=min(kernel.BLOCK_H_MAX, kernel.TILE_ELEMS // block_s, triton.next_power_of_2(width)),
             BLOCK_O=min(kernel.BLOCK_OUT, triton.next_power_of_2(width)),
             num_warps=kernel.NUM_WARPS,
+            **LANE_SYMMETRIC,
             **consts,
         )
         return out

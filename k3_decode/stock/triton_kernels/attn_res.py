@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from k3_decode.stock.triton_kernels import LANE_SYMMETRIC
+
 NUM_WARPS = 16
 TILE_ELEMS = 8192  # a [BLOCK_S, BLOCK_H] chunk: 16 FP32 values a thread at 16 warps
 BLOCK_H_MAX = 4096  # columns per chunk at most (TILE_ELEMS // BLOCK_S never exceeds it at K3 sizes)
@@ -265,4 +267,5 @@ def launch_attn_res(
         BLOCK_H=min(BLOCK_H_MAX, TILE_ELEMS // block_s, triton.next_power_of_2(hidden)),
         BLOCK_O=min(BLOCK_OUT, triton.next_power_of_2(hidden)),
         num_warps=NUM_WARPS,
+        **LANE_SYMMETRIC,
     )

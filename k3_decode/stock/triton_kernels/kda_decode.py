@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from k3_decode.stock.triton_kernels import LANE_SYMMETRIC
+
 STATE_ROWS = 32  # value rows per state chunk: [32, 128] FP32 chunks at 8 warps, two programs per SM
 
 
@@ -183,4 +185,5 @@ def launch_kda_decode(
         W=conv_weight.shape[1],
         BV=min(STATE_ROWS, head_dim),
         num_warps=8 if head_dim >= 128 else 4,
+        **LANE_SYMMETRIC,
     )

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from k3_decode.stock.triton_kernels import LANE_SYMMETRIC
+
 CONV_BLOCK = 256
 SCATTER_BLOCK = 4096
 
@@ -262,6 +264,7 @@ def launch_gated_norm(
         Q=q,
         D=head_dim,
         num_warps=4,
+        **LANE_SYMMETRIC,
     )
 
 

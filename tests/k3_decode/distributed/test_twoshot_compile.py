@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 
+from harness.ptx_lint import contracted_butterflies
 from k3_decode.config import K3
 from k3_decode.distributed.allreduce import AllReduceError, PeerAllReduce
 from k3_decode.distributed.group import TpGroup
@@ -56,6 +57,7 @@ def _check(recorder: Recorder) -> list[str]:
         registers, spilled = resource_usage(compiled)
         assert spilled <= MAX_SPILL_BYTES, f"spills {spilled} bytes ({registers} registers)"
         assert registers <= MAX_REGISTERS
+        assert not contracted_butterflies(compiled.asm["ptx"]), "a lane-asymmetric butterfly step (FP contraction)"
         ptx.append(compiled.asm["ptx"])
     return ptx
 

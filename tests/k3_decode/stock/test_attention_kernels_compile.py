@@ -1,5 +1,6 @@
 """Every attention-side Triton kernel compiles for sm_90 (H200) on the CPU, with the exact launch configuration its
-launcher uses at real K3 TP8 shapes, and spills at most a few registers.
+launcher uses at real K3 TP8 shapes, spills at most a few registers, and has no butterfly reduction step contracted
+into an FMA (lanes with different sums racing for one shared-memory word: harness/ptx_lint.py).
 
 The launchers run on meta tensors with the kernel replaced by a recorder, so the constexprs, dtypes and warp
 counts compiled here are the ones a GPU run would use. Triton compiles ahead of time for a target without a GPU
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.ptx_lint import contracted_butterflies
 from k3_decode.config import K3
 
 triton = pytest.importorskip("triton", reason="Triton compiles the kernels")
@@ -240,3 +242,18 @@ def test_kernels_compile_for_sm90_without_large_spills(case: str, monkeypatch):
             registers, spilled = resource_usage(compiled)
             assert spilled <= MAX_SPILL_BYTES, f"{name} spills {spilled} bytes to the stack ({registers} registers)"
             assert registers <= MAX_REGISTERS
+            contracted = contracted_butterflies(compiled.asm["ptx"])
+            assert not contracted, f"{name}: {len(contracted)} lane-asymmetric butterfly steps, first {contracted[0].describe()}"
+
+
+def test_the_butterfly_lint_finds_the_race_racecheck_found(monkeypatch):
+    """Red team: kda_decode_kernel as it was before the fix (FP contraction on) is flagged, at its norms' lines."""
+    from k3_decode.stock.triton_kernels import kda_decode
+
+    recorder = Recorder(kda_decode.kda_decode_kernel)
+    monkeypatch.setattr(kda_decode, "kda_decode_kernel", recorder)
+    _kda_decode(kda_decode)
+    (args, kwargs), *_ = recorder.calls
+    assert kwargs.pop("enable_fp_fusion") is False
+    contracted = contracted_butterflies(compile_recorded(recorder.kernel, args, kwargs).asm["ptx"])
+    assert contracted, "the lint misses the contracted sum of squares racecheck reported"
