@@ -1,8 +1,6 @@
 """The CuTe DSL AttnRes kernel (k3_decode/kernels/attn_res.py) called on torch tensors, like the stock op.
 
-NOT A PROVIDER. Nothing registers this op in k3_decode/runtime/backend.py: until
-tests/k3_decode/kernels/test_attn_res_gpu.py has passed on an H200, the specialized path cannot select it. The GPU
-test is its only caller.
+The provider of its op (providers.py) calls it; so does its GPU test, which it passed on an H200 before it became one.
 
 `apply` has the stock op's contract (k3_decode.stock.attn_res.apply): it updates the prefix and saves a block in
 place in `AttnResBuffers` and returns the BF16 output; the kernel is compiled once per (hidden, kind, batch, bank

@@ -1,8 +1,6 @@
 """The CuTe DSL KDA input projection (k3_decode/kernels/kda_in_proj.py) called on torch tensors.
 
-NOT A PROVIDER. Nothing registers this op in k3_decode/runtime/backend.py: until
-tests/k3_decode/kernels/test_kda_in_proj_gpu.py has passed on an H200, the specialized path cannot select it. The
-GPU test is its only caller.
+The provider of its op (providers.py) calls it; so does its GPU test, which it passed on an H200 before it became one.
 
 `linear(x, weight)` has the contract of the stock `k3_decode.stock.gemm.linear` for this projection: x [B, K] and
 weight [R, K] in BF16, out [B, R] BF16 = x @ weight^T with FP32 accumulation. The kernel is compiled once per plan

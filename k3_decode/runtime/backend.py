@@ -5,7 +5,8 @@ stock path, "latency_specialized" runs the scope checks, anything else raises. W
 missing key meaning "auto".
 
 Whether the specialized kernels are built is a query, not a flag: each specialized op is served by a provider that
-the kernels package registers when it is built; this build registers none. Selecting `latency_specialized` while any
+the kernels package registers when its kernels can run on this machine (k3_decode/kernels/providers.py: CuTe DSL
+and an sm_90 GPU); the runtime asks it at start-up. Selecting `latency_specialized` while any
 op the op table routes to the specialized path lacks a provider fails at start-up, so the stock path never runs
 under the specialized name.
 """
@@ -74,7 +75,7 @@ class ProviderRegistry:
         return sorted(table.specialized_ops() - self.ops())
 
 
-# Empty in this build: no specialized kernels are built yet.
+# Filled at start-up by k3_decode.kernels.providers.register_built where the kernels can run (runtime/startup.py).
 PROVIDERS = ProviderRegistry()
 
 
@@ -97,9 +98,14 @@ def read_decode_backend(additional_config: Mapping[str, Any] | None) -> DecodeBa
 
 
 def select_backend(
-    additional_config: Mapping[str, Any] | None, table: OpTable, registry: ProviderRegistry = PROVIDERS
+    additional_config: Mapping[str, Any] | None,
+    table: OpTable,
+    registry: ProviderRegistry = PROVIDERS,
+    *,
+    not_built: str | None = None,
 ) -> DecodeBackend:
-    """Read the backend and refuse `latency_specialized` when this build cannot run it."""
+    """Read the backend and refuse `latency_specialized` when this build cannot run it; `not_built` says why the
+    kernels package registered nothing here, for the message."""
     backend = read_decode_backend(additional_config)
     if backend == "latency_specialized":
         if not table.specialized_ops():
@@ -110,6 +116,7 @@ def select_backend(
         if missing := registry.missing(table):
             raise BackendError(
                 f"{CONFIG_KEY} 'latency_specialized' selected but the specialized kernels are not built "
-                f"(no provider for {', '.join(missing)}); use {CONFIG_KEY} 'auto' for the stock path"
+                f"(no provider for {', '.join(missing)}{': ' + not_built if not_built else ''}); use {CONFIG_KEY} "
+                "'auto' for the stock path"
             )
     return backend

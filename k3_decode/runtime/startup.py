@@ -60,7 +60,12 @@ def start(
     """Everything an executor checks before it builds anything; raises a one-line StartupError otherwise."""
     scope = scope or load_scope("k3-hopper")
     table = table or load_op_table()
-    backend = select_backend(additional_config, table, registry)
+    not_built = None
+    if registry is PROVIDERS:
+        from k3_decode.kernels.providers import register_built
+
+        not_built = register_built(PROVIDERS)
+    backend = select_backend(additional_config, table, registry, not_built=not_built)
     verdict = scope_verdict(deployment, scope, backend)
     if gather is not None:
         verdict = agreed_verdict(gather(verdict), deployment.tp)

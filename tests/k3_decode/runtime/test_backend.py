@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from k3_decode.config import K3
+from k3_decode.executor.executor import ProviderTarget
+from k3_decode.kernels import providers
+from k3_decode.kernels.providers import not_built_reason
 from k3_decode.runtime.backend import PROVIDERS, ProviderRegistry, read_decode_backend, select_backend
 from k3_decode.runtime.errors import BackendError, StartupError
 from k3_decode.runtime.optable import load_op_table, parse_op_table
@@ -42,15 +47,34 @@ def test_non_mapping_config_is_an_error():
         read_decode_backend("latency_specialized")  # type: ignore[arg-type]
 
 
-def test_this_build_has_no_specialized_kernels():
-    # The later kernels issue flips this by registering providers; until then the specialized name must not start.
-    assert PROVIDERS.ops() == frozenset()
+@pytest.mark.skipif(not_built_reason() is None, reason="the CuTe DSL kernels can run here (an sm_90 GPU)")
+def test_without_a_hopper_gpu_the_specialized_kernels_are_not_built():
+    # Where the kernels cannot run, nothing registers and the specialized name must not start (it would run stock).
     with pytest.raises(BackendError) as err:
         start(SPECIALIZED, deployment())
     msg = str(err.value)
+    assert PROVIDERS.ops() == frozenset()
     assert "specialized kernels are not built" in msg and "\n" not in msg
-    assert "no provider for attn_res, in_proj, kda, o_proj" in msg
+    assert f"no provider for attn_res, in_proj: {not_built_reason()}" in msg
     assert isinstance(err.value, StartupError) and isinstance(err.value, ValueError)
+
+
+def test_the_kernels_register_where_they_can_run_and_only_once(monkeypatch):
+    reg = ProviderRegistry()
+    monkeypatch.setattr(providers, "not_built_reason", lambda: "no CUDA device (test)")
+    assert providers.register_built(reg) == "no CUDA device (test)" and reg.ops() == frozenset()
+    monkeypatch.setattr(providers, "not_built_reason", lambda: None)
+    assert providers.register_built(reg) is None and providers.register_built(reg) is None
+    assert reg.ops() == TABLE.specialized_ops() == {"attn_res", "in_proj"}
+    assert {p.name for p in reg} == {"cute-attn-res", "cute-kda-in-proj"}
+    assert select_backend(SPECIALIZED, TABLE, reg) == "latency_specialized"
+
+
+def test_a_provider_refuses_to_bind_off_its_gpu():
+    target = ProviderTarget(K3, 8, 0, torch.device("cpu"))
+    for provider in providers.PROVIDERS:
+        with pytest.raises(providers.ProviderBindError, match="runs on a CUDA device, the stack is on cpu"):
+            provider.bind(target)
 
 
 def test_auto_starts_without_kernels():
@@ -59,8 +83,8 @@ def test_auto_starts_without_kernels():
 
 def test_missing_providers_are_named():
     reg = ProviderRegistry()
-    reg.register(FakeProvider("kda", "KdaSplit", {"KdaSplit": 1}))
-    with pytest.raises(BackendError, match=r"no provider for attn_res, in_proj, o_proj\)"):
+    reg.register(FakeProvider("in_proj", "InProj", {"InProj": 1}))
+    with pytest.raises(BackendError, match=r"no provider for attn_res\)"):
         select_backend(SPECIALIZED, TABLE, reg)
 
 

@@ -20,8 +20,9 @@ def _raw() -> dict:
     }
 
 
-def test_shipped_table_routes_kda_attention_and_keeps_mla_and_mlp_stock():
-    assert TABLE.specialized_ops() == {"attn_res", "in_proj", "kda", "o_proj"}
+def test_shipped_table_routes_the_built_kda_ops_and_keeps_the_rest_stock():
+    assert TABLE.specialized_ops() == {"attn_res", "in_proj"}
+    assert "fused KDA step" in TABLE.parts["kda"].stock_reason
     assert TABLE.parts["mla"].specialized == frozenset()
     assert TABLE.parts["moe"].specialized == frozenset()
 

@@ -1,0 +1,114 @@
+"""The CuTe DSL kernels as specialized providers of the runtime (k3_decode/runtime/backend.py).
+
+Two ops of a KDA layer have providers: `attn_res` (the AttnRes before attention, one CuTe DSL kernel per
+application) and `in_proj` (the packed input projection as a weight stream). Each became a provider only after its
+GPU test passed against the oracle on an H200 (tests/k3_decode/kernels/test_attn_res_gpu.py,
+test_kda_in_proj_gpu.py). The other ops of the layer stay stock, with the op table's reason in the ledger.
+
+"Built" means the kernels can be compiled and run here: CuTe DSL imports and the current CUDA device is a Hopper
+GPU (sm_90, the architecture the kernels target). `register_built` registers both or neither and says why not;
+the runtime calls it once before it reads the backend, so `latency_specialized` is refused at start-up on a
+machine where they cannot run ("the specialized kernels are not built"), never run stock under that name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from k3_decode.reference.attn_res import MixWeights
+from k3_decode.runtime.backend import ProviderRegistry
+from k3_decode.stock.attn_res import AttnResBuffers, AttnResSite
+from k3_decode.weights import KdaWeights, ResidualWeights
+
+TARGET_CAPABILITY = (9, 0)  # sm_90a: wgmma-era Hopper, what kernels/builds.toml compiles for
+
+
+class ProviderBindError(RuntimeError):
+    pass
+
+
+def _check_target(target: Any, what: str) -> None:
+    device = torch.device(target.device)
+    if device.type != "cuda":
+        raise ProviderBindError(f"the CuTe DSL {what} runs on a CUDA device, the stack is on {device}; use 'auto'")
+    capability = torch.cuda.get_device_capability(device)
+    if capability != TARGET_CAPABILITY:
+        raise ProviderBindError(
+            f"the CuTe DSL {what} is built for sm_90a, the device is sm_{capability[0]}{capability[1]}; use 'auto'"
+        )
+
+
+@dataclass(frozen=True)
+class CuteAttnResProvider:
+    """AttnRes before attention: prefix update, block save, source mixing and the input RMSNorm, one kernel."""
+
+    op: str = "attn_res"
+    name: str = "cute-attn-res"
+    # Kernel names are substrings of the CUDA names CuTe DSL gives its kernels (kernel_cutlass_kernel_<module><class>
+    # _object_at_<signature>), which the ledger matches against the profiler's names.
+    launches: Mapping[str, int] = field(default_factory=lambda: {"AttnResKernel": 1})
+
+    def bind(self, target: Any) -> Mapping[str, Callable[..., Any]]:
+        from k3_decode.kernels import attn_res_op
+
+        _check_target(target, "AttnRes")
+        block_size, eps = target.dims.attn_res_block_size, target.dims.rms_norm_eps
+
+        def attn_res_before(
+            buffers: AttnResBuffers, layer: int, delta: Tensor | None, residual: ResidualWeights
+        ) -> Tensor:
+            weights = MixWeights(residual.attn_res.norm, residual.attn_res.proj, residual.input_norm)
+            return attn_res_op.apply(buffers, AttnResSite.before_attention(layer, block_size), delta, weights, eps)
+
+        return {"attn_res_before": attn_res_before}
+
+
+@dataclass(frozen=True)
+class CuteKdaInProjProvider:
+    """The packed KDA input projection x[B, hidden] @ W[rows, hidden]^T, one weight-streaming kernel."""
+
+    op: str = "in_proj"
+    name: str = "cute-kda-in-proj"
+    launches: Mapping[str, int] = field(default_factory=lambda: {"KdaInProjKernel": 1})
+
+    def bind(self, target: Any) -> Mapping[str, Callable[..., Any]]:
+        from k3_decode.kernels import kda_in_proj_op
+
+        _check_target(target, "KDA input projection")
+
+        def kda_in_proj(x: Tensor, weights: KdaWeights) -> Tensor:
+            return kda_in_proj_op.linear(x.contiguous(), weights.in_proj)
+
+        return {"kda_in_proj": kda_in_proj}
+
+
+PROVIDERS = (CuteAttnResProvider(), CuteKdaInProjProvider())
+
+
+def not_built_reason() -> str | None:
+    """Why the kernels cannot run on this machine (one line), or None when they can."""
+    if importlib.util.find_spec("cutlass") is None:
+        return "CuTe DSL is not installed (pip install 'k3gate[cutedsl]')"
+    if not torch.cuda.is_available():
+        return "no CUDA device (the CuTe DSL kernels run on an sm_90 GPU)"
+    capability = torch.cuda.get_device_capability()
+    if capability != TARGET_CAPABILITY:
+        return f"the CUDA device is sm_{capability[0]}{capability[1]}; the CuTe DSL kernels are built for sm_90a"
+    return None
+
+
+def register_built(registry: ProviderRegistry) -> str | None:
+    """Register every provider into `registry` when the kernels can run here (once; a second call is a no-op).
+    Returns why they were not registered, or None."""
+    reason = not_built_reason()
+    if reason is None:
+        for provider in PROVIDERS:
+            if registry.get(provider.op) is None:
+                registry.register(provider)
+    return reason
