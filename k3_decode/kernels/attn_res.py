@@ -75,6 +75,7 @@ def compile_args(hidden: int, kind: AttnResKind, batch: int, capacity: int) -> t
         bf16(hidden),  # res_norm
         bf16(hidden),  # res_proj
         out_norm,
+        cutedsl.fake_tensor(Int32, (1,)),  # launches: the device-side execution counter
         Int32(0),  # save_index
         Float32(1e-5),  # eps
         cutedsl.fake_stream(),
@@ -87,8 +88,9 @@ class AttnResKernel:
     Arguments of the compiled function, all on one device, 16-byte aligned, last dimension contiguous:
     prefix [B, H] BF16 (rewritten when the kind has a delta), delta [B, H] BF16 or FP32 (None without delta),
     blocks [B, capacity, H] BF16 (block `save_index` is written when the kind saves), out [B, H] BF16,
-    res_norm [H], res_proj [H], out_norm [H] (None without an output norm) BF16, save_index Int32, eps Float32,
-    and the CUDA stream.
+    res_norm [H], res_proj [H], out_norm [H] (None without an output norm) BF16, launches [1] Int32 (the device-side
+    execution counter: one relaxed atomic add per launch, by thread 0 of the grid's first CTA), save_index Int32,
+    eps Float32, and the CUDA stream.
     """
 
     def __init__(self, hidden: int, kind: AttnResKind) -> None:
@@ -106,12 +108,13 @@ class AttnResKernel:
         res_norm: cute.Tensor,
         res_proj: cute.Tensor,
         out_norm: cute.Tensor | None,
+        launches: cute.Tensor,
         save_index: Int32,
         eps: Float32,
         stream: Any,
     ):
         plan = self.plan
-        self.kernel(prefix, delta, blocks, out, res_norm, res_proj, out_norm, save_index, eps).launch(
+        self.kernel(prefix, delta, blocks, out, res_norm, res_proj, out_norm, launches, save_index, eps).launch(
             grid=[plan.cluster, prefix.shape[0], 1],
             block=[plan.threads, 1, 1],
             cluster=[plan.cluster, 1, 1],
@@ -129,6 +132,7 @@ class AttnResKernel:
         res_norm: cute.Tensor,
         res_proj: cute.Tensor,
         out_norm: cute.Tensor | None,
+        launches: cute.Tensor,
         save_index: Int32,
         eps: Float32,
     ):
@@ -153,6 +157,8 @@ class AttnResKernel:
 
         cute.arch.cluster_wait()  # peers' barriers are initialized before anything is pushed to them (see above)
         cute.arch.griddepcontrol_wait()
+        if tidx + rank + row == 0:  # thread 0 of the grid's first CTA (all three are non-negative)
+            cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
         bank = [_load8(blocks[row, s, None], vec) for s in range(kind.num_blocks)]
         p = _load8(prefix[row, None], vec).to(Float32)
         if const_expr(kind.delta == "add"):

@@ -16,9 +16,11 @@ import torch
 from torch import Tensor
 
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
+from k3_decode.kernels.counters import device_counter
 from k3_decode.reference.attn_res import MixWeights
 from k3_decode.stock.attn_res import AttnResBuffers, AttnResSite
 
+_COUNTERS: dict[int, Tensor] = {}
 STATE_DTYPE = torch.bfloat16
 DELTA_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 ALIGN = 16  # bytes: every row is moved in 16-byte vectors
@@ -96,7 +98,7 @@ def apply(buffers: AttnResBuffers, site: AttnResSite, delta: Tensor | None, weig
     flat = [None if w is None else w.reshape(-1) for w in (weights.res_norm, weights.res_proj, weights.out_norm)]
     launch(
         _compiled(hidden, kind_for(site, delta, weights), tokens, buffers.capacity),
-        (prefix, delta, buffers.blocks, out, *flat),
+        (prefix, delta, buffers.blocks, out, *flat, launch_counter(prefix.device)),
         -1 if site.save_index is None else site.save_index,
         eps,
         torch.cuda.current_stream(prefix.device).cuda_stream,
@@ -106,9 +108,20 @@ def apply(buffers: AttnResBuffers, site: AttnResSite, delta: Tensor | None, weig
     return out
 
 
+def launch_counter(device: torch.device) -> Tensor:
+    """The device's launch counter: every launch of the kernel on `device` adds one to it, on the device."""
+    return device_counter(_COUNTERS, device)
+
+
+def launch_count() -> int:
+    """Launches the device counters have seen in this process, over every device (reads them: synchronizes)."""
+    return sum(int(c.item()) for c in _COUNTERS.values())
+
+
 def launch(compiled: Any, tensors: tuple[Tensor | None, ...], save_index: int, eps: float, stream: int) -> None:
     """Call a compiled kernel: tensors in the kernel's order (prefix, delta, bank, out, res_norm, res_proj,
-    out_norm; None where the kind has none), on the CUDA stream with handle `stream`. No checks: see `apply`."""
+    out_norm, launches; None where the kind has none), on the CUDA stream with handle `stream`. No checks: see
+    `apply`."""
     import cuda.bindings.driver as cuda
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import from_dlpack

@@ -72,26 +72,29 @@ from k3_decode.kernels.kda_in_proj_plan import VECTOR, WARP, InProjPlan
 
 
 def compile_args(plan: InProjPlan) -> tuple[Any, ...]:
-    """Fake arguments of one compile: x [B, K], W [R, K], out [B, R], all BF16, row-major, 16-byte aligned."""
+    """Fake arguments of one compile: x [B, K], W [R, K], out [B, R], all BF16, row-major, 16-byte aligned, and the
+    Int32 launch counter."""
     return (
         cutedsl.fake_tensor(BFloat16, (plan.batch, plan.k)),
         cutedsl.fake_tensor(BFloat16, (plan.rows, plan.k)),
         cutedsl.fake_tensor(BFloat16, (plan.batch, plan.rows)),
+        cutedsl.fake_tensor(Int32, (1,)),
         cutedsl.fake_stream(),
     )
 
 
 class KdaInProjKernel:
     """out = x @ W^T for one fixed shape (the plan). Arguments of the compiled function: x [B, K], W [R, K],
-    out [B, R] (BF16, contiguous, 16-byte aligned, on one device) and the CUDA stream."""
+    out [B, R] (BF16, contiguous, 16-byte aligned, on one device), launches [1] Int32 (the device-side execution
+    counter: one relaxed atomic add per launch, by thread 0 of CTA 0) and the CUDA stream."""
 
     def __init__(self, plan: InProjPlan) -> None:
         self.plan = plan
 
     @cute.jit
-    def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, stream: Any):
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, launches: cute.Tensor, stream: Any):
         plan = self.plan
-        self.kernel(x, w, out).launch(
+        self.kernel(x, w, out, launches).launch(
             grid=[plan.ctas, 1, 1],
             block=[plan.threads, 1, 1],
             smem=plan.smem_bytes,
@@ -105,7 +108,7 @@ class KdaInProjKernel:
         )
 
     @cute.kernel
-    def kernel(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor):
+    def kernel(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, launches: cute.Tensor):
         plan = self.plan
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -126,6 +129,8 @@ class KdaInProjKernel:
         # Weights first: they do not depend on the previous kernel, so they stream while it finishes.
         self._load_group(w, slots, row0, lane, Int32(0))
         cute.arch.griddepcontrol_wait()
+        if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
+            cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
 
         chunks = plan.chunks
         self._chunk(x, w, out, xs, slots, row0, lane, tidx, Int32(0), chunks[0], True)

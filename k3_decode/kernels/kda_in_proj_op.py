@@ -15,8 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from k3_decode.kernels.counters import device_counter
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 
+_COUNTERS: dict[int, Tensor] = {}
 DTYPE = torch.bfloat16
 ALIGN = 16  # bytes: x and the weight are read in 16-byte vectors
 
@@ -57,14 +59,24 @@ def linear(x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
     elif tuple(out.shape) != (x.shape[0], weight.shape[0]):
         raise ValueError(f"KDA in_proj out {tuple(out.shape)} must be [B, R] = {(x.shape[0], weight.shape[0])}")
     _check_tensor("out", out, x.device)
-    launch(_compiled(plan), x, weight, out, torch.cuda.current_stream(x.device).cuda_stream)
+    launch(_compiled(plan), x, weight, out, launch_counter(x.device), torch.cuda.current_stream(x.device).cuda_stream)
     return out
 
 
-def launch(compiled: Any, x: Tensor, weight: Tensor, out: Tensor, stream: int) -> None:
+def launch_counter(device: torch.device) -> Tensor:
+    """The device's launch counter: every launch of the kernel on `device` adds one to it, on the device."""
+    return device_counter(_COUNTERS, device)
+
+
+def launch_count() -> int:
+    """Launches the device counters have seen in this process, over every device (reads them: synchronizes)."""
+    return sum(int(c.item()) for c in _COUNTERS.values())
+
+
+def launch(compiled: Any, x: Tensor, weight: Tensor, out: Tensor, launches: Tensor, stream: int) -> None:
     """Call a compiled kernel on the CUDA stream with handle `stream`. No checks: see `linear`."""
     import cuda.bindings.driver as cuda
     from cutlass.cute.runtime import from_dlpack
 
-    args = [from_dlpack(t, assumed_align=ALIGN) for t in (x, weight, out)]
+    args = [from_dlpack(t, assumed_align=ALIGN) for t in (x, weight, out, launches)]
     compiled(*args, cuda.CUstream(stream))

@@ -68,6 +68,12 @@ class CuteAttnResProvider:
 
         return {"attn_res_before": attn_res_before}
 
+    def device_counts(self) -> dict[str, int]:
+        """Launches of the kernel the device-side counter saw in this process (kernels/counters.py)."""
+        from k3_decode.kernels import attn_res_op
+
+        return {"AttnResKernel": attn_res_op.launch_count()}
+
 
 @dataclass(frozen=True)
 class CuteKdaInProjProvider:
@@ -86,6 +92,12 @@ class CuteKdaInProjProvider:
             return kda_in_proj_op.linear(x.contiguous(), weights.in_proj)
 
         return {"kda_in_proj": kda_in_proj}
+
+    def device_counts(self) -> dict[str, int]:
+        """Launches of the kernel the device-side counter saw in this process (kernels/counters.py)."""
+        from k3_decode.kernels import kda_in_proj_op
+
+        return {"KdaInProjKernel": kda_in_proj_op.launch_count()}
 
 
 PROVIDERS = (CuteAttnResProvider(), CuteKdaInProjProvider())

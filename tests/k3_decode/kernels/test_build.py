@@ -224,7 +224,8 @@ kind = AttnResKind.from_tag("n7-add-save-norm")
 compiled = attn_res_op._compiled(7168, kind, 4, 8)
 def bf16(*shape):
     return torch.zeros(*shape, dtype=torch.bfloat16)
-tensors = (bf16(4, 7168), bf16(4, 7168), bf16(4, 8, 7168), bf16(4, 7168), bf16(7168), bf16(7168), bf16(7168))
+tensors = (bf16(4, 7168), bf16(4, 7168), bf16(4, 8, 7168), bf16(4, 7168), bf16(7168), bf16(7168), bf16(7168),
+           torch.zeros(1, dtype=torch.int32))
 try:
     attn_res_op.launch(compiled, tensors, 7, 1e-5, 0)
 except Exception as exc:

@@ -199,7 +199,7 @@ from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 compiled = kda_in_proj_op._compiled(InProjPlan.for_shape(3216, 7168, 2))
 x, w, out = (torch.zeros(*s, dtype=torch.bfloat16) for s in ((2, 7168), (3216, 7168), (2, 3216)))
 try:
-    kda_in_proj_op.launch(compiled, x, w, out, 0)
+    kda_in_proj_op.launch(compiled, x, w, out, torch.zeros(1, dtype=torch.int32), 0)
 except Exception as exc:
     print("RAISED", type(exc).__name__, "cudaErrorInsufficientDriver" in str(exc))
 """

@@ -12,7 +12,9 @@ the two FP32 sums differ by ~1e-6 relative, their BF16 roundings differ on ~0.1%
 bit-equal.
 
 The bandwidth test prints the kernel's achieved fraction of the copy bandwidth measured in the same process (it
-writes nothing) and asserts the issue's target (85%) at TP8, B = 1..8.
+writes nothing), next to cuBLAS's and the eager per-call time, and asserts the issue's target (85%) at TP8, B = 1..8.
+It times launches captured in a CUDA graph, as decode runs them: eagerly, each call also pays CuTe DSL's host-side
+argument conversion (measured 66 us per call on the H200, longer than the kernel), which a graph replay does not.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def test_inputs_the_kernel_cannot_take_are_refused():
 # --- bandwidth (measured, printed, nothing written) ---------------------------------------------------------------
 
 
-def _seconds_per_call(fn, calls: int) -> float:
+def _eager_seconds_per_call(fn, calls: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
         fn(0)
@@ -142,32 +144,64 @@ def _seconds_per_call(fn, calls: int) -> float:
     return start.elapsed_time(end) / 1e3 / calls
 
 
+def _graph_seconds_per_call(fn, calls: int, replays: int = 5) -> float:
+    """`calls` back-to-back launches captured in one CUDA graph, as decode runs them: the host's per-call cost
+    (CuTe DSL's argument conversion, tens of microseconds) is paid at capture, not per replay. Median of replays."""
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def copy_bandwidth() -> float:
     """Bytes per second of a device-to-device copy of 1 GiB (read + write), the achievable HBM bandwidth."""
     n = 1 << 30
     src, dst = torch.empty(n, dtype=torch.uint8, device=DEV), torch.empty(n, dtype=torch.uint8, device=DEV)
-    return 2 * n / _seconds_per_call(lambda _: dst.copy_(src), 20)
+    return 2 * n / _eager_seconds_per_call(lambda _: dst.copy_(src), 20)
 
 
 @pytest.mark.parametrize("tp", [8, 16])
 def test_bandwidth_fraction_of_copy(tp: int):
     copy = copy_bandwidth()
     l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
+    missed = []
     for build in (b for b in BUILDS if b.tp == tp):
         p = build.plan
         # Enough distinct weights that each call streams its weight from HBM, not from L2 (TP16's fits in L2).
         copies = max(2, math.ceil(3 * l2 / p.weight_bytes))
         x, _, out, _ = operands(p.rows, p.k, p.batch, seed=1)
         weights = [(torch.randn(p.rows, p.k, device=DEV) * 0.02).bfloat16() for _ in range(copies)]
-        seconds = _seconds_per_call(
-            lambda i, x=x, ws=weights, out=out: kda_in_proj_op.linear(x, ws[i % len(ws)], out), 50
-        )
         moved = p.weight_bytes + x.numel() * 2 + out.numel() * 2
-        fraction = moved / seconds / copy
+        timed = {}
+        for name, fn in (
+            ("cute", lambda i, x=x, ws=weights, out=out: kda_in_proj_op.linear(x, ws[i % len(ws)], out)),
+            ("cublas", lambda i, x=x, ws=weights, out=out: torch.matmul(x, ws[i % len(ws)].T, out=out)),
+        ):
+            timed[name] = _graph_seconds_per_call(fn, 4 * copies)
+        eager = _eager_seconds_per_call(
+            lambda i, x=x, ws=weights, out=out: kda_in_proj_op.linear(x, ws[i % len(ws)], out), 20
+        )
+        fraction = moved / timed["cute"] / copy
         print(
-            f"METRIC KDA in_proj TP{tp} B{p.batch}: {seconds * 1e6:.1f} us, {moved / seconds / 1e12:.2f} TB/s, "
-            f"{fraction:.1%} of copy bandwidth ({copy / 1e12:.2f} TB/s)"
+            f"METRIC KDA in_proj TP{tp} B{p.batch}: graph {timed['cute'] * 1e6:.1f} us "
+            f"({moved / timed['cute'] / 1e12:.2f} TB/s, {fraction:.1%} of copy {copy / 1e12:.2f} TB/s); "
+            f"cuBLAS graph {timed['cublas'] * 1e6:.1f} us ({moved / timed['cublas'] / copy:.1%}); "
+            f"eager {eager * 1e6:.1f} us per call"
         )
         del weights
-        if tp == 8 and p.batch <= 8:
-            assert fraction >= BANDWIDTH_TARGET, f"TP8 B{p.batch}: {fraction:.1%} of copy bandwidth, target 85%"
+        if tp == 8 and p.batch <= 8 and fraction < BANDWIDTH_TARGET:
+            missed.append(f"B{p.batch}: {fraction:.1%}")
+    assert not missed, f"TP{tp} below 85% of copy bandwidth under a CUDA graph: {', '.join(missed)}"

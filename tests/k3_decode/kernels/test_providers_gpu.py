@@ -1,0 +1,128 @@
+"""GPU: the CuTe DSL providers inside the stack executor at real K3 per-rank shapes (TP8 and TP16, one KDA+MoE and
+one MLA+MoE layer), under decode_backend "latency_specialized".
+
+- layer by layer against the teacher-forced oracle, as the stock path is (tests/k3_decode/executor/test_gpu.py);
+- against the stock path from the same state: same requests, same inputs, outputs within a BF16 rounding level;
+- the ledger routes attn_res and in_proj of the KDA layer to the providers and everything else stock, the op log
+  agrees (no stock op ran for a specialized dispatch), and in CUDA-graph replays the profiler sees the CuTe DSL
+  kernels the ledger claims.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from k3_decode.executor import StackExecutor, load_stack
+from k3_decode.executor.attribution import device_events
+from k3_decode.executor.audit import op_log_mismatches
+from k3_decode.kernels.providers import not_built_reason
+from k3_decode.runtime.ledger import Expectation
+from tests.k3_decode.executor.helpers import decode_requests, oracle_failures
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(
+        not_built_reason() is not None, reason=f"the CuTe DSL providers cannot run: {not_built_reason()}"
+    ),
+]
+
+SPECIALIZED = {"decode_backend": "latency_specialized"}
+REQUESTS = 16
+# The two paths differ in two kernels' FP32 summation orders (AttnRes mixing, the projection's dot products), so
+# BF16 outputs land an ulp apart here and there (2^-8 relative) and the layers carry that on: measured stock against
+# stock with a different cuBLAS kernel choice gives 4.8e-3 rms (test_gpu.py); the same bound.
+PATHS_RMS_REL = 1e-2
+
+
+def _rms_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).square().mean().sqrt() / b.square().mean().sqrt())
+
+
+@pytest.fixture(scope="module", params=[8, 16], ids=["tp8", "tp16"])
+def pair(request):
+    torch.backends.cuda.matmul.allow_tf32 = False  # the oracle's FP32 GEMMs must be IEEE FP32
+    config = load_stack("k3-kda-mla", request.param, max_requests=REQUESTS, max_context=1024, graph_batches=(8,))
+    stock = StackExecutor.start(config, device="cuda", log=lambda line: None)
+    special = StackExecutor.start(config, SPECIALIZED, device="cuda", weights=stock.weights, log=lambda line: None)
+    for ex in (stock, special):
+        ex.state.fill_synthetic(range(REQUESTS), 600, seed=0)
+    special.counts_at_start = _device_counts(special)  # the counters are per process: count from here
+    yield stock, special
+    del stock, special
+    torch.cuda.empty_cache()
+
+
+def _device_counts(ex: StackExecutor) -> dict[str, int]:
+    return {k: n for p in ex.registry for k, n in p.device_counts().items()}
+
+
+def _paths(ex: StackExecutor, step: int) -> dict[tuple[int, str], tuple[str, str]]:
+    return {(r.layer, r.op): (r.path, r.reason) for r in ex.ledger.records() if r.step == step}
+
+
+def test_specialized_layers_match_the_oracle_layer_by_layer(pair) -> None:
+    _, special = pair
+    assert special.planner.backend == "latency_specialized"
+    assert oracle_failures(special, decode_requests(special, list(range(8)), seed=1), dtype=torch.float32) == []
+    step = special.ledger.records()[-1].step
+    paths = _paths(special, step)
+    kda_layer, mla_layer = special.config.kda_layers[0], special.config.mla_layers[0]
+    assert paths[(kda_layer, "attn_res")][0] == "specialized"
+    assert paths[(kda_layer, "in_proj")][0] == "specialized"
+    assert paths[(kda_layer, "kda")][0] == paths[(kda_layer, "o_proj")][0] == "stock"
+    assert all(paths[(mla_layer, op)][0] == "stock" for op in ("attn_res", "in_proj", "mla", "o_proj"))
+    ran = {e.record.op for e in special.op_log if e.step == step and e.source == "provider"}
+    assert ran == {"cute-attn-res", "cute-kda-in-proj"}
+    assert op_log_mismatches(special) == []
+
+
+def test_the_specialized_step_agrees_with_the_stock_step_from_the_same_state(pair) -> None:
+    stock, special = pair
+    ids = list(range(8, 16))  # untouched by the other tests so far: the same synthetic state on both
+    got = special.step(decode_requests(special, ids, seed=2))
+    want = stock.step(decode_requests(stock, ids, seed=2))
+    worst = max(_rms_rel(got.outputs[r], want.outputs[r]) for r in ids)
+    print(f"METRIC providers TP{special.config.tp} B8: stack output rms_rel vs stock {worst:.2e}")
+    assert 0 < worst < PATHS_RMS_REL  # zero would mean the providers did not run
+    for layer in special.config.kda_layers:
+        a = special.state.kda[layer].recurrent[[special.state.kda_slot(r) for r in ids]]
+        b = stock.state.kda[layer].recurrent[[stock.state.kda_slot(r) for r in ids]]
+        assert _rms_rel(a, b) < PATHS_RMS_REL
+
+
+def test_graph_replays_run_the_cute_kernels_the_ledger_claims(pair, tmp_path) -> None:
+    _, special = pair
+    name = special.capture(8)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for seed in range(2):
+            special.step(decode_requests(special, list(range(8)), seed=20 + seed), mode="graph")
+        torch.cuda.synchronize()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    kernels = Counter(e.name for e in device_events(json.loads(path.read_text())) if e.category == "kernel")
+    assert sum(n for k, n in kernels.items() if "AttnResKernel" in k) == 2 * len(special.config.kda_layers)
+    assert sum(n for k, n in kernels.items() if "KdaInProjKernel" in k) == 2 * len(special.config.kda_layers)
+    graph_paths = {(r.layer, r.op): r.path for r in special.ledger.records() if r.graph == name}
+    assert graph_paths[(special.config.kda_layers[0], "in_proj")] == "specialized"
+    assert special.ledger.summary()["graphs"][name]["replays"] == 2
+    special.ledger.report_profiler_kernels(kernels)
+    counts = {k: n - special.counts_at_start[k] for k, n in _device_counts(special).items()}
+    special.ledger.report_device_counts(counts)
+    assert special.ledger.check_execution(special.kernel_catalog()) == []
+    # Broken case of the counter join: one launch fewer than the ledger claims is named.
+    special.ledger.report_device_counts({**counts, "KdaInProjKernel": counts["KdaInProjKernel"] - 1})
+    (mismatch,) = special.ledger.check_execution(special.kernel_catalog())
+    assert mismatch.startswith("kernel KdaInProjKernel:") and "but the device counters show" in mismatch
+    by = "test_graph_replays_run_the_cute_kernels"
+    layer = special.config.kda_layers[0]
+    expected = [Expectation("specialized", by, op=op, layer=layer) for op in ("attn_res", "in_proj")]
+    assert special.ledger.check(expected) == []
+    # Broken case of the same check: the stock path expected where the providers ran.
+    assert special.ledger.check([Expectation("stock", by, op="in_proj", layer=layer)])
