@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
 from k3_decode.kernels.counters import device_counter
 from k3_decode.reference.attn_res import MixWeights
-from k3_decode.stock.attn_res import AttnResBuffers, AttnResSite
 
 _COUNTERS: dict[int, Tensor] = {}
 STATE_DTYPE = torch.bfloat16

@@ -14,19 +14,36 @@ machine where they cannot run ("the specialized kernels are not built"), never r
 from __future__ import annotations
 
 import importlib.util
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
 from k3_decode.reference.attn_res import MixWeights
 from k3_decode.runtime.backend import ProviderRegistry
-from k3_decode.stock.attn_res import AttnResBuffers, AttnResSite
 from k3_decode.weights import KdaWeights, ResidualWeights
 
 TARGET_CAPABILITY = (9, 0)  # sm_90a: wgmma-era Hopper, what kernels/builds.toml compiles for
+LIMITS = Path(__file__).with_name("providers.toml")
+
+
+@cache
+def _limits() -> dict[str, Any]:
+    return tomllib.loads(LIMITS.read_text())
+
+
+def max_rows(op: str, name: str, tp: int) -> tuple[int, str] | None:
+    """(most rows, why) the provider `name` of `op` serves at `tp` (providers.toml), or None for no limit."""
+    entry = _limits().get(op)
+    if entry is None or str(tp) not in entry["max_rows"]:
+        return None
+    return int(entry["max_rows"][str(tp)]), f"rows {name} serves at TP{tp} ({entry['why']})"
 
 
 class ProviderBindError(RuntimeError):
@@ -53,6 +70,9 @@ class CuteAttnResProvider:
     # Kernel names are substrings of the CUDA names CuTe DSL gives its kernels (kernel_cutlass_kernel_<module><class>
     # _object_at_<signature>), which the ledger matches against the profiler's names.
     launches: Mapping[str, int] = field(default_factory=lambda: {"AttnResKernel": 1})
+
+    def max_rows(self, tp: int) -> tuple[int, str] | None:
+        return max_rows(self.op, self.name, tp)
 
     def bind(self, target: Any) -> Mapping[str, Callable[..., Any]]:
         from k3_decode.kernels import attn_res_op
@@ -82,6 +102,9 @@ class CuteKdaInProjProvider:
     op: str = "in_proj"
     name: str = "cute-kda-in-proj"
     launches: Mapping[str, int] = field(default_factory=lambda: {"KdaInProjKernel": 1})
+
+    def max_rows(self, tp: int) -> tuple[int, str] | None:
+        return max_rows(self.op, self.name, tp)
 
     def bind(self, target: Any) -> Mapping[str, Callable[..., Any]]:
         from k3_decode.kernels import kda_in_proj_op

@@ -12,8 +12,8 @@ table's reason. On a stock step every op is stock with the step's reason.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from k3_decode.config import ModelDims
 from k3_decode.runtime.backend import CONFIG_KEY, DecodeBackend
@@ -163,6 +163,9 @@ class Planner:
     specialized_modes: tuple[str, ...]
     dims: ModelDims
     layers: tuple[int, ...]
+    # Per specialized op, the most rows its provider serves at this deployment and why (a kernel that loses to the
+    # stock op above a batch size is not run there); an op without an entry is served at every prepared size.
+    op_rows: Mapping[str, tuple[int, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for layer in self.layers:
@@ -196,11 +199,15 @@ class Planner:
 
     def plan(self, step: StepInput) -> StepPlan:
         path, reason = self.route(step)
+        rows = step.requests * max(step.query_lens)
         decisions: list[OpDecision] = []
         for layer in self.layers:
             for part, op in self.table.layer_ops(self.dims, layer):
+                limit = self.op_rows.get(op)
                 if path == "specialized" and part.path_on_specialized_step(op) == "stock":
                     decisions.append(OpDecision(layer, op, "stock", part.stock_reason))
+                elif path == "specialized" and limit is not None and rows > limit[0]:
+                    decisions.append(OpDecision(layer, op, "stock", f"{rows} rows above the {limit[0]} {limit[1]}"))
                 else:
                     decisions.append(OpDecision(layer, op, path, reason))
         return StepPlan(step, path, reason, max(step.query_lens), tuple(decisions))

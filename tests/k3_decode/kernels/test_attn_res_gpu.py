@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import Tensor
 
+from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
 from k3_decode.config import K3
 from k3_decode.kernels import attn_res_op
 from k3_decode.kernels.attn_res_plan import AttnResKind
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS
 from k3_decode.reference import attn_res as ra
-from k3_decode.stock.attn_res import AttnResBuffers, AttnResSite
 from tests.k3_decode.stock.attention_helpers import assert_close, load_tolerances, weights_for
 
 pytestmark = [

@@ -17,10 +17,10 @@ import pytest
 
 from harness.kernels_cmd import cubin_resources, parse_expectations, select_builds
 from harness.subjects import load_subject
+from k3_decode.attn_res_state import AttnResSite
 from k3_decode.config import K3, K3_MINI
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS
-from k3_decode.stock.attn_res import AttnResSite
 from tests.k3_decode.kernels.helpers import (
     BUILDS,
     REPO,

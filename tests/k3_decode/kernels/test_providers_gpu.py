@@ -83,17 +83,21 @@ def test_specialized_layers_match_the_oracle_layer_by_layer(pair) -> None:
 
 
 def test_the_specialized_step_agrees_with_the_stock_step_from_the_same_state(pair) -> None:
+    """The first layer's attention output from the same input and state: what the two providers change. (Whole-stack
+    outputs are no measure: an ulp in a router input can flip a top-k expert, which changes a token's MoE output
+    by design; the oracle test above checks every layer from its own inputs.)"""
     stock, special = pair
     ids = list(range(8, 16))  # untouched by the other tests so far: the same synthetic state on both
-    got = special.step(decode_requests(special, ids, seed=2))
-    want = stock.step(decode_requests(stock, ids, seed=2))
-    worst = max(_rms_rel(got.outputs[r], want.outputs[r]) for r in ids)
-    print(f"METRIC providers TP{special.config.tp} B8: stack output rms_rel vs stock {worst:.2e}")
-    assert 0 < worst < PATHS_RMS_REL  # zero would mean the providers did not run
-    for layer in special.config.kda_layers:
-        a = special.state.kda[layer].recurrent[[special.state.kda_slot(r) for r in ids]]
-        b = stock.state.kda[layer].recurrent[[stock.state.kda_slot(r) for r in ids]]
-        assert _rms_rel(a, b) < PATHS_RMS_REL
+    got = special.step(decode_requests(special, ids, seed=2), trace=True).trace
+    want = stock.step(decode_requests(stock, ids, seed=2), trace=True).trace
+    assert got is not None and want is not None
+    first = _rms_rel(got[0].attn_output, want[0].attn_output)
+    print(f"METRIC providers TP{special.config.tp} B8: first-layer attention output rms_rel vs stock {first:.2e}")
+    assert 0 < first < PATHS_RMS_REL  # zero would mean the providers did not run
+    layer = special.config.kda_layers[0]
+    a = special.state.kda[layer].recurrent[[special.state.kda_slot(r) for r in ids]]
+    b = stock.state.kda[layer].recurrent[[stock.state.kda_slot(r) for r in ids]]
+    assert _rms_rel(a, b) < PATHS_RMS_REL
 
 
 def test_graph_replays_run_the_cute_kernels_the_ledger_claims(pair, tmp_path) -> None:

@@ -239,3 +239,47 @@ def test_routing_matches_independent_statement(step, spec_tokens):
     plan = p.plan(step)
     assert (plan.path == "specialized") == expect_specialized, plan.reason
     assert plan.rows == step.requests * q
+
+
+# -- provider row limits ---------------------------------------------------------------------------------------------
+
+
+def test_an_op_above_its_providers_rows_runs_stock_with_the_reason():
+    limited = dataclasses.replace(DECODE, op_rows={"in_proj": (4, "rows cute-x serves at TP8 (cuBLAS is faster)")})
+    small = {(d.layer, d.op): (d.path, d.reason) for d in limited.plan(decode(4)).decisions}
+    assert small[(0, "in_proj")] == ("specialized", "pure decode, batch 4 prepared")
+    big = limited.plan(decode(8))
+    paths = {(d.layer, d.op): (d.path, d.reason) for d in big.decisions}
+    assert big.path == "specialized" and paths[(0, "attn_res")][0] == "specialized"
+    assert paths[(0, "in_proj")] == ("stock", "8 rows above the 4 rows cute-x serves at TP8 (cuBLAS is faster)")
+    # A graph step runs its kernels on the padded rows: 3 live requests in a graph of 8 are 8 rows.
+    padded = {(d.layer, d.op): d.path for d in limited.plan(decode(3, mode="graph", batch=8)).decisions}
+    assert padded[(0, "in_proj")] == "stock"
+
+
+def test_the_runtime_takes_row_limits_from_the_providers_at_its_tp():
+    @dataclasses.dataclass(frozen=True)
+    class Limited:
+        op: str
+        name: str
+        launches: dict
+        limits: dict
+
+        def max_rows(self, tp: int):
+            return self.limits.get(tp)
+
+    reg = built_registry()
+    reg._by_op["in_proj"] = Limited("in_proj", "limited", {"K": 1}, {8: (4, "why")})
+    for tp, want in ((8, {"in_proj": (4, "why")}), (16, {})):
+        runtime = start(SPECIALIZED, deployment(tp=tp), registry=reg)
+        assert runtime.op_rows() == want
+        assert runtime.planner(K3, [0]).op_rows == want
+
+
+def test_the_shipped_limits_name_the_provider_tp_and_measurement():
+    from k3_decode.kernels.providers import max_rows
+
+    rows, why = max_rows("in_proj", "cute-kda-in-proj", 8)
+    assert rows == 4 and why.startswith("rows cute-kda-in-proj serves at TP8 (cuBLAS is faster above")
+    assert max_rows("in_proj", "cute-kda-in-proj", 16)[0] == 2
+    assert max_rows("in_proj", "cute-kda-in-proj", 1) is None and max_rows("attn_res", "cute-attn-res", 8) is None
