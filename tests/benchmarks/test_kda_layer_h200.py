@@ -1,0 +1,430 @@
+"""The CPU-checkable parts of benchmarks/kda_layer_h200.py: attribution of one graph replay's kernels to runtime ops,
+grouping of profiled replays, the interleaved speedup statistics, the issue's target verdicts, the results table,
+and the refusal to run without a CUDA device. The GPU run itself is not exercised here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import kda_layer_h200 as bench
+from k3_decode.config import K3
+from k3_decode.executor.attribution import DeviceEvent, stock_kernel_info
+from k3_decode.executor.opmap import load_op_map
+from k3_decode.executor.roofline import StepShape, layer_bytes
+from k3_decode.kernels.providers import PROVIDERS
+from k3_decode.runtime.ledger import KernelCatalog
+from k3_decode.runtime.optable import load_op_table
+
+LAYER = 6  # K3 layer 6: KDA + latent MoE, as in the benchmark's stack
+TABLE = load_op_table()
+OPMAP = load_op_map(TABLE)
+PAIRS = OPMAP.layer_ops(TABLE, K3, LAYER)
+CATALOG = KernelCatalog.build(PROVIDERS, OPMAP.stock_launches()).launches
+INFO = {op: (i.names, i.absorbs_unnamed) for op, i in stock_kernel_info().items()}
+STOCK_PATHS = {op: "stock" for op, _ in PAIRS}
+SPECIAL_PATHS = {**STOCK_PATHS, "attn_res": "specialized", "in_proj": "specialized"}
+CUTE_ATTN_RES = "kernel_cutlass_kernel_k3_decodekernelsattn_resAttnResKernel_object_at_0x7f00_tensor"
+CUTE_IN_PROJ = "kernel_cutlass_kernel_k3_decodekernelskda_in_projKdaInProjKernel_object_at_0x7f00_tensor"
+MOE_TAIL = [
+    "nvjet_route_gemm",  # route: its GEMM, then its Triton kernel
+    "k3_moe_route_kernel",
+    "nvjet_latent_down",
+    "k3_moe_align_kernel",
+    "k3_moe_fc1_situ_kernel",
+    "k3_moe_fc2_kernel",
+    "k3_moe_sum_kernel",
+    "nvjet_shared_gate_up",
+    "k3_situ_and_mul_kernel",
+    "nvjet_shared_down",
+    "k3_rms_norm_kernel",
+    "Memcpy DtoD (Device -> Device)",
+    "nvjet_latent_up",
+]
+
+
+def events(names: list[str], dur: float = 2.0, t0: float = 0.0, corr: int | None = None) -> list[DeviceEvent]:
+    out = []
+    for i, name in enumerate(names):
+        cat = "gpu_memcpy" if name.startswith("Memcpy") else "kernel"
+        out.append(DeviceEvent(name, cat, t0 + 10.0 * i, dur, corr))
+    return out
+
+
+def slots(paths: dict[str, str]) -> list[bench.Slot]:
+    return bench.layer_slots(PAIRS, paths, CATALOG, INFO)
+
+
+# -- attribution ------------------------------------------------------------------------------------------------
+
+
+def test_slots_follow_the_op_map_and_collapse_a_provider_into_one_step() -> None:
+    stock, special = slots(STOCK_PATHS), slots(SPECIAL_PATHS)
+    assert [s.stock_op for s in stock[:6]] == [
+        "attn_res",
+        "kda_in_proj",
+        "kda_f_b",
+        "kda_decode",
+        "kda_o_proj",
+        "attn_res",
+    ]
+    assert [s.op for s in stock[:6]] == ["attn_res", "in_proj", "kda", "kda", "o_proj", "o_proj"]
+    assert [(s.op, s.path, s.names) for s in special[:2]] == [
+        ("attn_res", "specialized", ("AttnResKernel",)),
+        ("in_proj", "specialized", ("KdaInProjKernel",)),
+    ]
+    assert len(special) == len(stock)
+    # A provider that replaces two stock ops (o_proj: the GEMM and the AttnRes after) is one step.
+    catalog = {**CATALOG, ("o_proj", "specialized"): {"OprojKernel": 1}}
+    fused = bench.layer_slots(PAIRS, {**STOCK_PATHS, "o_proj": "specialized"}, catalog, INFO)
+    assert [s.op for s in fused].count("o_proj") == 1
+    with pytest.raises(ValueError, match="names none of its provider"):
+        bench.layer_slots(PAIRS, {**STOCK_PATHS, "kda": "specialized"}, CATALOG, INFO)
+    with pytest.raises(ValueError, match="no path recorded"):
+        bench.layer_slots(PAIRS, {"attn_res": "stock"}, CATALOG, INFO)
+
+
+def test_stock_replay_attribution_tells_the_two_attn_res_kernels_apart() -> None:
+    names = [
+        "Memcpy DtoD (Device -> Device)",  # the graph's entry copy
+        "attn_res_kernel",
+        "nvjet_in_proj",
+        "nvjet_f_b",
+        "kda_decode_kernel",
+        "nvjet_o_proj",
+        "attn_res_kernel",
+        *MOE_TAIL,
+    ]
+    labels = bench.attribute_events(events(names), slots(STOCK_PATHS), entry_launches=1)
+    assert labels[:7] == ["entry", "attn_res", "in_proj", "kda", "kda", "o_proj", "o_proj"]
+    assert labels[7:] == ["moe"] * len(MOE_TAIL)
+
+
+def test_only_the_declared_entry_copies_are_left_out_of_the_ops() -> None:
+    # Two copies before the first AttnRes kernel, one of them the entry state's: the other is the AttnRes op's.
+    names = ["Memcpy DtoD (Device -> Device)", "Memcpy DtoD (Device -> Device)", CUTE_ATTN_RES, CUTE_IN_PROJ]
+    assert bench.attribute_events(events(names), slots(SPECIAL_PATHS), entry_launches=1)[:3] == [
+        "entry",
+        "attn_res",
+        "attn_res",
+    ]
+    assert bench.attribute_events(events(names), slots(SPECIAL_PATHS))[:2] == ["attn_res", "attn_res"]
+    # A named kernel is never taken for an entry copy, even where fewer copies came than declared.
+    assert bench.attribute_events(events([CUTE_ATTN_RES, CUTE_IN_PROJ]), slots(SPECIAL_PATHS), 2) == [
+        "attn_res",
+        "in_proj",
+    ]
+    # Nor is an unnamed kernel after the first named one (the f_b GEMM here).
+    assert (
+        bench.attribute_events(
+            events([CUTE_ATTN_RES, CUTE_IN_PROJ, "nvjet_f_b", "kda_decode_kernel"]), slots(SPECIAL_PATHS), 2
+        )[2]
+        == "kda"
+    )
+
+
+def test_cublas_kernels_that_cannot_be_told_apart_are_joined_not_guessed() -> None:
+    # TP16: the in_proj GEMM with its split-K reduction, then the f_b GEMM: three unnamed kernels for two ops.
+    names = ["attn_res_kernel", "nvjet_in_proj", "splitKreduce_kernel", "nvjet_f_b", "kda_decode_kernel"]
+    labels = bench.attribute_events(events(names), slots(STOCK_PATHS))
+    assert labels == ["attn_res", "in_proj+kda", "in_proj+kda", "in_proj+kda", "kda"]
+    assert bench.side_of("in_proj+kda") == "attention"
+    assert bench.side_of("o_proj+moe") == "mixed"
+    assert bench.side_of("moe") == "moe"
+    assert bench.side_of("entry") == "entry"
+
+
+def test_specialized_replay_attribution_by_provider_kernel_names() -> None:
+    names = [
+        CUTE_ATTN_RES,
+        CUTE_IN_PROJ,
+        "nvjet_f_b",
+        "kda_decode_kernel",
+        "nvjet_o_proj",
+        "attn_res_kernel",
+        *MOE_TAIL,
+    ]
+    labels = bench.attribute_events(events(names), slots(SPECIAL_PATHS))
+    assert labels[:6] == ["attn_res", "in_proj", "kda", "kda", "o_proj", "o_proj"]
+    assert set(labels[6:]) == {"moe"}
+    # On the stock path's steps the CuTe names anchor nothing: they are not stock kernels.
+    stock_labels = bench.attribute_events(events(names), slots(STOCK_PATHS))
+    assert "attn_res" not in stock_labels[:2]
+
+
+def test_side_summary_counts_the_attention_side_alone() -> None:
+    names = [
+        "Memcpy DtoD (Device -> Device)",
+        CUTE_ATTN_RES,
+        CUTE_IN_PROJ,
+        "nvjet_f_b",
+        "kda_decode_kernel",
+        "nvjet_o_proj",
+        "attn_res_kernel",
+        *MOE_TAIL,
+    ]
+    special = slots(SPECIAL_PATHS)
+    rep = events(names, dur=3.0)
+    labelled = [list(zip(bench.attribute_events(rep, special, entry_launches=1), rep, strict=True))]
+    op_bytes = {"attn_res": 1_000_000, "in_proj": 9_000_000, "kda": 4_000_000, "o_proj": 2_000_000, "moe": 50_000_000}
+    bw = 1e12  # 1 TB/s: 1 MB is 1 us
+    att = bench.side_summary(labelled, "attention", op_bytes, bw)
+    assert att["launches"] == 6 and att["kernels"] == 6
+    assert att["time_us"] == pytest.approx(18.0)
+    assert att["span_us"] == pytest.approx(10.0 * 5 + 3.0)  # first attention start to last attention end
+    assert att["bytes"] == 16_000_000
+    assert att["roofline_us"] == pytest.approx(16.0)
+    assert att["roofline_fraction"] == pytest.approx(16.0 / 18.0)
+    assert att["by_op"]["kda"]["launches"] == 2 and att["by_op"]["kda"]["roofline_fraction"] == pytest.approx(4 / 6)
+    moe = bench.side_summary(labelled, "moe", op_bytes, bw)
+    assert moe["launches"] == len(MOE_TAIL) and moe["bytes"] == 50_000_000
+    entry = bench.side_summary(labelled, "entry", None, None)
+    assert entry["launches"] == 1 and "bytes" not in entry
+
+
+def test_runtime_op_bytes_join_the_roofline_counts_in_launch_order() -> None:
+    shape = StepShape(8, (4097,) * 8, 1, 100)
+    per_stock = layer_bytes(K3, 8, LAYER, shape)
+    per_op = bench.runtime_op_bytes(PAIRS, per_stock)
+    assert per_op["attn_res"] == per_stock["attn_res_before"]
+    assert per_op["o_proj"] == per_stock["kda_o_proj"] + per_stock["attn_res_after"]
+    assert per_op["kda"] == per_stock["kda_f_b"] + per_stock["kda_decode"]
+    assert sum(per_op.values()) == sum(per_stock.values())
+    swapped = [PAIRS[1], PAIRS[0], *PAIRS[2:]]
+    with pytest.raises(ValueError, match="launch orders differ"):
+        bench.runtime_op_bytes(swapped, per_stock)
+
+
+# -- profiled replays -------------------------------------------------------------------------------------------
+
+
+def _trace() -> dict:
+    """Two graph launches (correlations 10 and 30) with an L2 flush kernel launched between them (20)."""
+    ev = []
+    for corr, ts, name in ((10, 1.0, "cudaGraphLaunch"), (20, 2.0, "cudaLaunchKernel"), (30, 3.0, "cudaGraphLaunch")):
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": 0.5, "args": {"correlation": corr}})
+    kernels = [
+        (10, 100.0, "attn_res_kernel"),
+        (10, 90.0, "Memcpy DtoD (Device -> Device)"),
+        (20, 150.0, "vectorized_elementwise_kernel<FillFunctor>"),
+        (30, 200.0, "attn_res_kernel"),
+        (10, 110.0, "kda_decode_kernel"),
+    ]
+    for corr, ts, name in kernels:
+        cat = "gpu_memcpy" if name.startswith("Memcpy") else "kernel"
+        ev.append({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": 1.0, "args": {"correlation": corr}})
+    return {"traceEvents": ev}
+
+
+def test_graph_replays_group_by_graph_launch_and_leave_the_flush_out() -> None:
+    groups = bench.graph_replays(_trace())
+    assert [[e.name for e in g] for g in groups] == [
+        ["Memcpy DtoD (Device -> Device)", "attn_res_kernel", "kda_decode_kernel"],
+        ["attn_res_kernel"],
+    ]
+
+
+def test_split_even_cuts_back_to_back_replays() -> None:
+    ev = events(["a", "b", "c", "a", "b", "c"])
+    assert [[e.name for e in r] for r in bench.split_even(ev, 2)] == [["a", "b", "c"], ["a", "b", "c"]]
+    with pytest.raises(ValueError, match="do not split"):
+        bench.split_even(ev, 4)
+
+
+# -- statistics and verdicts ------------------------------------------------------------------------------------
+
+
+def test_interleaving_puts_stock_first_in_even_rounds() -> None:
+    assert bench.interleave_order(2, 0) == [0, 1]
+    assert bench.interleave_order(2, 1) == [1, 0]
+    assert bench.interleave_order(1, 1) == [0]
+
+
+def test_speedup_is_stock_over_specialized_with_its_interval() -> None:
+    s = bench.speedup_stats([100.0] * 8, [50.0] * 8)
+    assert s["speedup"] == pytest.approx(2.0) and s["low"] == pytest.approx(2.0) and s["high"] == pytest.approx(2.0)
+    assert s["rounds"] == 8 and s["ratio_of_medians"] == pytest.approx(2.0)
+    slower = bench.speedup_stats([100.0, 101.0, 99.0, 100.0, 102.0, 98.0], [120.0, 119.0, 121.0, 120.0, 118.0, 122.0])
+    assert slower["speedup"] < 1.0 and slower["low"] <= slower["speedup"] <= slower["high"] < 1.0
+
+
+def test_speedup_cancels_the_order_effect_of_interleaving() -> None:
+    # Whichever path replays first in a round runs 10% slow. Rounds alternate (interleave_order), so the two order
+    # groups are biased in opposite directions; the estimate must be the true 2x, not either group's.
+    stock = [110.0 if i % 2 == 0 else 100.0 for i in range(20)]
+    special = [50.0 if i % 2 == 0 else 55.0 for i in range(20)]
+    s = bench.speedup_stats(stock, special)
+    assert s["speedup"] == pytest.approx(2.0, rel=1e-9)
+    assert s["round_ratio_p10"] == pytest.approx(100 / 55) and s["round_ratio_p90"] == pytest.approx(110 / 50)
+
+
+@pytest.mark.parametrize(
+    ("tp", "batch", "target"),
+    [(8, 1, 0.85), (8, 8, 0.85), (8, 16, None), (8, 32, None), (8, 64, 0.75), (16, 1, 0.70), (16, 64, 0.70)],
+)
+def test_roofline_targets_of_the_issue(tp: int, batch: int, target: float | None) -> None:
+    assert bench.roofline_target(tp, batch) == target
+
+
+def test_target_verdicts_met_missed_and_not_judged() -> None:
+    v = bench.target_verdicts(8, 4, {"roofline_fraction": 0.85, "launches": 4}, None)
+    assert v["path"] == "specialized" and v["roofline"]["met"] is True and v["launches"]["met"] is True
+    v = bench.target_verdicts(8, 4, {"roofline_fraction": 0.849, "launches": 5}, None)
+    assert v["roofline"]["met"] is False and v["launches"]["met"] is False
+    v = bench.target_verdicts(8, 64, {"roofline_fraction": 0.76, "launches": 6}, None)
+    assert v["roofline"]["target"] == 0.75 and v["roofline"]["met"] is True and v["launches"]["met"] is False
+    v = bench.target_verdicts(16, 64, {"roofline_fraction": 0.69, "launches": 4}, None)
+    assert v["roofline"]["met"] is False
+    v = bench.target_verdicts(8, 16, {"roofline_fraction": 0.99, "launches": 3}, None)
+    assert v["roofline"]["met"] is None and "no roofline fraction" in v["roofline"]["why"]
+    v = bench.target_verdicts(8, 1, {"roofline_fraction": None, "launches": 0}, None)
+    assert v["roofline"]["met"] is False
+    v = bench.target_verdicts(8, 1, None, "BackendError: the specialized kernels are not built")
+    assert v["path"] is None and v["roofline"]["met"] is None and v["launches"]["met"] is None
+    assert "not built" in v["roofline"]["why"]
+
+
+# -- cells and the table ----------------------------------------------------------------------------------------
+
+STOCK_REPLAY = [
+    "Memcpy DtoD (Device -> Device)",
+    "attn_res_kernel",
+    "nvjet_in_proj",
+    "nvjet_f_b",
+    "kda_decode_kernel",
+    "nvjet_o_proj",
+    "attn_res_kernel",
+    *MOE_TAIL,
+]
+SPECIAL_REPLAY = [
+    "Memcpy DtoD (Device -> Device)",
+    CUTE_ATTN_RES,
+    CUTE_IN_PROJ,
+    "nvjet_f_b",
+    "kda_decode_kernel",
+    "nvjet_o_proj",
+    "attn_res_kernel",
+    *MOE_TAIL,
+]
+OP_BYTES = {"attn_res": 1_000_000, "in_proj": 90_000_000, "kda": 4_000_000, "o_proj": 20_000_000, "moe": 300_000_000}
+
+
+def _cell(tp: int, special: bool) -> dict:
+    samples = {"stock": [300.0 + (i % 3) for i in range(8)]}
+    replays = {"stock": [events(STOCK_REPLAY, dur=10.0)] * 3}
+    cell_slots = {"stock": slots(STOCK_PATHS)}
+    paths = {"stock": STOCK_PATHS}
+    if special:
+        samples["specialized"] = [240.0 + (i % 3) for i in range(8)]
+        replays["specialized"] = [events(SPECIAL_REPLAY, dur=8.0)] * 3
+        cell_slots["specialized"] = slots(SPECIAL_PATHS)
+        paths["specialized"] = SPECIAL_PATHS
+    return bench.assemble_cell(
+        tp=tp,
+        batch=1,
+        context=4096,
+        layer=LAYER,
+        kind="kda+moe",
+        samples_us=samples,
+        replays=replays,
+        slots=cell_slots,
+        paths=paths,
+        op_bytes=OP_BYTES,
+        bandwidth=4e12,
+        unique_experts=16,
+        agreement={"layer_output_rms_rel": 1.2e-3} if special else None,
+        unmeasured=None if special else "BackendError: the specialized kernels are not built (no sm_90 GPU)",
+        attribution="per graph launch, L2 flushed before each replay",
+        entry_launches=1,
+    )
+
+
+def test_a_cell_keeps_the_paths_apart_and_never_files_stock_as_specialized() -> None:
+    both, alone = _cell(8, True), _cell(16, False)
+    assert both["specialized_ran"] and both["provider_kernels_per_replay"] == {"stock": 0, "specialized": 2}
+    assert both["attention"]["stock"]["launches"] == 6 and both["attention"]["specialized"]["launches"] == 6
+    assert both["attention"]["specialized"]["time_us"] == pytest.approx(48.0)
+    assert both["attention_speedup"] == pytest.approx(60.0 / 48.0)
+    assert both["moe"]["specialized"]["launches"] == len(MOE_TAIL)
+    assert both["targets"]["launches"]["met"] is False  # 6 launches against at most 4
+    assert both["kernel_names"]["specialized"][:2] == [
+        "entry: Memcpy DtoD (Device -> Device)",
+        f"attn_res: {CUTE_ATTN_RES}",
+    ]
+    assert both["layer_speedup"]["speedup"] > 1.2
+    assert not alone["specialized_ran"] and "specialized" not in alone["attention"]
+    assert "layer_speedup" not in alone and alone["targets"]["path"] is None
+    # A specialized executor whose graph ran no provider kernel is not counted as the specialized path.
+    cell = _cell(8, True)
+    fake = bench.assemble_cell(
+        **{
+            **{k: cell[k] for k in ("tp", "batch", "context", "layer", "kind")},
+            "samples_us": cell["samples_us"],
+            "replays": {"stock": [events(STOCK_REPLAY)], "specialized": [events(STOCK_REPLAY)]},
+            "slots": {"stock": slots(STOCK_PATHS), "specialized": slots(SPECIAL_PATHS)},
+            "paths": {"stock": STOCK_PATHS, "specialized": SPECIAL_PATHS},
+            "op_bytes": OP_BYTES,
+            "bandwidth": 4e12,
+            "unique_experts": 16,
+            "agreement": None,
+            "unmeasured": None,
+            "attribution": "test",
+            "entry_launches": 1,
+        }
+    )
+    assert not fake["specialized_ran"] and fake["targets"]["path"] is None
+
+
+def _results() -> dict:
+    return {
+        "copy_bandwidth": {"bandwidth_bytes_per_s": 4.0e12},
+        "providers": {"declared": [{"op": "attn_res", "name": "cute-attn-res", "kernels": {"AttnResKernel": 1}}]},
+        "runs": [
+            {
+                "tp": 8,
+                "specialized_unavailable": None,
+                "cells": [_cell(8, True), {"tp": 8, "batch": 2, "error": "X: y"}],
+            },
+            {"tp": 16, "specialized_unavailable": "BackendError: not built", "cells": [_cell(16, False)]},
+        ],
+    }
+
+
+def test_markdown_tables_come_from_the_results() -> None:
+    md = bench.markdown(json.loads(json.dumps(_results())))  # through JSON, as --table reads it
+    assert "Copy bandwidth measured in the run: 4.00 TB/s." in md
+    assert "- TP16: specialized path not measured (stock only): BackendError: not built" in md
+    assert "- TP8 B2: failed: X: y" in md
+    assert "layer 6 (kda+moe): one CUDA graph per path, interleaved replays" in md
+    rows = [line for line in md.splitlines() if line.startswith("| 8 | 1 |")]
+    assert rows[0].startswith("| 8 | 1 | 301.0 (300.0-302.0) | 241.0 (240.0-242.0) | 1.2")
+    assert rows[0].endswith("| 1.2e-03 | attn_res, in_proj |")
+    # Attention side: 115 MB at 4 TB/s = 28.75 us; stock 6 kernels x 10 us, specialized 6 x 8 us.
+    assert rows[1].startswith("| 8 | 1 | 115.00 | 28.8 | 60.0 us, 6, 47.9% | 48.0 us, 6, 59.9% | 1.25 |")
+    assert "MISSED (59.9% vs 85.0%)" in rows[1] and "MISSED (6 vs 4)" in rows[1]
+    tp16 = [line for line in md.splitlines() if line.startswith("| 16 | 1 |")]
+    assert tp16[0] == "| 16 | 1 | 301.0 (300.0-302.0) | not measured | - | - | - |"
+    assert "| 16 | 1 | 115.00 | 28.8 | 60.0 us, 6, 47.9% | - | - | not judged | not judged |" in md
+    assert not any("| specialized |" in line for line in tp16)
+    assert "| 8 | 1 | 300.0 |" in md and "| 16 | 1 | 300.0 |" in md  # the MoE table, 300 MB each
+
+
+# -- main -------------------------------------------------------------------------------------------------------
+
+
+def test_main_refuses_without_cuda_in_one_line(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "r.json"
+    assert bench.main(["--out", str(out), "--tp", "8", "--batches", "1"]) != 0
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "CUDA" in err
+    assert not out.exists()
+
+
+def test_main_prints_the_table_of_a_results_file(tmp_path, capsys) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_results()))
+    assert bench.main(["--table", str(path)]) == 0
+    assert capsys.readouterr().out == bench.markdown(_results())
