@@ -1,28 +1,37 @@
-"""What runs inside compute-sanitizer: one numerics cell per stock kernel through the stock path, once.
+"""What runs inside compute-sanitizer: one cell per planned kernel, once.
 
-`python -m suites.sanitize_child --report FILE [--cells op,op] [--redteam]`. Every Triton launch is recorded by
-name through Triton's launch hook, per cell, so the runner can tell a kernel that ran clean from one that never
-ran. Markers on stdout (`K3SAN-BEGIN op` / `K3SAN-END op`) bracket each cell in the sanitizer's log. A cell that
-raises is recorded and the next one still runs (after a device fault they will fail too, and say so).
+`python -m suites.sanitize_child --report FILE [--cells op,op] [--redteam]`. A stock cell is a numerics cell run
+through the stock path; every Triton launch is recorded by name through Triton's launch hook, per cell. A CuTe DSL
+cell calls its op (k3_decode/kernels/*_op.py) directly on small deterministic inputs built here; Triton's hook
+cannot see those kernels, so the cell reads the kernel's device-side launch counter before and after, and records
+the kernel's pattern as launched when the counter moved (and raises unless it moved by exactly the launches the cell
+made). Either way the runner can tell a kernel that ran clean from one that never ran. Where the CuTe DSL kernels
+cannot run (`k3_decode.kernels.providers.not_built_reason()`), their cells are recorded as not run with that reason
+and the stock cells still run. Markers on stdout (`K3SAN-BEGIN op` / `K3SAN-END op`, `K3SAN-NOT-RUN op: reason`)
+bracket each cell in the sanitizer's log. A cell that raises is recorded and the next one still runs (after a
+device fault they will fail too, and say so).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from suites import sanitize_redteam
-from suites.sanitize import load_plan
+from suites.sanitize import Cell, Plan, load_plan
 
 MARK_BEGIN = "K3SAN-BEGIN"
 MARK_END = "K3SAN-END"
+MARK_NOT_RUN = "K3SAN-NOT-RUN"
 
 
 def _install_launch_hook(record: Callable[[str], None]) -> None:
@@ -60,36 +69,203 @@ def _run_one(name: str, fn: Callable[[], None], launched: list[str]) -> dict[str
     return {"status": status, "error": error, "launched": sorted(set(launched[start:]))}
 
 
+def _not_run(name: str, reason: str) -> dict[str, Any]:
+    print(f"{MARK_NOT_RUN} {name}: {reason}", flush=True)
+    return {"status": "not_run", "error": "", "reason": reason, "launched": []}
+
+
+# --- CuTe DSL cells ----------------------------------------------------------------------------------------------
+
+
+def _generator(plan: Plan, cell: Cell) -> torch.Generator:
+    """A CPU generator seeded from the plan's seed and the cell's op: the same inputs on every run."""
+    return torch.Generator().manual_seed(plan.seed + sum(cell.op.encode()))
+
+
+def _bf16(gen: torch.Generator, device: torch.device, *shape: int, scale: float = 1.0, shift: float = 0.0) -> Any:
+    """A fresh BF16 tensor of exactly this shape on `device`: its own allocation, so an access past its end leaves
+    it (memcheck runs with the caching allocator off and padding after every allocation; see sanitize.toml)."""
+    return (torch.randn(*shape, generator=gen) * scale + shift).to(torch.bfloat16).to(device)
+
+
+def attn_res_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
+    """One AttnRes application per kind of the cell (`kinds`: AttnResKind tags of the model's own sites), each on
+    fresh buffers of exactly `batches` rows and the model's bank capacity. Returns the launches made."""
+    from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
+    from k3_decode.config import load_dims
+    from k3_decode.kernels import attn_res_op
+    from k3_decode.kernels.attn_res_plan import AttnResKind, site_kinds
+    from k3_decode.reference.attn_res import MixWeights
+
+    axes = dict(cell.axes)
+    dims, batch = load_dims(plan.model), int(axes["batches"])
+    hidden, capacity = dims.hidden_size, dims.num_attn_res_blocks
+    known = site_kinds(dims)
+    gen = _generator(plan, cell)
+    for tag in axes["kinds"]:
+        kind = AttnResKind.from_tag(tag)
+        if kind not in known:
+            raise ValueError(f"AttnRes kind {tag} is not a site of {dims.name}; pick one of its sites' kinds")
+        # The model's sites read the whole bank they find and save into the next block (as in the kernel's test).
+        site = AttnResSite(kind.delta, kind.num_blocks if kind.save else None, kind.num_blocks, kind.num_blocks)
+        buffers = AttnResBuffers(
+            _bf16(gen, device, batch, hidden), _bf16(gen, device, batch, capacity, hidden), kind.num_blocks
+        )
+        delta = None
+        if kind.delta != "none":
+            dtype = torch.float32 if kind.delta_dtype == "float32" else torch.bfloat16
+            delta = torch.randn(batch, hidden, generator=gen).to(dtype).to(device)
+        weights = MixWeights(
+            _bf16(gen, device, hidden, scale=0.1, shift=1.0),
+            _bf16(gen, device, 1, hidden, scale=0.02),
+            _bf16(gen, device, hidden, scale=0.1, shift=1.0) if kind.out_norm else None,
+        )
+        attn_res_op.apply(buffers, site, delta, weights, dims.rms_norm_eps)
+    return len(axes["kinds"])
+
+
+def kda_in_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
+    """x [batches, hidden] @ W[rows, hidden]^T at the rank's packed rows for `tp`. Returns the launches made."""
+    from k3_decode.config import RankShapes, load_dims
+    from k3_decode.kernels import kda_in_proj_op
+
+    axes = dict(cell.axes)
+    dims = load_dims(plan.model)
+    rows = RankShapes.for_tp(dims, int(axes["tp"])).kda_in_proj_rows
+    gen = _generator(plan, cell)
+    x = _bf16(gen, device, int(axes["batches"]), dims.hidden_size)
+    kda_in_proj_op.linear(x, _bf16(gen, device, rows, dims.hidden_size, scale=0.02))
+    return 1
+
+
+@dataclass(frozen=True)
+class CuteOp:
+    run: Callable[[Cell, Plan, torch.device], int]  # builds the inputs, launches, returns the launches it made
+    counter: str  # the module whose launch_count() reads the kernel's device-side counter
+    kernel: str  # the kernel's name in its provider's `launches` (k3_decode/kernels/providers.py)
+
+
+CUTE_OPS: dict[str, CuteOp] = {
+    "cute_attn_res": CuteOp(attn_res_cell, "k3_decode.kernels.attn_res_op", "AttnResKernel"),
+    "cute_kda_in_proj": CuteOp(kda_in_proj_cell, "k3_decode.kernels.kda_in_proj_op", "KdaInProjKernel"),
+}
+
+
+def cute_runner(cell: Cell, plan: Plan, device: torch.device, launched: list[str]) -> Callable[[], None]:
+    """The cell's body: run the op and record its kernel pattern as launched if the device counter moved."""
+
+    def run() -> None:
+        op = CUTE_OPS.get(cell.op)
+        if op is None:
+            raise ValueError(f"no CuTe DSL cell {cell.op!r} in suites/sanitize_child.py; known: {sorted(CUTE_OPS)}")
+        (pattern,) = cell.patterns  # load_plan: a CuTe DSL cell names exactly one kernel
+        if pattern != op.kernel:
+            raise ValueError(f"cell {cell.op} names {pattern!r}, but its op launches {op.kernel!r}")
+        count: Callable[[], int] = importlib.import_module(op.counter).launch_count
+        before = count()
+        made = 0
+        try:
+            made = op.run(cell, plan, device)
+        finally:
+            seen = count() - before  # synchronizes: every launch of the cell has finished and counted
+            if seen > 0:
+                launched.append(pattern)
+        if seen != made:
+            raise RuntimeError(f"the device counter of {pattern} moved by {seen}; the cell launched it {made} time(s)")
+
+    return run
+
+
+CUTE_REDTEAM = "cute_attn_res_oob"
+CUTE_REDTEAM_KERNEL = "AttnResKernel"
+
+
+def cute_redteam(plan: Plan, device: torch.device) -> None:
+    """The CuTe DSL red team (tests/suites/test_sanitize_cute.py runs it under memcheck on an H200): the AttnRes
+    kernel of the plan's saving kind told to save into block `capacity`, one past the bank. The launcher is called
+    without the op's checks (which refuse that index), so the last row's block is written past the end of the bank's
+    allocation, into the padding memcheck puts after it. If memcheck says nothing about it, a clean memcheck of the
+    CuTe DSL kernels proves nothing. Never run it outside the sanitizer: it writes past an allocation."""
+    import cutlass.cute as cute
+
+    from k3_decode.config import load_dims
+    from k3_decode.kernels import attn_res_op
+    from k3_decode.kernels.attn_res import AttnResKernel, compile_args
+    from k3_decode.kernels.attn_res_plan import AttnResKind
+
+    (cell,) = [c for c in plan.cells if c.op == "cute_attn_res"]
+    kind = next(k for k in map(AttnResKind.from_tag, dict(cell.axes)["kinds"]) if k.save and k.delta == "add")
+    dims, batch = load_dims(plan.model), int(dict(cell.axes)["batches"])
+    hidden, capacity = dims.hidden_size, dims.num_attn_res_blocks
+    gen = _generator(plan, cell)
+    prefix, bank = _bf16(gen, device, batch, hidden), _bf16(gen, device, batch, capacity, hidden)
+    delta, out = _bf16(gen, device, batch, hidden), torch.empty(batch, hidden, dtype=torch.bfloat16, device=device)
+    norm, proj = _bf16(gen, device, hidden, scale=0.1, shift=1.0), _bf16(gen, device, hidden, scale=0.02)
+    compiled = cute.compile(AttnResKernel(hidden, kind), *compile_args(hidden, kind, batch, capacity))
+    stream = torch.cuda.current_stream(device).cuda_stream
+    out_norm = norm if kind.out_norm else None
+    tensors = (prefix, delta, bank, out, norm, proj, out_norm, attn_res_op.launch_counter(device))
+    attn_res_op.launch(compiled, tensors, capacity, dims.rms_norm_eps, stream)  # save_index = capacity: the bug
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m suites.sanitize_child")
     p.add_argument("--report", required=True, type=Path)
     p.add_argument("--cells", default="", help="comma-separated ops of the plan (default: all)")
     p.add_argument("--redteam", action="store_true", help="run only the deliberately out-of-bounds kernel")
+    p.add_argument("--redteam-cute", action="store_true", help="run only the out-of-bounds CuTe DSL launch")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     launched: list[str] = []
     _install_launch_hook(launched.append)
     results: dict[str, Any] = {}
+    not_run: dict[str, str] = {}
     if args.redteam:
         results[sanitize_redteam.NAME] = _run_one(sanitize_redteam.NAME, lambda: sanitize_redteam.run(device), launched)
-    else:
-        from suites.k3.suite import K3Suite
+    elif args.redteam_cute:
+        from k3_decode.kernels import attn_res_op
 
         plan = load_plan()
-        suite = K3Suite("k3-hopper", plan.model)
-        ops = suite.implementations(device)[0].ops
-        wanted = [c for c in args.cells.split(",") if c]
-        for cell in plan.cells:
-            if wanted and cell.op not in wanted:
-                continue
-            case = suite.case(cell.op, dict(cell.axes))
 
-            def run(case: Any = case, op: str = cell.op) -> None:
+        def red() -> None:
+            before = attn_res_op.launch_count()
+            try:
+                cute_redteam(plan, device)
+            finally:
+                if attn_res_op.launch_count() > before:
+                    launched.append(CUTE_REDTEAM_KERNEL)
+
+        results[CUTE_REDTEAM] = _run_one(CUTE_REDTEAM, red, launched)
+    else:
+        from k3_decode.kernels.providers import not_built_reason
+
+        plan = load_plan()
+        wanted = [c for c in args.cells.split(",") if c]
+        cells = [c for c in plan.cells if not wanted or c.op in wanted]
+        cute_reason = not_built_reason()
+        stock: tuple[Any, dict[str, Any]] | None = None  # (suite, its stock ops), built for the first stock cell
+        for cell in cells:
+            if cell.runner == "cute":
+                if cute_reason is not None:
+                    results[cell.op] = _not_run(cell.op, cute_reason)
+                    not_run |= dict.fromkeys(cell.names, cute_reason)
+                else:
+                    results[cell.op] = _run_one(cell.op, cute_runner(cell, plan, device, launched), launched)
+                continue
+            if stock is None:
+                from suites.k3.suite import K3Suite
+
+                suite = K3Suite("k3-hopper", plan.model)
+                stock = suite, suite.implementations(device)[0].ops
+            case = stock[0].case(cell.op, dict(cell.axes))
+
+            def run(case: Any = case, op: str = cell.op, ops: dict[str, Any] = stock[1]) -> None:
                 ops[op](case.make(plan.seed, device))
 
             results[cell.op] = _run_one(cell.op, run, launched)
-    args.report.write_text(json.dumps({"cells": results, "launched": sorted(set(launched))}, indent=1))
-    return 0 if all(r["status"] == "ok" for r in results.values()) else 1
+    report = {"cells": results, "launched": sorted(set(launched)), "not_run": not_run}
+    args.report.write_text(json.dumps(report, indent=1))
+    return 0 if all(r["status"] in ("ok", "not_run") for r in results.values()) else 1
 
 
 if __name__ == "__main__":
