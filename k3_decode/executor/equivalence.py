@@ -61,6 +61,8 @@ _TOLERANCE_KEYS = (
     "growth",
     "growth_floor",
     "state_rms_rel",
+    "first_state_rms_rel",
+    "typical_cosine",
 )
 _RUN_KEYS = ("steps", "min_steps", "window", "logit_columns")
 
@@ -124,6 +126,8 @@ class Tolerances:
     growth: float  # last window's median / the first window's (at least growth_floor), median request's rms_rel
     growth_floor: float  # the first window's level below which divergence is rounding noise, not a baseline
     state_rms_rel: float  # KDA recurrent states of the step's requests at the end, per layer and request
+    first_state_rms_rel: float  # the same for the stack's first KDA layer, whose input no upstream routing changes
+    typical_cosine: float  # median over the steps of the worst request's logit cosine similarity
     why: Mapping[str, str]
 
     def to_json(self) -> dict[str, Any]:
@@ -383,11 +387,28 @@ def _checks(
             ),
         ]
     checks.append(worst("logit_cos_min", tol.cosine_floor, "logits.cosine", ">="))
-    flat = [(v, layer, r) for layer, by in states.items() for r, v in by.items()]
-    if flat:
-        value, layer, r = next((f for f in flat if math.isnan(f[0])), max(flat))
-        where = f"worst: layer {layer} request {r}, the recurrent state after the last step"
-        checks.append(Check("kda_state.rms_rel", value, "<=", tol.state_rms_rel, where))
+    cosines = summary["logit_cos_min"]
+    checks.append(
+        Check(
+            "logits.typical_cosine",
+            cosines["median"],
+            ">=",
+            tol.typical_cosine,
+            "median over the steps of the worst request's logit cosine similarity",
+        )
+    )
+
+    def state_check(name: str, layers: Sequence[int], limit: float, what: str) -> None:
+        flat = [(v, layer, r) for layer in layers for r, v in states[layer].items()]
+        if flat:
+            value, layer, r = next((f for f in flat if math.isnan(f[0])), max(flat))
+            where = f"worst: layer {layer} request {r}, the recurrent state after the last step ({what})"
+            checks.append(Check(name, value, "<=", limit, where))
+
+    if states:
+        first = min(states)
+        state_check("kda_state.first_layer.rms_rel", [first], tol.first_state_rms_rel, "the stack's first KDA layer")
+        state_check("kda_state.rms_rel", sorted(states), tol.state_rms_rel, "every KDA layer")
     checks.append(Check("untouched_state", len(touched), "==", 0, "; ".join(touched) or "bit-identical"))
     return checks
 

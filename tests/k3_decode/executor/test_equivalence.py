@@ -162,7 +162,7 @@ def test_stock_against_stock_is_exactly_zero() -> None:
 def test_a_drifting_state_update_fails_the_growth_and_state_checks() -> None:
     result, _ = run(specialized(drifting(5e-3)), [0, 1], 30)
     names = failed(result)
-    assert {"outputs.growth", "logits.growth", "kda_state.rms_rel"} <= names, names
+    assert {"outputs.growth", "logits.growth", "kda_state.rms_rel", "kda_state.first_layer.rms_rel"} <= names, names
     assert {"finite", "untouched_state"}.isdisjoint(names)
     growth = next(c for c in result.checks if c.name == "outputs.growth")
     assert growth.value > 1.5 * tolerances("k3-mini").growth, growth.describe()
