@@ -17,7 +17,7 @@ stacks.toml, "k3-kda-mla") with every request's context filled to --context toke
 
 Usage (on the GPU machine): python benchmarks/stock_h200.py --out stock-h200.json [--tp 8 16] [--batches 1 8 64]
 Tables of docs/stock-h200.md: python benchmarks/stock_h200.py --table benchmarks/results/stock-h200.json
-The commit is taken from K3_COMMIT (and K3_DIRTY=1 for a working tree with changes) when git is not available.
+The commit is taken from K3_COMMIT (and K3_DIRTY=1 for a working tree with changes) when set, else from git.
 """
 
 from __future__ import annotations
@@ -83,13 +83,16 @@ def environment() -> dict[str, Any]:
         out.update(driver=driver, max_sm_clock=sm, max_mem_clock=mem, memory_total=total)
     except (OSError, ValueError, IndexError) as exc:
         out["driver"] = f"unknown ({exc})"
+    # K3_COMMIT wins when set: a copied working tree may carry a git folder whose HEAD is not the code that runs.
+    if os.environ.get("K3_COMMIT"):
+        out["commit"], out["dirty"] = os.environ["K3_COMMIT"], os.environ.get("K3_DIRTY") == "1"
+        return out
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=REPO, check=True)
         out["commit"], out["dirty"] = commit.stdout.strip(), bool(dirty.stdout.strip())
     except (OSError, subprocess.CalledProcessError):
-        out["commit"] = os.environ.get("K3_COMMIT", "unknown")
-        out["dirty"] = os.environ.get("K3_DIRTY") == "1"
+        out["commit"], out["dirty"] = "unknown", False
     return out
 
 
