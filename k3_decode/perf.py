@@ -53,6 +53,7 @@ from k3_decode.runtime.backend import BACKENDS, PROVIDERS, ProviderRegistry, sel
 from k3_decode.runtime.errors import BackendError
 from k3_decode.runtime.ledger import Expectation
 from k3_decode.runtime.optable import OpTable, load_op_table
+from k3_decode.runtime.startup import register_providers
 from k3_decode.weights import LayerWeights, SyntheticWeights
 
 STEP_RANGE = "k3perf.step"
@@ -99,7 +100,7 @@ def resolve_backend(
         raise PerfConfigError(f"{key}: {requested!r} is not a decode backend — use one of {', '.join(BACKENDS)}")
     table = table or load_op_table()
     try:
-        select_backend({"decode_backend": requested}, table, registry)
+        select_backend({"decode_backend": requested}, table, registry, not_built=register_providers(registry))
     except BackendError as exc:
         if requested == "latency_specialized" and (registry.missing(table) or not table.specialized_ops()):
             return ArmBackend(

@@ -60,6 +60,16 @@ class Runtime:
         return KernelCatalog.build(self.registry, stock)
 
 
+def register_providers(registry: ProviderRegistry) -> str | None:
+    """Let the kernels package register its providers into the shipped registry where they can run (a private
+    registry is the caller's own); returns why nothing was registered here, for the refusal's message."""
+    if registry is not PROVIDERS:
+        return None
+    from k3_decode.kernels.providers import register_built
+
+    return register_built(PROVIDERS)
+
+
 def start(
     additional_config: Mapping[str, Any] | None,
     deployment: Deployment,
@@ -72,12 +82,7 @@ def start(
     """Everything an executor checks before it builds anything; raises a one-line StartupError otherwise."""
     scope = scope or load_scope("k3-hopper")
     table = table or load_op_table()
-    not_built = None
-    if registry is PROVIDERS:
-        from k3_decode.kernels.providers import register_built
-
-        not_built = register_built(PROVIDERS)
-    backend = select_backend(additional_config, table, registry, not_built=not_built)
+    backend = select_backend(additional_config, table, registry, not_built=register_providers(registry))
     verdict = scope_verdict(deployment, scope, backend)
     if gather is not None:
         verdict = agreed_verdict(gather(verdict), deployment.tp)
