@@ -10,9 +10,9 @@ are checked here, each as one line naming the key and the fix:
   since the experts a batch reads change the bytes it moves). `tokens_per_request` above 1 needs
   `acceptance_rate`: the synthetic chance that a draft token is accepted, flagged the same way.
 - `tiers`: the tiers a sweep runs in (all when left out).
-- `[[perf.budgets]]`: regions of the sweep (a batch range, optionally a context range and workloads), each with
-  the ITL regression it allows. Every cell of every tier lies in exactly one region, so no cell goes unjudged and
-  no cell is judged twice.
+- `[[perf.budgets]]`: regions of the sweep (a batch range, optionally a context range, workloads and a range of
+  tokens per request), each with the ITL regression it allows and why. Every cell of every tier lies in exactly one
+  region, so no cell goes unjudged and no cell is judged twice.
 """
 
 from __future__ import annotations
@@ -127,12 +127,17 @@ class Region:
     max_itl_regression: float
     contexts: tuple[int, int] | None = None  # inclusive; None: any
     workloads: tuple[str, ...] | None = None  # None: any
+    tokens_per_request: tuple[int, int] | None = None  # inclusive; None: any
+    why: str = ""  # why the budget is what it is
 
     def contains(self, cell: Cell) -> bool:
         lo, hi = self.batches
         if not lo <= cell.batch <= hi:
             return False
         if self.contexts is not None and not self.contexts[0] <= cell.context <= self.contexts[1]:
+            return False
+        q = self.tokens_per_request
+        if q is not None and not q[0] <= cell.tokens_per_request <= q[1]:
             return False
         return self.workloads is None or cell.workload in self.workloads
 
@@ -218,6 +223,7 @@ def _regions(raw: Sequence[Mapping[str, Any]]) -> tuple[Region, ...]:
         seen.add(r["region"])
         contexts = r.get("contexts")
         workloads = r.get("workloads")
+        q = r.get("tokens_per_request")
         out.append(
             Region(
                 name=r["region"],
@@ -225,6 +231,8 @@ def _regions(raw: Sequence[Mapping[str, Any]]) -> tuple[Region, ...]:
                 max_itl_regression=float(r["max_itl_regression"]),
                 contexts=None if contexts is None else _range(contexts, f"{where}.contexts"),
                 workloads=None if workloads is None else tuple(workloads),
+                tokens_per_request=None if q is None else _range(q, f"{where}.tokens_per_request"),
+                why=str(r.get("why", "")),
             )
         )
     return tuple(out)

@@ -150,3 +150,22 @@ def test_tokens_per_step_is_between_one_and_q_and_grows_with_acceptance(q, a, b)
 def test_settings_defaults_are_valid():
     s = Settings()
     assert s.min_repeats <= s.max_repeats and s.ci_method in ("bootstrap", "t")
+
+
+def test_regions_select_by_tokens_per_request_and_the_h200_budgets_say_why():
+    data = load_config("h200").data
+    for tier in ("smoke", "full"):
+        plan = parse(data, tier)
+        regions = {c.id: plan.region_of(c).name for c in plan.cells}
+        assert regions["verify/tp8/dcp1/b8/ctx4096/q4"] == "verify steps"
+        assert regions["mixed/tp8/dcp1/b8/ctx4096/q1"] == "mixed steps"
+        assert regions["decode/tp8/dcp1/b8/ctx4096/q1"] == "small batches"
+        assert regions["decode/tp16/dcp1/b64/ctx4096/q1"] == "large batches"
+        assert all(r.why for r in plan.regions)
+    # A verify cell no region's token range holds is refused at parse time, not left unjudged.
+    narrow = copy.deepcopy(data)
+    for budget in narrow["perf"]["budgets"]:
+        if budget["region"] == "verify steps":
+            budget["tokens_per_request"] = [2, 3]
+    with pytest.raises(PerfConfigError, match=r"cell verify/tp8/dcp1/b1/ctx4096/q4 \(decode\) lies in no region"):
+        parse(narrow, "smoke")
