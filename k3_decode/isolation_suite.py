@@ -231,8 +231,10 @@ class _Run:
         if cell.expect == "stock" or not self.specialized:
             return [Expectation("stock", by=by, step=step)]
         table, dims = self.ex.planner.table, self.ex.dims
+        rows = max(self.ex.config.graph_batches) if cell.kind == "graph" else len(cell.decode)
+        limits = self.ex.registry.row_limits(self.ex.config.tp)
         return [
-            Expectation(part.path_on_specialized_step(op), by=by, op=op, layer=layer, step=step)
+            Expectation(part.path_on_specialized_step(op, rows, limits), by=by, op=op, layer=layer, step=step)
             for layer in self.ex.config.layers
             for part, op in table.layer_ops(dims, layer)
         ]

@@ -169,6 +169,7 @@ class K3Arm:
             chunk = random_input(self.dims, first, cell.prefill_tokens, seed + 1, self.device)
             self.requests.append(StepRequest(cell.batch, chunk, prefill=True))
         self.contexts = {r.request: ex.state.context_lens[r.request] for r in self.requests}
+        self._first_record = len(ex.ledger.records())  # the executor serves several cells: judge this one's steps
         self.graph: str | None = None
         self.layer_graphs: dict[int, str] = {}
         self._launches: dict[int, float] | None = None
@@ -271,17 +272,31 @@ class K3Arm:
     def path(self) -> PathReport:
         by = f"perf {self.name} arm, cell {self.cell.id}"
         exp = self.arm_backend.expected
-        if exp == "specialized":
-            expected = [
-                Expectation("specialized", by=by, op=op) for op in sorted(self.ex.planner.table.specialized_ops())
-            ]
-        else:
+        if exp == "specialized" and self.cell.workload != "mixed":
+            expected = self._specialized_expectations(by)
+        else:  # a prefill in the batch routes a mixed step to stock on either backend
             expected = [Expectation("stock", by=by)]
         mismatches = self.ex.ledger.check(expected)
         if self.kernels:
             self.ex.ledger.report_profiler_kernels(self.kernels)
         mismatches += self.ex.ledger.check_execution(self.ex.kernel_catalog())
         return PathReport(exp, tuple(mismatches))
+
+    def _specialized_expectations(self, by: str) -> list[Expectation]:
+        """Per dispatch of this cell's steps, the path the data says a pure-decode or verify step of the cell's rows
+        takes: the op table's, stock above a provider's row limit (not the planner's own decisions)."""
+        table, dims, prepared = self.ex.planner.table, self.dims, self.ex.planner.prepared
+        q = self.cell.tokens_per_request
+        rows = self.cell.batch * q
+        if (q > 1 and q != prepared.q) or rows not in prepared.rows:  # the deployment prepared no kernels for it
+            return [Expectation("stock", by=by)]
+        limits = self.ex.registry.row_limits(self.ex.config.tp)
+        parts = {layer: {op: part for part, op in table.layer_ops(dims, layer)} for layer in self.ex.config.layers}
+        keys = sorted({(r.step, r.layer, r.op) for r in self.ex.ledger.records()[self._first_record :]})
+        return [
+            Expectation(parts[layer][op].path_on_specialized_step(op, rows, limits), by=by, op=op, layer=layer, step=s)
+            for s, layer, op in keys
+        ]
 
     # -- profiles -------------------------------------------------------------------------------------------
 

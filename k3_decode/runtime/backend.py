@@ -70,6 +70,16 @@ class ProviderRegistry:
     def __iter__(self) -> Iterator[KernelProvider]:
         return iter(self._by_op.values())
 
+    def row_limits(self, tp: int) -> dict[str, int]:
+        """Op -> the most rows its provider serves at `tp` (providers with a `max_rows(tp)`; None: no limit)."""
+        limits: dict[str, int] = {}
+        for provider in self._by_op.values():
+            max_rows = getattr(provider, "max_rows", None)
+            limit = max_rows(tp) if max_rows is not None else None
+            if limit is not None:
+                limits[provider.op] = int(limit[0])
+        return limits
+
     def missing(self, table: OpTable) -> list[str]:
         """Ops the table routes to the specialized path that no provider serves, sorted."""
         return sorted(table.specialized_ops() - self.ops())

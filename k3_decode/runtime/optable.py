@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -25,8 +26,16 @@ class PartOps:
     specialized: frozenset[str]
     stock_reason: str
 
-    def path_on_specialized_step(self, op: str) -> DispatchPath:
-        return "specialized" if op in self.specialized else "stock"
+    def path_on_specialized_step(
+        self, op: str, rows: int | None = None, limits: Mapping[str, int] | None = None
+    ) -> DispatchPath:
+        """The op's path on a step the plan routes specialized: the op table's word, and, given the step's rows
+        and the providers' row limits (op -> most rows served), stock above its provider's limit. Tests and perf
+        cells declare their expectations with this, from the data, not from the planner's code."""
+        if op not in self.specialized:
+            return "stock"
+        limit = (limits or {}).get(op)
+        return "stock" if rows is not None and limit is not None and rows > limit else "specialized"
 
 
 @dataclass(frozen=True)
