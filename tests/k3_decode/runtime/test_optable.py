@@ -59,3 +59,14 @@ def test_malformed_table_is_one_line_error(edit, message):
 def test_missing_file_is_an_error(tmp_path):
     with pytest.raises(DataFileError, match="does not exist"):
         load_op_table(tmp_path / "nope.toml")
+
+
+def test_the_expected_path_on_a_specialized_step_follows_the_table_and_the_row_limits():
+    kda = TABLE.parts["kda"]
+    assert kda.path_on_specialized_step("in_proj") == "specialized"
+    assert kda.path_on_specialized_step("kda") == "stock"  # the table keeps it stock
+    limits = {"in_proj": 4}
+    assert kda.path_on_specialized_step("in_proj", 4, limits) == "specialized"
+    assert kda.path_on_specialized_step("in_proj", 5, limits) == "stock"
+    assert kda.path_on_specialized_step("attn_res", 64, limits) == "specialized"  # no limit for it
+    assert TABLE.parts["mla"].path_on_specialized_step("attn_res", 1, limits) == "stock"
