@@ -87,3 +87,6 @@ class Implementation:
     name: str  # e.g. "stock" or "specialized"
     ops: dict[str, Impl]  # by OpSpec.op
     backend: str = ""  # which code ran, e.g. "triton", "torch-cpu"
+    # A partial implementation serves only the ops in `ops` (the specialized path replaces some ops, the stock path
+    # keeps the rest): it runs every cell of those ops and no other. A complete one must serve every cell's op.
+    partial: bool = False

@@ -31,6 +31,9 @@ class NumericsSuite(Protocol):
         """Code objects of the oracle's entry points, which no implementation may call."""
         ...
 
+    # Optional: `not_run() -> list[dict]` ({"name", "reason"}): implementations that exist but cannot run here
+    # (e.g. kernels for another GPU), listed in the records so a run never reads as having tested them.
+
 
 @dataclass(frozen=True)
 class NumericsStage:
@@ -54,6 +57,7 @@ class NumericsStage:
         path, rel = ctx.evidence_path(self.name, "cells.jsonl")
         records = evaluate(cells, impls, device, table, suite.forbidden(), self.seed, ctx.progress, path)
         records.evidence.append(rel)
+        records.metrics["not_run"] = list(getattr(suite, "not_run", list)())
         make_tp = getattr(subject, "distributed_numerics", None)
         tp_cells = make_tp(ctx.config) if make_tp else None
         if tp_cells is not None:
@@ -85,6 +89,8 @@ def evaluate(
             if progress:
                 progress(f"{impl.name} {case.id}", len(results) / max(total, 1))
             op = impl.ops.get(case.spec.op)
+            if op is None and impl.partial:
+                continue  # not one of the ops this implementation replaces
             if op is None:
                 result = CellResult(
                     case.id, case.axes, [Check(f"{impl.name} implements {case.spec.op}", False, "==", True)]
@@ -122,6 +128,7 @@ def evaluate(
     metrics = {
         "device": str(device),
         "implementations": {i.name: i.backend for i in impls},
+        "cells_by_implementation": {i.name: sum(name == i.name for name, _ in results) for i in impls},
         "cells": len(results),
         "cells_failed": sum(not r.passed for _, r in results),
         "seed": seed,
