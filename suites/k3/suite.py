@@ -20,7 +20,7 @@ from k3_decode.config import ModelDims, load_dims
 from k3_decode.reference import kda as ref_kda
 from k3_decode.stock import kda as stock_kda
 from k3_decode.stock.dispatch import implementation_for
-from suites.k3 import attn_res, kda, mla, moe
+from suites.k3 import attn_res, kda, mla, moe, specialized
 from suites.k3.stock import StockAdapters
 
 AXIS_FROM_CONFIG = {
@@ -182,7 +182,22 @@ class K3Suite:
         backend = implementation_for(device)
         ops = {"kda_decode": self._stock_kda_decode, "kda_verify": self._stock_kda_verify}
         ops |= StockAdapters(self.dims, str(device)).ops()
-        return [Implementation("stock", ops, backend)]
+        impls = [Implementation("stock", ops, backend)]
+        adapters = specialized.SpecializedAdapters(self.dims)
+        reason = specialized.not_run_reason() if device.type == "cuda" else "this run is on the CPU"
+        not_run = None
+        if reason is None:
+            impls.append(Implementation(specialized.NAME, adapters.ops(), specialized.BACKEND, partial=True))
+        else:
+            ops_named = ", ".join(sorted(adapters.ops()))
+            not_run = {"name": f"{specialized.NAME} implementation ({ops_named})", "reason": reason}
+        self.__dict__["_specialized_not_run"] = not_run  # frozen: remembered for not_run(), like a cached property
+        return impls
+
+    def not_run(self) -> list[dict[str, str]]:
+        """The specialized implementation where its kernels cannot run here (listed, never counted as tested)."""
+        item = self.__dict__.get("_specialized_not_run")
+        return [item] if item else []
 
     def forbidden(self) -> tuple:
         return tuple(f.__code__ for module in ORACLES for f in module.ORACLE_ENTRY_POINTS)
