@@ -80,15 +80,17 @@ class KdaInProjBuild:
 
     tp: int
     plan: InProjPlan
+    op: str = "kda_in_proj"  # the projection at this shape: the packed input projection, or o_proj
 
     @property
     def kernel(self) -> str:
-        # Chunked batches (above 8) have expectations of their own: they may use the whole register file.
+        # Chunked batches (above 8) have expectations of their own: they may use the whole register file. The same
+        # weight-stream kernel runs o_proj ([B, proj] -> [B, hidden]), so its builds meet the same expectations.
         return "kda_in_proj_chunked" if self.plan.chunked else "kda_in_proj"
 
     @property
     def name(self) -> str:
-        return f"kda_in_proj/tp{self.tp}/b{self.plan.batch}"
+        return f"{self.op}/tp{self.tp}/b{self.plan.batch}"
 
     @property
     def tags(self) -> dict[str, Any]:
@@ -111,8 +113,12 @@ class KdaInProjBuild:
             "chunked": p.chunked,
             "weight_bytes": p.weight_bytes,
             "weight_loads_ahead": group,  # issued before griddepcontrol.wait
-            # ahead + one refill per k-loop body + a first-group reload per later body + the x staging loads
-            "global_loads": group + len(bodies) * group + (len(bodies) - 1) * group + sum(map(p.fill_loads, bodies)),
+            # ahead + one refill per k-loop body (none when a single group covers K: the compiler drops the refill
+            # a one-trip loop never takes) + a first-group reload per later body + the x staging loads
+            "global_loads": group
+            + (len(bodies) * group if p.groups > 1 else 0)
+            + (len(bodies) - 1) * group
+            + sum(map(p.fill_loads, bodies)),
             "x_stages": sum(map(p.fill_loads, bodies)),  # shared stores of the staged x
             "x_reads": sum(p.depth * c for c in bodies),  # ld.shared.v4 of x, one per step and batch row
             "fmas": sum(p.depth * p.rows_per_warp * c * 8 for c in bodies),
@@ -156,7 +162,7 @@ class K3KernelBuilds:
         return resources.files(PACKAGE).joinpath(self.expectations_file).read_text()
 
     def builds(self, arch: str) -> list[AttnResBuild | KdaInProjBuild]:
-        return [*self.attn_res_builds(), *self.kda_in_proj_builds()]
+        return [*self.attn_res_builds(), *self.kda_in_proj_builds(), *self.kda_o_proj_builds()]
 
     def attn_res_builds(self) -> list[AttnResBuild]:
         dims = load_dims(self.table["model"])
@@ -204,6 +210,21 @@ class K3KernelBuilds:
             for batch in spec["batches"]:
                 plan = InProjPlan.for_shape(shard.kda_in_proj_rows, shard.hidden, batch, spec["sm_count"])
                 builds.append(KdaInProjBuild(tp, plan))
+        return builds
+
+    def kda_o_proj_builds(self) -> list[KdaInProjBuild]:
+        """The weight-stream kernel at o_proj's shape: [B, proj] @ W[hidden, proj]^T per rank."""
+        dims = load_dims(self.table["model"])
+        spec = self.table["kda_o_proj"]
+        builds = []
+        for tp in spec["tp"]:
+            try:
+                hidden, proj = dims.shard(tp).kda_o_proj
+            except ShardError as exc:
+                raise ValueError(f"builds.toml kda_o_proj.tp: {exc}") from None
+            for batch in spec["batches"]:
+                plan = InProjPlan.for_shape(hidden, proj, batch, spec["sm_count"])
+                builds.append(KdaInProjBuild(tp, plan, "kda_o_proj"))
         return builds
 
 

@@ -123,7 +123,47 @@ class CuteKdaInProjProvider:
         return {"KdaInProjKernel": kda_in_proj_op.launch_count()}
 
 
+@dataclass(frozen=True)
+class CuteKdaOProjProvider:
+    """o_proj and the AttnRes after attention: the weight-stream kernel at o_proj's shape ([B, proj] @
+    W[hidden, proj]^T), then the AttnRes kernel on its output (restart or add, the post-attention norm).
+
+    PENDING, not registered: both kernels passed their GPU tests at their own shapes, but the weight stream has not
+    run on a GPU at o_proj's (k3gate kernels build checks it there; tests/k3_decode/kernels/test_kda_in_proj_gpu.py
+    and test_providers_gpu.py run it next). It joins PROVIDERS, and `o_proj` the op table's specialized KDA ops,
+    once they pass."""
+
+    op: str = "o_proj"
+    name: str = "cute-kda-o-proj"
+    launches: Mapping[str, int] = field(default_factory=lambda: {"KdaInProjKernel": 1, "AttnResKernel": 1})
+
+    def max_rows(self, tp: int) -> tuple[int, str] | None:
+        return max_rows(self.op, self.name, tp)
+
+    def bind(self, target: Any) -> Mapping[str, Callable[..., Any]]:
+        from k3_decode.kernels import attn_res_op, kda_in_proj_op
+
+        _check_target(target, "o_proj")
+        block_size, eps = target.dims.attn_res_block_size, target.dims.rms_norm_eps
+
+        def kda_o_proj(o: Tensor, weights: KdaWeights) -> Tensor:
+            return kda_in_proj_op.linear(o.contiguous(), weights.o_proj)
+
+        def attn_res_after(buffers: AttnResBuffers, layer: int, attn_out: Tensor, residual: ResidualWeights) -> Tensor:
+            weights = MixWeights(residual.mlp_res.norm, residual.mlp_res.proj, residual.post_attn_norm)
+            site = AttnResSite.after_attention(layer, block_size)
+            return attn_res_op.apply(buffers, site, attn_out, weights, eps)
+
+        return {"kda_o_proj": kda_o_proj, "attn_res_after": attn_res_after}
+
+    def device_counts(self) -> dict[str, int]:
+        from k3_decode.kernels import attn_res_op, kda_in_proj_op
+
+        return {"KdaInProjKernel": kda_in_proj_op.launch_count(), "AttnResKernel": attn_res_op.launch_count()}
+
+
 PROVIDERS = (CuteAttnResProvider(), CuteKdaInProjProvider())
+PENDING = (CuteKdaOProjProvider(),)  # written and compiled, waiting for their GPU run (see each class)
 
 
 def not_built_reason() -> str | None:

@@ -108,3 +108,15 @@ def test_registry_rejects_duplicates_and_empty_launches():
         reg.register(FakeProvider("o_proj", "C", {}))
     with pytest.raises(ValueError, match="must declare each kernel"):
         reg.register(FakeProvider("o_proj", "C", {"Oproj": 0}))
+
+
+def test_the_pending_o_proj_provider_is_not_registered_and_binds_both_of_its_calls_only_on_a_gpu():
+    """It waits for its GPU run: never in PROVIDERS (so latency_specialized cannot route o_proj to it) and the op
+    table keeps o_proj stock; off a GPU it refuses to bind, naming why."""
+    (pending,) = providers.PENDING
+    assert pending.op == "o_proj" and pending.op not in {p.op for p in providers.PROVIDERS}
+    assert "o_proj" not in TABLE.specialized_ops()
+    assert dict(pending.launches) == {"KdaInProjKernel": 1, "AttnResKernel": 1}
+    assert pending.max_rows(8)[0] == 4
+    with pytest.raises(providers.ProviderBindError, match="runs on a CUDA device"):
+        pending.bind(ProviderTarget(K3, 8, 0, torch.device("cpu")))
