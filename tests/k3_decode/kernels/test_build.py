@@ -117,7 +117,7 @@ def test_cluster_plan_splits_a_row_into_whole_warps():
 def test_expectations_judge_every_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations)  # every tag a rule names exists
-    assert len(builds) == 81 + 12  # AttnRes, then the KDA in_proj (tests/k3_decode/kernels/test_kda_in_proj_build.py)
+    assert len(builds) == 81 + 12 + 6  # AttnRes, the KDA in_proj, o_proj (see test_kda_in_proj_build.py)
     assert expectations["attn_res"].max_registers == 128 and expectations["attn_res"].max_frame_bytes == 0
 
 
