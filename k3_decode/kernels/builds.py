@@ -7,6 +7,7 @@ imports neither torch nor CuTe DSL; compiling one imports CuTe DSL in the proces
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
@@ -199,32 +200,26 @@ class K3KernelBuilds:
         ]
 
     def kda_in_proj_builds(self) -> list[KdaInProjBuild]:
-        dims = load_dims(self.table["model"])
-        spec = self.table["kda_in_proj"]
-        builds = []
-        for tp in spec["tp"]:
-            try:
-                shard = dims.shard(tp)
-            except ShardError as exc:
-                raise ValueError(f"builds.toml kda_in_proj.tp: {exc}") from None
-            for batch in spec["batches"]:
-                plan = InProjPlan.for_shape(shard.kda_in_proj_rows, shard.hidden, batch, spec["sm_count"])
-                builds.append(KdaInProjBuild(tp, plan))
-        return builds
+        """The packed input projection: x[B, hidden] @ W[rows, hidden]^T per rank."""
+        return self._projection_builds("kda_in_proj", lambda shard: (shard.kda_in_proj_rows, shard.hidden))
 
     def kda_o_proj_builds(self) -> list[KdaInProjBuild]:
         """The weight-stream kernel at o_proj's shape: [B, proj] @ W[hidden, proj]^T per rank."""
+        return self._projection_builds("kda_o_proj", lambda shard: shard.kda_o_proj)
+
+    def _projection_builds(self, section: str, shape: Callable[[Any], tuple[int, int]]) -> list[KdaInProjBuild]:
+        """The weight-stream kernel at `shape(rank shard)` = (rows, K) for every TP and batch of builds.toml's
+        [section]."""
         dims = load_dims(self.table["model"])
-        spec = self.table["kda_o_proj"]
+        spec = self.table[section]
         builds = []
         for tp in spec["tp"]:
             try:
-                hidden, proj = dims.shard(tp).kda_o_proj
+                rows, k = shape(dims.shard(tp))
             except ShardError as exc:
-                raise ValueError(f"builds.toml kda_o_proj.tp: {exc}") from None
+                raise ValueError(f"builds.toml {section}.tp: {exc}") from None
             for batch in spec["batches"]:
-                plan = InProjPlan.for_shape(hidden, proj, batch, spec["sm_count"])
-                builds.append(KdaInProjBuild(tp, plan, "kda_o_proj"))
+                builds.append(KdaInProjBuild(tp, InProjPlan.for_shape(rows, k, batch, spec["sm_count"]), section))
         return builds
 
 

@@ -61,8 +61,31 @@ def _check_target(target: Any, what: str) -> None:
         )
 
 
+def _launch_counts() -> dict[str, Callable[[], int]]:
+    """Each kernel's device-counter reader, by the kernel name the providers declare in `launches`."""
+    from k3_decode.kernels import attn_res_op, kda_in_proj_op
+
+    return {"AttnResKernel": attn_res_op.launch_count, "KdaInProjKernel": kda_in_proj_op.launch_count}
+
+
+class _CuteProvider:
+    """What every provider here shares: its row limit from providers.toml and its kernels' device counters."""
+
+    op: str
+    name: str
+    launches: Mapping[str, int]
+
+    def max_rows(self, tp: int) -> tuple[int, str] | None:
+        return max_rows(self.op, self.name, tp)
+
+    def device_counts(self) -> dict[str, int]:
+        """Launches of this provider's kernels the device-side counters saw in this process (kernels/counters.py)."""
+        readers = _launch_counts()
+        return {kernel: readers[kernel]() for kernel in self.launches}
+
+
 @dataclass(frozen=True)
-class CuteAttnResProvider:
+class CuteAttnResProvider(_CuteProvider):
     """AttnRes before attention: prefix update, block save, source mixing and the input RMSNorm, one kernel."""
 
     op: str = "attn_res"
@@ -70,9 +93,6 @@ class CuteAttnResProvider:
     # Kernel names are substrings of the CUDA names CuTe DSL gives its kernels (kernel_cutlass_kernel_<module><class>
     # _object_at_<signature>), which the ledger matches against the profiler's names.
     launches: Mapping[str, int] = field(default_factory=lambda: {"AttnResKernel": 1})
-
-    def max_rows(self, tp: int) -> tuple[int, str] | None:
-        return max_rows(self.op, self.name, tp)
 
     def bind(self, target: Any) -> Mapping[str, Callable[..., Any]]:
         from k3_decode.kernels import attn_res_op
@@ -88,23 +108,14 @@ class CuteAttnResProvider:
 
         return {"attn_res_before": attn_res_before}
 
-    def device_counts(self) -> dict[str, int]:
-        """Launches of the kernel the device-side counter saw in this process (kernels/counters.py)."""
-        from k3_decode.kernels import attn_res_op
-
-        return {"AttnResKernel": attn_res_op.launch_count()}
-
 
 @dataclass(frozen=True)
-class CuteKdaInProjProvider:
+class CuteKdaInProjProvider(_CuteProvider):
     """The packed KDA input projection x[B, hidden] @ W[rows, hidden]^T, one weight-streaming kernel."""
 
     op: str = "in_proj"
     name: str = "cute-kda-in-proj"
     launches: Mapping[str, int] = field(default_factory=lambda: {"KdaInProjKernel": 1})
-
-    def max_rows(self, tp: int) -> tuple[int, str] | None:
-        return max_rows(self.op, self.name, tp)
 
     def bind(self, target: Any) -> Mapping[str, Callable[..., Any]]:
         from k3_decode.kernels import kda_in_proj_op
@@ -116,15 +127,9 @@ class CuteKdaInProjProvider:
 
         return {"kda_in_proj": kda_in_proj}
 
-    def device_counts(self) -> dict[str, int]:
-        """Launches of the kernel the device-side counter saw in this process (kernels/counters.py)."""
-        from k3_decode.kernels import kda_in_proj_op
-
-        return {"KdaInProjKernel": kda_in_proj_op.launch_count()}
-
 
 @dataclass(frozen=True)
-class CuteKdaOProjProvider:
+class CuteKdaOProjProvider(_CuteProvider):
     """o_proj and the AttnRes after attention: the weight-stream kernel at o_proj's shape ([B, proj] @
     W[hidden, proj]^T), then the AttnRes kernel on its output (restart or add, the post-attention norm).
 
@@ -136,9 +141,6 @@ class CuteKdaOProjProvider:
     op: str = "o_proj"
     name: str = "cute-kda-o-proj"
     launches: Mapping[str, int] = field(default_factory=lambda: {"KdaInProjKernel": 1, "AttnResKernel": 1})
-
-    def max_rows(self, tp: int) -> tuple[int, str] | None:
-        return max_rows(self.op, self.name, tp)
 
     def bind(self, target: Any) -> Mapping[str, Callable[..., Any]]:
         from k3_decode.kernels import attn_res_op, kda_in_proj_op
@@ -155,11 +157,6 @@ class CuteKdaOProjProvider:
             return attn_res_op.apply(buffers, site, attn_out, weights, eps)
 
         return {"kda_o_proj": kda_o_proj, "attn_res_after": attn_res_after}
-
-    def device_counts(self) -> dict[str, int]:
-        from k3_decode.kernels import attn_res_op, kda_in_proj_op
-
-        return {"KdaInProjKernel": kda_in_proj_op.launch_count(), "AttnResKernel": attn_res_op.launch_count()}
 
 
 PROVIDERS = (CuteAttnResProvider(), CuteKdaInProjProvider())
