@@ -230,14 +230,10 @@ class _Run:
         by = f"isolation cell {cell.name} ({self.name})"
         if cell.expect == "stock" or not self.specialized:
             return [Expectation("stock", by=by, step=step)]
-        table, dims = self.ex.planner.table, self.ex.dims
         rows = max(self.ex.config.graph_batches) if cell.kind == "graph" else len(cell.decode)
         limits = self.ex.registry.row_limits(self.ex.config.tp)
-        return [
-            Expectation(part.path_on_specialized_step(op, rows, limits), by=by, op=op, layer=layer, step=step)
-            for layer in self.ex.config.layers
-            for part, op in table.layer_ops(dims, layer)
-        ]
+        paths = self.ex.planner.table.expected_paths(self.ex.dims, self.ex.config.layers, rows, limits)
+        return [Expectation(path, by=by, op=op, layer=layer, step=step) for (layer, op), path in paths.items()]
 
     def _audited(self, cell: Cell, audited: AuditedStep | AuditedCapture, step: int, graph: str | None) -> None:
         if isinstance(audited, AuditedCapture):

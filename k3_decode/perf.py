@@ -291,12 +291,9 @@ class K3Arm:
         if (q > 1 and q != prepared.q) or rows not in prepared.rows:  # the deployment prepared no kernels for it
             return [Expectation("stock", by=by)]
         limits = self.ex.registry.row_limits(self.ex.config.tp)
-        parts = {layer: {op: part for part, op in table.layer_ops(dims, layer)} for layer in self.ex.config.layers}
+        paths = table.expected_paths(dims, self.ex.config.layers, rows, limits)
         keys = sorted({(r.step, r.layer, r.op) for r in self.ex.ledger.records()[self._first_record :]})
-        return [
-            Expectation(parts[layer][op].path_on_specialized_step(op, rows, limits), by=by, op=op, layer=layer, step=s)
-            for s, layer, op in keys
-        ]
+        return [Expectation(paths[(layer, op)], by=by, op=op, layer=layer, step=s) for s, layer, op in keys]
 
     # -- profiles -------------------------------------------------------------------------------------------
 

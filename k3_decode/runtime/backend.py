@@ -70,14 +70,15 @@ class ProviderRegistry:
     def __iter__(self) -> Iterator[KernelProvider]:
         return iter(self._by_op.values())
 
-    def row_limits(self, tp: int) -> dict[str, int]:
-        """Op -> the most rows its provider serves at `tp` (providers with a `max_rows(tp)`; None: no limit)."""
-        limits: dict[str, int] = {}
+    def row_limits(self, tp: int) -> dict[str, tuple[int, str]]:
+        """Op -> (the most rows its provider serves at `tp`, why), for providers with a `max_rows(tp)` that
+        returns a limit; an op without an entry is served at every prepared size."""
+        limits: dict[str, tuple[int, str]] = {}
         for provider in self._by_op.values():
             max_rows = getattr(provider, "max_rows", None)
             limit = max_rows(tp) if max_rows is not None else None
             if limit is not None:
-                limits[provider.op] = int(limit[0])
+                limits[provider.op] = (int(limit[0]), limit[1])
         return limits
 
     def missing(self, table: OpTable) -> list[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -27,20 +27,31 @@ class PartOps:
     stock_reason: str
 
     def path_on_specialized_step(
-        self, op: str, rows: int | None = None, limits: Mapping[str, int] | None = None
+        self, op: str, rows: int | None = None, limits: Mapping[str, tuple[int, str]] | None = None
     ) -> DispatchPath:
         """The op's path on a step the plan routes specialized: the op table's word, and, given the step's rows
-        and the providers' row limits (op -> most rows served), stock above its provider's limit. Tests and perf
-        cells declare their expectations with this, from the data, not from the planner's code."""
+        and the providers' row limits (op -> (most rows served, why)), stock above its provider's limit. Tests and
+        perf cells declare their expectations with this, from the data, not from the planner's code."""
         if op not in self.specialized:
             return "stock"
         limit = (limits or {}).get(op)
-        return "stock" if rows is not None and limit is not None and rows > limit else "specialized"
+        return "stock" if rows is not None and limit is not None and rows > limit[0] else "specialized"
 
 
 @dataclass(frozen=True)
 class OpTable:
     parts: dict[str, PartOps]
+
+    def expected_paths(
+        self, dims: ModelDims, layers: Iterable[int], rows: int, limits: Mapping[str, tuple[int, str]]
+    ) -> dict[tuple[int, str], DispatchPath]:
+        """(layer, op) -> the path of each op of `layers` on a specialized step of `rows` rows (see
+        PartOps.path_on_specialized_step)."""
+        return {
+            (layer, op): part.path_on_specialized_step(op, rows, limits)
+            for layer in layers
+            for part, op in self.layer_ops(dims, layer)
+        }
 
     def layer_ops(self, dims: ModelDims, layer: int) -> tuple[tuple[PartOps, str], ...]:
         """(part, op) pairs of a 0-indexed layer in launch order: its attention part, then its MLP part."""

@@ -46,15 +46,8 @@ class Runtime:
         )
 
     def op_rows(self) -> dict[str, tuple[int, str]]:
-        """The row limits of the registered providers at this deployment's TP size (providers without a
-        `max_rows(tp)` method, or that return None, serve every prepared size)."""
-        limits: dict[str, tuple[int, str]] = {}
-        for provider in self.registry:
-            max_rows = getattr(provider, "max_rows", None)
-            limit = max_rows(self.deployment.tp) if max_rows is not None else None
-            if limit is not None:
-                limits[provider.op] = limit
-        return limits
+        """The row limits of the registered providers at this deployment's TP size."""
+        return self.registry.row_limits(self.deployment.tp)
 
     def kernel_catalog(self, stock: Mapping[str, Mapping[str, int]] | None = None) -> KernelCatalog:
         return KernelCatalog.build(self.registry, stock)

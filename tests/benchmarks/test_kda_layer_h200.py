@@ -43,6 +43,27 @@ MOE_TAIL = [
     "Memcpy DtoD (Device -> Device)",
     "nvjet_latent_up",
 ]
+# One replay of the KDA layer's graph per path, as the profiler lists it.
+STOCK_REPLAY = [
+    "Memcpy DtoD (Device -> Device)",
+    "attn_res_kernel",
+    "nvjet_in_proj",
+    "nvjet_f_b",
+    "kda_decode_kernel",
+    "nvjet_o_proj",
+    "attn_res_kernel",
+    *MOE_TAIL,
+]
+SPECIAL_REPLAY = [
+    "Memcpy DtoD (Device -> Device)",
+    CUTE_ATTN_RES,
+    CUTE_IN_PROJ,
+    "nvjet_f_b",
+    "kda_decode_kernel",
+    "nvjet_o_proj",
+    "attn_res_kernel",
+    *MOE_TAIL,
+]
 
 
 def events(names: list[str], dur: float = 2.0, t0: float = 0.0, corr: int | None = None) -> list[DeviceEvent]:
@@ -87,16 +108,7 @@ def test_slots_follow_the_op_map_and_collapse_a_provider_into_one_step() -> None
 
 
 def test_stock_replay_attribution_tells_the_two_attn_res_kernels_apart() -> None:
-    names = [
-        "Memcpy DtoD (Device -> Device)",  # the graph's entry copy
-        "attn_res_kernel",
-        "nvjet_in_proj",
-        "nvjet_f_b",
-        "kda_decode_kernel",
-        "nvjet_o_proj",
-        "attn_res_kernel",
-        *MOE_TAIL,
-    ]
+    names = STOCK_REPLAY  # after the graph's entry copy, two AttnRes kernels of one name
     labels = bench.attribute_events(events(names), slots(STOCK_PATHS), entry_launches=1)
     assert labels[:7] == ["entry", "attn_res", "in_proj", "kda", "kda", "o_proj", "o_proj"]
     assert labels[7:] == ["moe"] * len(MOE_TAIL)
@@ -155,16 +167,7 @@ def test_specialized_replay_attribution_by_provider_kernel_names() -> None:
 
 
 def test_side_summary_counts_the_attention_side_alone() -> None:
-    names = [
-        "Memcpy DtoD (Device -> Device)",
-        CUTE_ATTN_RES,
-        CUTE_IN_PROJ,
-        "nvjet_f_b",
-        "kda_decode_kernel",
-        "nvjet_o_proj",
-        "attn_res_kernel",
-        *MOE_TAIL,
-    ]
+    names = SPECIAL_REPLAY
     special = slots(SPECIAL_PATHS)
     rep = events(names, dur=3.0)
     labelled = [list(zip(bench.attribute_events(rep, special, entry_launches=1), rep, strict=True))]
@@ -288,26 +291,6 @@ def test_target_verdicts_met_missed_and_not_judged() -> None:
 
 # -- cells and the table ----------------------------------------------------------------------------------------
 
-STOCK_REPLAY = [
-    "Memcpy DtoD (Device -> Device)",
-    "attn_res_kernel",
-    "nvjet_in_proj",
-    "nvjet_f_b",
-    "kda_decode_kernel",
-    "nvjet_o_proj",
-    "attn_res_kernel",
-    *MOE_TAIL,
-]
-SPECIAL_REPLAY = [
-    "Memcpy DtoD (Device -> Device)",
-    CUTE_ATTN_RES,
-    CUTE_IN_PROJ,
-    "nvjet_f_b",
-    "kda_decode_kernel",
-    "nvjet_o_proj",
-    "attn_res_kernel",
-    *MOE_TAIL,
-]
 OP_BYTES = {"attn_res": 1_000_000, "in_proj": 90_000_000, "kda": 4_000_000, "o_proj": 20_000_000, "moe": 300_000_000}
 
 

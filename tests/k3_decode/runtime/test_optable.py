@@ -65,8 +65,11 @@ def test_the_expected_path_on_a_specialized_step_follows_the_table_and_the_row_l
     kda = TABLE.parts["kda"]
     assert kda.path_on_specialized_step("in_proj") == "specialized"
     assert kda.path_on_specialized_step("kda") == "stock"  # the table keeps it stock
-    limits = {"in_proj": 4}
+    limits = {"in_proj": (4, "why")}
     assert kda.path_on_specialized_step("in_proj", 4, limits) == "specialized"
     assert kda.path_on_specialized_step("in_proj", 5, limits) == "stock"
     assert kda.path_on_specialized_step("attn_res", 64, limits) == "specialized"  # no limit for it
     assert TABLE.parts["mla"].path_on_specialized_step("attn_res", 1, limits) == "stock"
+    paths = TABLE.expected_paths(K3, [0, 3], 5, limits)  # layer 0 is KDA+dense, layer 3 MLA+MoE
+    assert paths[(0, "attn_res")] == "specialized" and paths[(0, "in_proj")] == "stock"
+    assert paths[(3, "attn_res")] == "stock" and paths[(0, "dense_mlp")] == "stock" and len(paths) == 4 + 1 + 4 + 1

@@ -270,7 +270,7 @@ def test_the_runtime_takes_row_limits_from_the_providers_at_its_tp():
 
     reg = built_registry()
     reg._by_op["in_proj"] = Limited("in_proj", "limited", {"K": 1}, {8: (4, "why")})
-    assert reg.row_limits(8) == {"in_proj": 4} and reg.row_limits(16) == {}
+    assert reg.row_limits(8) == {"in_proj": (4, "why")} and reg.row_limits(16) == {}
     for tp, want in ((8, {"in_proj": (4, "why")}), (16, {})):
         runtime = start(SPECIALIZED, deployment(tp=tp), registry=reg)
         assert runtime.op_rows() == want
