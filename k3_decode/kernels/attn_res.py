@@ -140,19 +140,11 @@ class AttnResKernel:
         rank, row, _ = cute.arch.block_idx()  # grid x = the CTA's rank in its row's cluster
         vec = rank * plan.threads + tidx  # this thread's 8 columns
 
-        smem = cutlass.utils.SmemAllocator()
-        bars = smem.allocate_array(Int64, 2, byte_alignment=8)
-        sources_area = smem.allocate_tensor(Float32, cute.make_layout((self.partials, plan.slots)), byte_alignment=16)
-        norm_area = smem.allocate_tensor(Float32, cute.make_layout(plan.slots), byte_alignment=16)
-        if tidx == 0:
-            cute.arch.mbarrier_init(bars, 1)
-            cute.arch.mbarrier_init(bars + 1, 1)
-            cute.arch.mbarrier_init_fence()
+        areas = self.allocate_exchange(cutlass.utils.SmemAllocator(), tidx)
         cute.arch.cluster_arrive_relaxed()
 
         # Weights first: they do not depend on the previous kernel.
-        w_mix = _load8(res_norm, vec).to(Float32) * _load8(res_proj, vec).to(Float32)
-        w_out = _load8(out_norm, vec).to(Float32) if const_expr(kind.out_norm) else None
+        w_mix, w_out = self.load_weights(res_norm, res_proj, out_norm, vec)
 
         cute.arch.cluster_wait()  # peers' barriers are initialized before anything is pushed to them (see above)
         cute.arch.griddepcontrol_wait()
@@ -165,6 +157,53 @@ class AttnResKernel:
         elif const_expr(kind.delta == "restart"):
             p = _load8(delta[row, None], vec).to(Float32).to(BFloat16).to(Float32)
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
+        self.mix_and_store(bank, p, w_mix, w_out, areas, out, prefix, blocks, row, save_index, vec, tidx, rank, eps)
+
+    # --- the parts of one application, shared with the fused o_proj kernel (kda_o_proj.py) ----------------------
+
+    @cute.jit
+    def allocate_exchange(self, smem: Any, tidx: Int32) -> tuple:
+        """(barriers, sources area, norm area) of the two exchanges in shared memory, the transaction barriers
+        initialized by thread 0. A cluster barrier must publish them before any peer pushes into them."""
+        plan = self.plan
+        bars = smem.allocate_array(Int64, 2, byte_alignment=8)
+        sources_area = smem.allocate_tensor(Float32, cute.make_layout((self.partials, plan.slots)), byte_alignment=16)
+        norm_area = smem.allocate_tensor(Float32, cute.make_layout(plan.slots), byte_alignment=16)
+        if tidx == 0:
+            cute.arch.mbarrier_init(bars, 1)
+            cute.arch.mbarrier_init(bars + 1, 1)
+            cute.arch.mbarrier_init_fence()
+        return bars, sources_area, norm_area
+
+    @cute.jit
+    def load_weights(self, res_norm: cute.Tensor, res_proj: cute.Tensor, out_norm: cute.Tensor | None, vec: Int32):
+        """(w_norm * w_q, the output norm's weight or None) of this thread's 8 columns, in FP32."""
+        w_mix = _load8(res_norm, vec).to(Float32) * _load8(res_proj, vec).to(Float32)
+        w_out = _load8(out_norm, vec).to(Float32) if const_expr(self.kind.out_norm) else None
+        return w_mix, w_out
+
+    @cute.jit
+    def mix_and_store(
+        self,
+        bank: list,
+        p: cute.TensorSSA,
+        w_mix: cute.TensorSSA,
+        w_out: cute.TensorSSA | None,
+        areas: tuple,
+        out: cute.Tensor,
+        prefix: cute.Tensor,
+        blocks: cute.Tensor,
+        row: Int32,
+        save_index: Int32,
+        vec: Int32,
+        tidx: Int32,
+        rank: Int32,
+        eps: Float32,
+    ):
+        """Mix this thread's 8 columns of the bank blocks (BF16) and the new prefix p (FP32, BF16 values) over the
+        cluster, norm, and store the output, the prefix (when delta changed it) and the saved block of row `row`."""
+        kind, plan = self.kind, self.plan
+        bars, sources_area, norm_area = areas
         sources = [b.to(Float32) for b in bank] + [p]
 
         alphas = [Float32(1.0)]
