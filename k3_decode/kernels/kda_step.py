@@ -1,0 +1,432 @@
+"""The fused KDA decode step (q = 1) for Hopper (sm_90a) in CuTe DSL: f_b, conv, norms, gates, delta rule, readout
+and gated RMSNorm in one launch.
+
+Compiled for sm_90a on the CPU with its PTX and SASS checked by `k3gate kernels build`. Not yet run on a GPU: the
+GPU test (tests/k3_decode/kernels/test_kda_step_gpu.py) checks it against the FP64 oracle and the stock step; its
+provider (providers.py, CuteKdaStepProvider) waits in PENDING until that test passes on an H200.
+
+Semantics are those of the oracle's `kda_decode_step` (k3_decode/reference/kda.py) and of the stock step
+(k3_decode/stock/kda.py: the cuBLAS f_b GEMM, then the Triton `kda_decode_kernel`). Per request b with slot s =
+slots[b] and head h, with the packed row x = [q | k | v | g_out | f_a | beta | pad] (kda_step_plan.py), D = 128:
+  s <= 0 (NULL, CUDA-graph padding): out[b] = 0, no state read or written;
+  conv: y_c = sum_j w[c, j] tap_j + w[c, 3] x_c over the 3 stored taps (oldest first), SiLU; the taps become
+        [tap_1, tap_2, x_c] (conv state [slots, 3P, 3] BF16, the KdaCache layout, rewritten in place);
+  q <- q / sqrt(|q|^2 + l2_eps) * D^-0.5, k <- k / sqrt(|k|^2 + l2_eps) per head; beta = sigmoid(x_beta);
+  g = lower_bound * sigmoid(exp(A_log[h]) * (f_a . f_b[c] + dt_bias[c])) per key channel c;
+  S[v, :] <- S[v, :] * exp(g);  u_v = beta (v_v - S[v, :] . k);  S[v, :] += u_v k  (FP32 state [slots, H, 128, 128]);
+  o_v = S[v, :] . q;  out = o / sqrt(mean(o^2) + norm_eps) * o_norm * sigmoid(g_out), BF16 [B, P].
+All arithmetic is FP32. The f_b product stays FP32 (the stock path rounds it to BF16 between its two launches), so
+the decay is closer to the oracle than stock's.
+
+Why this design. At TP8 B = 1 the step moves ~2 MB (12 heads x 64 KB of state in and out, 27 KB of conv state,
+the f_b weight) and does almost no arithmetic, so it is bound by latency and by how many SMs share the traffic:
+- A cluster of C CTAs per (request, head) splits the head's 128 value rows: CTA r owns rows [rR, (r+1)R),
+  R = 128 / C, four per warp, one 16-byte vector of every row per lane. The delta rule is independent per value
+  row (u_v = beta (v_v - S_v . k), S_v += u_v k, o_v = S_v . q), so nothing but the output norm crosses CTAs. One
+  CTA per head would leave 120 of 132 SMs idle at TP8 B1 and stream 64 KB through one SM; C = 8 puts 96 CTAs of 8
+  KB each on 96 SMs. The plan picks the smallest C whose grid still covers every SM (C = 2 from TP8 B8): the
+  state work is 32 warps per head whatever C is, and a smaller C repeats less per-CTA work (below).
+- Every CTA needs the head's whole q and k (for their L2 norms and the dot products) and the decay of all 128 key
+  channels. The conv of q and k is cheap (256 channels, one warp, 8 channels per lane), so every CTA recomputes it
+  from the same inputs with the same code: the norms are bit-identical in all CTAs without an exchange. f_b is not:
+  the decay of 128 channels is a 128 x 128 BF16 matvec (32 KB of f_b per head), which repeated in 8 CTAs would read
+  8 x 32 KB per (request, head) from L2 (200 MB at TP8 B64). Instead CTA r computes the decay of its own R channels
+  (R rows of f_b, 2 vectors per thread) and pushes them over DSMEM (`st.async` completing a transaction mbarrier in
+  every CTA of the cluster, as attn_res.py does): each decay is computed once, each f_b byte read once per request,
+  and the exchange (one 8-byte push per warp, lane and half) overlaps the conv and the state loads.
+- The gated RMSNorm needs sum(o^2) over the head's 128 outputs: each warp pushes its partial (its 4 rows) to every
+  CTA of the cluster; every CTA receives the same 32 partials and sums them in the same fixed order (a butterfly
+  over 32 lanes, lane i holding partial i = (CTA i / warps, warp i % warps)), so all CTAs scale by the same bits.
+  Every other reduction is a butterfly within a warp, deterministic, and none is fed by a bare product (the ptx
+  lint forbids a butterfly step contracted into an FMA): the first step of every butterfly adds sums that end in
+  an FMA, or shared-memory loads.
+- Conv taps: every CTA reads the taps of the head's 256 q and k channels, but each channel's taps are rewritten by
+  exactly one CTA (CTA r: q and k channels [rR, (r+1)R) and its own v channels). A rewrite must not land before a
+  peer's read, so the taps are read, then every thread arrives on the cluster barrier (release) once its taps are
+  in registers, and the rewriting lanes wait on it (acquire) at the very end, long after every CTA has arrived.
+  The CTA's mbarrier initialization is published by the cluster barrier before (arrive relaxed at the start, wait
+  before `griddepcontrol.wait`, where it costs nothing), so two cluster barrier phases in all.
+- Programmatic dependent launch. Weights load into registers before `griddepcontrol.wait`: the f_b rows, the conv
+  weights, A_log, dt_bias and o_norm do not depend on the previous kernel. The packed row (the in_proj output)
+  loads only after it. The state (recurrent and conv) is NOT loaded into registers before the wait: that is
+  correct only if the kernel just before this one in the stream neither writes the state nor lets its dependents
+  start before its own wait; in a decode step it is the input projection, but two steps back to back (this kernel
+  starts its dependents before its state stores) would read the state before the previous step wrote it, and
+  griddepcontrol.wait is the only ordering PDL gives. Instead one thread reads the slot (clamped into the table)
+  and issues `cp.async.bulk.prefetch.L2` of the CTA's state rows and the head's taps before the wait: a prefetch
+  puts nothing in registers and L2 is the GPU's point of coherence, so a stale slot only warms the wrong lines and
+  no value can be stale, with any neighbour; after the wait the slot is read again and the state loads hit L2.
+  The device-side launch counter is one relaxed atomic by one thread, after the wait.
+- Plain (not `.nc`) loads everywhere: an invariant load may legally be hoisted above the wait (the build checks
+  there are none), as the other kernels here.
+- Registers: ~16 state floats, the 4 k, q, decay values and the conv lane's 24 taps per thread; the build caps them
+  at 128 with no local memory, so 4 CTAs of 512 threads or 16 of 128 fit an SM.
+
+Verify steps (q > 1 tokens per request) are not implemented here; the stock verify pipeline serves them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+
+from k3_decode.kernels import cutedsl
+from k3_decode.kernels.kda_step_plan import CONV_WIDTH, GATE_RANK, HEAD_DIM, ROWS_PER_WARP, KdaStepPlan
+
+TAPS = CONV_WIDTH - 1
+VECTOR = 8  # BF16 elements in one 16-byte access
+
+
+def compile_args(plan: KdaStepPlan) -> tuple[Any, ...]:
+    """Fake arguments of one compile. The slot count of the two caches is dynamic (one compile serves any cache);
+    everything else is fixed by the plan. The conv weight is passed flat [3P * 4] and the conv state as
+    [slots, 3P * 3], so 8 channels are one contiguous run of 16-byte vectors."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    def dynamic(dtype: Any, shape: tuple[Any, ...]) -> Any:
+        order = tuple(range(len(shape)))[::-1]
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=16)
+
+    slot_type = Int64 if plan.slot_dtype == "int64" else Int32
+    p = plan.proj
+    return (
+        cutedsl.fake_tensor(BFloat16, (plan.batch, plan.rows)),  # packed
+        cutedsl.fake_tensor(BFloat16, (p, GATE_RANK)),  # f_b
+        cutedsl.fake_tensor(BFloat16, (plan.conv_channels * CONV_WIDTH,)),  # conv weight, flat
+        cutedsl.fake_tensor(Float32, (plan.heads,)),  # A_log
+        cutedsl.fake_tensor(Float32, (p,)),  # dt_bias
+        cutedsl.fake_tensor(BFloat16, (HEAD_DIM,)),  # o_norm
+        dynamic(BFloat16, (cute.sym_int(), plan.conv_channels * TAPS)),  # conv state
+        dynamic(Float32, (cute.sym_int(), plan.heads, HEAD_DIM, HEAD_DIM)),  # recurrent state
+        cutedsl.fake_tensor(slot_type, (plan.batch,)),  # slots
+        cutedsl.fake_tensor(BFloat16, (plan.batch, p)),  # out
+        cutedsl.fake_tensor(Int32, (1,)),  # launches: the device-side execution counter
+        Float32(-5.0),  # gate lower bound
+        Float32(1e-6),  # L2 eps
+        Float32(1e-5),  # norm eps
+        cutedsl.fake_stream(),
+    )
+
+
+class KdaStepKernel:
+    """One KDA decode step for a fixed plan (heads, packed row width, batch, cluster, slot dtype).
+
+    Arguments of the compiled function, all on one device, 16-byte aligned, row-major and contiguous: packed [B, rows]
+    BF16 (the in_proj output), f_b [P, 128] BF16, conv weight [3P * 4] BF16 (the [3P, 4] weight flattened), A_log [H]
+    FP32, dt_bias [P] FP32, o_norm [128] BF16, conv state [slots, 3P * 3] BF16 (the [slots, 3P, 3] state flattened,
+    rewritten in place), recurrent state [slots, H, 128, 128] FP32 (in place), slots [B] Int32 or Int64 (<= 0: NULL),
+    out [B, P] BF16, launches [1] Int32 (the device-side execution counter: one relaxed atomic add per launch, by
+    thread 0 of the grid's first CTA), the gate lower bound, the L2 eps and the norm eps (Float32), the CUDA stream.
+    """
+
+    def __init__(self, plan: KdaStepPlan) -> None:
+        self.plan = plan
+
+    @cute.jit
+    def __call__(
+        self,
+        packed: cute.Tensor,
+        f_b: cute.Tensor,
+        conv_w: cute.Tensor,
+        a_log: cute.Tensor,
+        dt_bias: cute.Tensor,
+        o_norm: cute.Tensor,
+        conv_state: cute.Tensor,
+        state: cute.Tensor,
+        slots: cute.Tensor,
+        out: cute.Tensor,
+        launches: cute.Tensor,
+        lower_bound: Float32,
+        l2_eps: Float32,
+        norm_eps: Float32,
+        stream: Any,
+    ):
+        plan = self.plan
+        self.kernel(
+            packed,
+            f_b,
+            conv_w,
+            a_log,
+            dt_bias,
+            o_norm,
+            conv_state,
+            state,
+            slots,
+            out,
+            launches,
+            lower_bound,
+            l2_eps,
+            norm_eps,
+        ).launch(
+            grid=[plan.cluster, plan.heads, plan.batch],
+            block=[plan.threads, 1, 1],
+            cluster=[plan.cluster, 1, 1],
+            stream=stream,
+            use_pdl=True,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        packed: cute.Tensor,
+        f_b: cute.Tensor,
+        conv_w: cute.Tensor,
+        a_log: cute.Tensor,
+        dt_bias: cute.Tensor,
+        o_norm: cute.Tensor,
+        conv_state: cute.Tensor,
+        state: cute.Tensor,
+        slots: cute.Tensor,
+        out: cute.Tensor,
+        launches: cute.Tensor,
+        lower_bound: Float32,
+        l2_eps: Float32,
+        norm_eps: Float32,
+    ):
+        plan = self.plan
+        rows = plan.rows_per_cta
+        sec = plan.sections
+        tidx, _, _ = cute.arch.thread_idx()
+        rank, head, b = cute.arch.block_idx()  # grid x = the CTA's rank in its head's cluster
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        first = head * HEAD_DIM + rank * rows  # the CTA's first channel (value row, decay channel) within P
+        col = lane % 16  # the f_a / f_b vector this lane multiplies
+        # The f_b rows (decay channels) of half-warp `lane // 16`, local to the CTA: 2 w + half and R/2 more.
+        fb_rows = [2 * warp + lane // 16 + j * (rows // 2) for j in range(2)]
+
+        smem = cutlass.utils.SmemAllocator()
+        bars = smem.allocate_array(Int64, 2, byte_alignment=8)
+        decay_s = smem.allocate_tensor(Float32, cute.make_layout(HEAD_DIM), byte_alignment=16)
+        qk_s = smem.allocate_tensor(Float32, cute.make_layout(2 * HEAD_DIM), byte_alignment=16)  # q, then k
+        v_s = smem.allocate_tensor(Float32, cute.make_layout(rows), byte_alignment=16)
+        norm_s = smem.allocate_tensor(Float32, cute.make_layout(plan.slots), byte_alignment=16)
+        if tidx == 0:
+            cute.arch.mbarrier_init(bars, 1)
+            cute.arch.mbarrier_init(bars + 1, 1)
+            cute.arch.mbarrier_init_fence()
+            # Each exchange completes when its bytes have arrived: the 128 decays, the 32 norm partials.
+            cute.arch.mbarrier_arrive_and_expect_tx(bars, HEAD_DIM * 4)
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + 1, plan.slots * 4)
+        cute.arch.cluster_arrive_relaxed()
+
+        # The conv lanes: warp 0 convolves the head's q (lanes 0-15) and k (16-31) channels, 8 per lane; lanes
+        # 0 .. R/8 - 1 of warp 1 the CTA's own v channels. Every other lane convolves the CTA's first v channels
+        # too (the same addresses as lane 0 of warp 1, so its loads are broadcasts) and discards them: without a
+        # divergent conv block ptxas keeps the state loads ahead of the conv (it sank them past one).
+        is_qk = warp == 0
+        is_conv = is_qk or (warp == 1 and lane < plan.v_lanes)
+        chan = (lane // 16) * sec["k"] + head * HEAD_DIM + VECTOR * col  # warp 0
+        if warp != 0:
+            chan = sec["v"] + first
+            if is_conv:
+                chan = chan + VECTOR * lane
+
+        # Weights first: they do not depend on the previous kernel.
+        fb = [cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(2)]
+        for j in cutlass.range_constexpr(2):
+            _copy(f_b[first + fb_rows[j], None], VECTOR, col, fb[j])
+        dt = [dt_bias[first + fb_rows[j]] for j in range(2)]
+        decay_rate = cute.math.exp(a_log[head])
+        w_norm = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
+        _copy(o_norm, ROWS_PER_WARP, rank * (rows // ROWS_PER_WARP) + warp, w_norm)
+        cw = cute.make_rmem_tensor((VECTOR * CONV_WIDTH,), BFloat16)  # 8 channels x 4 taps, channel-major
+        for i in cutlass.range_constexpr(CONV_WIDTH):
+            _copy(conv_w, VECTOR, CONV_WIDTH * (chan // VECTOR) + i, _part(cw, VECTOR, i))
+        if tidx == 0:
+            self._prefetch_state(conv_state, state, slots[b], head, rank)
+
+        cute.arch.cluster_wait()  # peers' barriers are initialized before anything is pushed to them
+        cute.arch.griddepcontrol_wait()
+        if tidx + rank + head + b == 0:  # thread 0 of the grid's first CTA (all four are non-negative)
+            cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
+
+        slot = Int32(slots[b])  # read again: the copy before the wait only steered the prefetch
+        if slot > 0:
+            row0 = Int64(slot)  # 64-bit offsets: a slot of the recurrent state is 786 KB at TP8
+            x = packed[b, None]
+            conv_row = conv_state[slot, None]
+            fa = cute.make_rmem_tensor((VECTOR,), BFloat16)
+            _copy(x, VECTOR, sec["f_a"] // VECTOR + col, fa)
+            gate = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
+            _copy(x, ROWS_PER_WARP, (sec["g"] + first) // ROWS_PER_WARP + warp, gate)
+            beta = _sigmoid(x[sec["beta"] + head].to(Float32))
+            s_rows = [cute.make_rmem_tensor((4,), Float32) for _ in range(ROWS_PER_WARP)]
+            for i in cutlass.range_constexpr(ROWS_PER_WARP):
+                _copy(state[row0, head, rank * rows + ROWS_PER_WARP * warp + i, None], 4, lane, s_rows[i])
+            inputs = cute.make_rmem_tensor((VECTOR,), BFloat16)
+            taps = cute.make_rmem_tensor((VECTOR * TAPS,), BFloat16)  # 8 channels x 3 taps, channel-major
+            act = cute.make_rmem_tensor((VECTOR,), Float32)
+            _copy(x, VECTOR, chan // VECTOR, inputs)
+            for t in cutlass.range_constexpr(TAPS):
+                _copy(conv_row, VECTOR, TAPS * (chan // VECTOR) + t, _part(taps, VECTOR, t))
+            _conv_silu(cw, taps, inputs, act)
+
+            # The decays of the CTA's channels, pushed to every CTA of the cluster (decay_s[c] = exp(g_c)).
+            for j in cutlass.range_constexpr(2):
+                dot = _dot(fb[j], fa, VECTOR)
+                for i in cutlass.range_constexpr(4):  # the half-warp's 16 lanes hold one f_b row
+                    dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << i)
+                decay = cute.math.exp(lower_bound * _sigmoid(decay_rate * (dot + dt[j])))
+                odd = cute.arch.shuffle_sync_down(decay, offset=16)  # the next row, from the other half-warp
+                if lane < plan.cluster:
+                    dst = decay_s.iterator + cute.assume(rank * rows + 2 * warp + j * (rows // 2), divby=2)
+                    cute.arch.store_async_dsmem(dst, (decay.bitcast(Int32), odd.bitcast(Int32)), bars, lane)
+
+            if is_qk:  # the L2 norms over the head's 128 channels: 16 lanes of 8 each
+                squares = _dot(act, act, VECTOR)
+                for i in cutlass.range_constexpr(4):
+                    squares = squares + cute.arch.shuffle_sync_bfly(squares, offset=1 << i)
+                scale = cute.math.rsqrt(squares + l2_eps)
+                if lane < 16:
+                    scale = scale * (HEAD_DIM**-0.5)
+                _store_f32(act, scale, qk_s, VECTOR * lane)  # q at 0 .. 127, k at 128 .. 255
+            elif is_conv:
+                _store_f32(act, Float32(1.0), v_s, VECTOR * lane)
+            cute.arch.sync_threads()  # q, k and v are in shared memory
+            cute.arch.cluster_arrive()  # this CTA's tap reads are done: peers may rewrite theirs (release)
+            cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
+
+            q = cute.make_rmem_tensor((4,), Float32)
+            k = cute.make_rmem_tensor((4,), Float32)
+            v = cute.make_rmem_tensor((4,), Float32)
+            g = cute.make_rmem_tensor((4,), Float32)
+            _copy(qk_s, 4, lane, q)
+            _copy(qk_s, 4, HEAD_DIM // 4 + lane, k)
+            _copy(v_s, 4, warp, v)
+            cute.arch.mbarrier_wait(bars, 0)  # every decay of the head has arrived
+            _copy(decay_s, 4, lane, g)
+
+            o = [Float32(0.0)] * ROWS_PER_WARP
+            for i in cutlass.range_constexpr(ROWS_PER_WARP):
+                s = s_rows[i]
+                for e in cutlass.range_constexpr(4):
+                    s[e] = s[e] * g[e]
+                predicted = _dot(s, k, 4)
+                for m in cutlass.range_constexpr(5):
+                    predicted = predicted + cute.arch.shuffle_sync_bfly(predicted, offset=1 << m)
+                u = beta * (v[i] - predicted)
+                for e in cutlass.range_constexpr(4):
+                    s[e] = s[e] + u * k[e]
+                _copy(s, 4, lane, state[row0, head, rank * rows + ROWS_PER_WARP * warp + i, None])
+                readout = _dot(s, q, 4)
+                for m in cutlass.range_constexpr(5):
+                    readout = readout + cute.arch.shuffle_sync_bfly(readout, offset=1 << m)
+                o[i] = readout
+
+            # The gated RMSNorm: sum(o^2) over the head's 128 rows, from every (CTA, warp) of the cluster.
+            partial = o[0] * o[0]
+            for i in cutlass.range_constexpr(1, ROWS_PER_WARP):
+                partial = partial + o[i] * o[i]
+            if lane < plan.cluster:
+                dst = norm_s.iterator + (rank * plan.warps + warp)
+                cute.arch.store_async_dsmem(dst, partial.bitcast(Int32), bars + 1, lane)
+            cute.arch.mbarrier_wait(bars + 1, 0)
+            total = norm_s[lane]  # plan.slots == 32: one partial per lane
+            for m in cutlass.range_constexpr(5):
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << m)
+            rstd = cute.math.rsqrt(total * (1.0 / HEAD_DIM) + norm_eps)
+            y = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
+            for i in cutlass.range_constexpr(ROWS_PER_WARP):
+                gated = o[i] * rstd * w_norm[i].to(Float32) * _sigmoid(gate[i].to(Float32))
+                y[i] = gated.to(BFloat16)
+            if lane == 0:
+                _copy(y, ROWS_PER_WARP, (head * HEAD_DIM + rank * rows) // ROWS_PER_WARP + warp, out[b, None])
+
+            # The taps this CTA owns: [tap_1, tap_2, x] per channel, once every CTA has read the old ones.
+            cute.arch.cluster_wait()
+            owner = warp == 1 or col // plan.qk_lanes_per_cta == rank
+            if is_conv and owner:
+                shifted = cute.make_rmem_tensor((VECTOR * TAPS,), BFloat16)
+                for c in cutlass.range_constexpr(VECTOR):
+                    shifted[TAPS * c] = taps[TAPS * c + 1]
+                    shifted[TAPS * c + 1] = taps[TAPS * c + 2]
+                    shifted[TAPS * c + 2] = inputs[c]
+                for t in cutlass.range_constexpr(TAPS):
+                    _copy(_part(shifted, VECTOR, t), VECTOR, TAPS * (chan // VECTOR) + t, conv_row)
+        else:  # NULL: zero output, no state touched
+            y = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
+            y.fill(0.0)
+            if lane == 0:
+                _copy(y, ROWS_PER_WARP, (head * HEAD_DIM + rank * rows) // ROWS_PER_WARP + warp, out[b, None])
+
+    @cute.jit
+    def _prefetch_state(self, conv_state: cute.Tensor, state: cute.Tensor, hint: Any, head: Int32, rank: Int32):
+        """L2 prefetches of what the CTA will read after the wait: its state rows and the head's q, k and its v taps.
+        `hint` is the slot read before the wait, clamped into each table, so the addresses are valid whatever it
+        held; a stale slot only warms other lines."""
+        plan = self.plan
+        rows = plan.rows_per_cta
+        s = cutlass.max(cutlass.min(Int32(hint), state.shape[0] - 1), 0)
+        _bulk_prefetch(state[Int64(s), head, rank * rows, None].iterator, plan.state_bytes)
+        c = cutlass.max(cutlass.min(Int32(hint), conv_state.shape[0] - 1), 0)
+        taps = conv_state[c, None]
+        for start, count in (
+            (head * HEAD_DIM, HEAD_DIM),
+            (plan.proj + head * HEAD_DIM, HEAD_DIM),
+            (2 * plan.proj + head * HEAD_DIM + rank * rows, rows),
+        ):
+            first = cute.local_tile(taps, (TAPS * VECTOR,), (start // VECTOR,))
+            _bulk_prefetch(first.iterator, count * TAPS * 2)
+
+
+@cute.jit
+def _part(frag: cute.Tensor, width: cutlass.Constexpr[int], i: cutlass.Constexpr[int]) -> cute.Tensor:
+    """Elements [i * width, (i + 1) * width) of a register fragment."""
+    return cute.local_tile(frag, (width,), (i,))
+
+
+@cute.jit
+def _copy(src: cute.Tensor, width: cutlass.Constexpr[int], index: Any, dst: cute.Tensor):
+    """Copy `width` contiguous elements in one vector access (16 or 8 bytes). One side is a register fragment of
+    `width` elements, the other a 1-D tensor from which tile `index` of `width` elements is taken."""
+    dtype = src.element_type
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=width * dtype.width)
+    if const_expr(cute.size(src) == width):
+        cute.copy(atom, src, cute.local_tile(dst, (width,), (index,)))
+    else:
+        cute.copy(atom, cute.local_tile(src, (width,), (index,)), dst)
+
+
+@cute.jit
+def _store_f32(values: cute.Tensor, scale: Float32, area: cute.Tensor, start: Any):
+    """values * scale into area[start .. start + 8], two 16-byte shared stores."""
+    frag = cute.make_rmem_tensor((VECTOR,), Float32)
+    for i in cutlass.range_constexpr(VECTOR):
+        frag[i] = values[i] * scale
+    for half in cutlass.range_constexpr(2):
+        _copy(_part(frag, 4, half), 4, start // 4 + half, area)
+
+
+@cute.jit
+def _conv_silu(weights: cute.Tensor, taps: cute.Tensor, inputs: cute.Tensor, act: cute.Tensor):
+    """SiLU of the causal conv of 8 channels: weights [8 x 4], taps [8 x 3] (oldest first), inputs [8]."""
+    for c in cutlass.range_constexpr(VECTOR):
+        y = weights[CONV_WIDTH * c + TAPS].to(Float32) * inputs[c].to(Float32)
+        for t in cutlass.range_constexpr(TAPS):
+            y = y + weights[CONV_WIDTH * c + t].to(Float32) * taps[TAPS * c + t].to(Float32)
+        act[c] = y * _sigmoid(y)
+
+
+@cute.jit
+def _dot(a: cute.Tensor, b: cute.Tensor, n: cutlass.Constexpr[int]) -> Float32:
+    """sum_i a_i b_i in FP32, one product then n - 1 FMAs (so a butterfly over it never starts with a bare product)."""
+    total = a[0].to(Float32) * b[0].to(Float32)
+    for i in cutlass.range_constexpr(1, n):
+        total = total + a[i].to(Float32) * b[i].to(Float32)
+    return total
+
+
+@cute.jit
+def _sigmoid(x: Float32) -> Float32:
+    """1 / (1 + e^-x); saturates to 0 (not NaN) for very negative x, as e^-x overflows to inf."""
+    return cute.arch.rcp_approx(1.0 + cute.math.exp(-x))
+
+
+@cute.jit
+def _bulk_prefetch(ptr: Any, size: cutlass.Constexpr[int]):
+    """`cp.async.bulk.prefetch.L2` of `size` bytes (a multiple of 16) at a 16-byte aligned global address."""
+    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[ptr.toint(), Int32(size)])

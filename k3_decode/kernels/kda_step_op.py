@@ -1,0 +1,141 @@
+"""The CuTe DSL fused KDA decode step (k3_decode/kernels/kda_step.py) called on torch tensors, like the stock op.
+
+Its GPU test calls it (tests/k3_decode/kernels/test_kda_step_gpu.py); so will its provider (providers.py,
+CuteKdaStepProvider), once that test has passed on an H200.
+
+`decode_step(spec, weights, packed, cache, slots)` has the contract of the stock `k3_decode.stock.kda.kda_decode_step`
+for q = 1: packed [B, rows] BF16 (the in_proj output), slots [B] (int32 or int64; <= 0 is NULL), the KdaCache's conv
+state [slots, 3P, 3] BF16 and recurrent state [slots, H, 128, 128] FP32 updated in place at the live slots; returns
+BF16 [B, P]. One launch does what the stock op does in two (the f_b GEMM and the fused Triton kernel). The kernel is
+compiled once per plan (heads, packed width, batch, the device's SM count, the slot dtype), from the same fake-tensor
+signature that `k3gate kernels build` checks; the cache's slot count is a run-time value of that compile.
+
+Slot contents are not checked here (that would need a device sync, and CUDA-graph capture forbids one): as for the
+stock kernel, every live slot must be in range and distinct (the oracle's `decode_write_set` says why).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from k3_decode.kernels.counters import device_counter
+from k3_decode.kernels.kda_step_plan import CONV_WIDTH, GATE_RANK, HEAD_DIM, KdaStepPlan
+from k3_decode.reference.kda import KdaCache, KdaSpec
+
+_COUNTERS: dict[int, Tensor] = {}
+ALIGN = 16  # bytes: rows, weights and state are moved in 16-byte vectors
+SLOT_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
+
+
+@cache
+def _compiled(plan: KdaStepPlan) -> Any:
+    import cutlass.cute as cute
+
+    from k3_decode.kernels.kda_step import KdaStepKernel, compile_args
+
+    return cute.compile(KdaStepKernel(plan), *compile_args(plan))
+
+
+def _check_tensor(name: str, t: Tensor, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
+    if t.device != device or t.dtype != dtype:
+        raise ValueError(f"CuTe KDA step: {name} must be {dtype} on {device}, got {t.dtype} on {t.device}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"CuTe KDA step: {name} has shape {tuple(t.shape)}, expected {shape}")
+    if not t.is_contiguous() or t.data_ptr() % ALIGN:
+        raise ValueError(f"CuTe KDA step: {name} must be contiguous and {ALIGN}-byte aligned; pass .contiguous()")
+
+
+def plan_for(spec: KdaSpec, packed: Tensor, slots: Tensor) -> KdaStepPlan:
+    """The plan that runs this step on packed's device; raises for what the kernel cannot take."""
+    if packed.device.type != "cuda":
+        raise ValueError(f"the CuTe DSL KDA step runs on a CUDA device, got {packed.device}; use the stock op")
+    if (spec.head_dim, spec.gate_rank, spec.conv_width) != (HEAD_DIM, GATE_RANK, CONV_WIDTH):
+        raise ValueError(
+            f"the CuTe DSL KDA step is built for head_dim {HEAD_DIM}, gate rank {GATE_RANK} and conv width "
+            f"{CONV_WIDTH} (K3's); this spec has {spec.head_dim}, {spec.gate_rank}, {spec.conv_width}"
+        )
+    if slots.dim() != 1 or slots.dtype not in SLOT_DTYPES:
+        raise ValueError(f"decode slots must be a 1-d int32 or int64 tensor, got {slots.dim()}-d {slots.dtype}")
+    sms = torch.cuda.get_device_properties(packed.device).multi_processor_count
+    plan = KdaStepPlan.for_shape(spec.heads, spec.in_proj_rows, slots.shape[0], sms, SLOT_DTYPES[slots.dtype])
+    starts = {name: s.start for name, s in spec.sections.items() if name != "pad"}
+    if starts != plan.sections:
+        raise ValueError(f"the packed row's sections {starts} are not the kernel's {plan.sections}")
+    return plan
+
+
+def decode_step(
+    spec: KdaSpec,
+    weights: Any,
+    packed: Tensor,
+    cache: KdaCache,
+    slots: Tensor,
+    out: Tensor | None = None,
+) -> Tensor:
+    """One q = 1 KDA decode step on the current stream of packed's device; returns BF16 [B, P].
+
+    `weights` has f_b [P, 128] BF16, conv [3P, 4] BF16, a_log [H] FP32, dt_bias [P] FP32 and o_norm [128] BF16
+    (k3_decode.weights.KdaWeights). The conv state must hold exactly the 3 decode taps (no speculative columns).
+    """
+    plan = plan_for(spec, packed, slots)
+    dev, p, batch = packed.device, spec.proj, slots.shape[0]
+    bf16, fp32 = torch.bfloat16, torch.float32
+    _check_tensor("packed", packed, bf16, (batch, spec.in_proj_rows), dev)
+    _check_tensor("slots", slots, slots.dtype, (batch,), dev)
+    _check_tensor("f_b", weights.f_b, bf16, (p, GATE_RANK), dev)
+    _check_tensor("conv weight", weights.conv, bf16, (spec.conv_channels, CONV_WIDTH), dev)
+    _check_tensor("a_log", weights.a_log, fp32, (spec.heads,), dev)
+    _check_tensor("dt_bias", weights.dt_bias, fp32, (p,), dev)
+    _check_tensor("o_norm", weights.o_norm, bf16, (HEAD_DIM,), dev)
+    num_slots = cache.conv.shape[0]
+    taps = spec.conv_taps(1)
+    _check_tensor("conv state", cache.conv, bf16, (num_slots, spec.conv_channels, taps), dev)
+    _check_tensor("recurrent state", cache.recurrent, fp32, (num_slots, spec.heads, HEAD_DIM, HEAD_DIM), dev)
+    if out is None:
+        out = torch.empty(batch, p, dtype=bf16, device=dev)
+    _check_tensor("out", out, bf16, (batch, p), dev)
+    launch(
+        _compiled(plan),
+        (
+            packed,
+            weights.f_b,
+            weights.conv.view(-1),
+            weights.a_log,
+            weights.dt_bias,
+            weights.o_norm,
+            cache.conv.view(num_slots, -1),
+            cache.recurrent,
+            slots,
+            out,
+            launch_counter(dev),
+        ),
+        (spec.gate_lower_bound, spec.l2_eps, spec.norm_eps),
+        torch.cuda.current_stream(dev).cuda_stream,
+    )
+    return out
+
+
+def launch_counter(device: torch.device) -> Tensor:
+    """The device's launch counter: every launch of the kernel on `device` adds one to it, on the device."""
+    return device_counter(_COUNTERS, device)
+
+
+def launch_count() -> int:
+    """Launches the device counters have seen in this process, over every device (reads them: synchronizes)."""
+    return sum(int(c.item()) for c in _COUNTERS.values())
+
+
+def launch(compiled: Any, tensors: tuple[Tensor, ...], scalars: tuple[float, float, float], stream: int) -> None:
+    """Call a compiled kernel: tensors in the kernel's order (packed, f_b, conv weight flat, A_log, dt_bias, o_norm,
+    conv state [slots, 3P * 3], recurrent state, slots, out, launches), then (lower bound, L2 eps, norm eps), on the
+    CUDA stream with handle `stream`. No checks: see `decode_step`."""
+    import cuda.bindings.driver as cuda
+    from cutlass import Float32
+    from cutlass.cute.runtime import from_dlpack
+
+    args = [from_dlpack(t, assumed_align=ALIGN) for t in tensors]
+    compiled(*args, *(Float32(x) for x in scalars), cuda.CUstream(stream))

@@ -1,0 +1,134 @@
+"""How the fused KDA decode step (k3_decode/kernels/kda_step.py) splits its work, without CuTe DSL or torch.
+
+One cluster of `cluster` CTAs serves one (request, head): CTA r of the cluster owns the head's value rows
+[r * R, (r + 1) * R) of the recurrent state S[v, k] (R = 128 / cluster), four rows per warp, one 16-byte vector of
+every row per lane (lane l holds keys 4l .. 4l + 3). It also owns the same R channels of the head's decay (the f_b
+rows it multiplies) and rewrites the conv taps of the head's q, k and v channels in that range. Every number here
+is fixed at compile time, so listing builds needs neither CuTe DSL nor torch, and the build expectations can count
+instructions from these numbers.
+
+The packed row is the in_proj output [q | k | v | g_out | f_a | beta | pad] (k3_decode.config.RankShapes
+.in_proj_sections); the plan recomputes the section offsets from (proj, gate_rank, heads) and the op checks them
+against the spec's, so the kernel and the model cannot disagree silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+WARP = 32
+HEAD_DIM = 128  # D: 32 lanes x 4 keys; the layout below is built for it
+GATE_RANK = 128  # f_a width: one f_b row is 16 vectors of 8 BF16, one half-warp
+CONV_WIDTH = 4  # 3 stored taps per channel: 8 channels are 48 contiguous bytes, three 16-byte vectors
+ROWS_PER_WARP = 4  # value rows of S per warp: 4 independent butterflies in flight per lane
+CLUSTERS = (8, 4, 2)  # CTAs per head, most first; 8 is the portable cluster size on Hopper
+H200_SMS = 132
+
+SlotDtype = Literal["int32", "int64"]
+
+
+@dataclass(frozen=True)
+class KdaStepPlan:
+    """One compile of the kernel: a rank's KDA shape, the batch, the CTAs per head and the slot table's dtype."""
+
+    heads: int  # H, this rank's heads
+    rows: int  # the packed row's width (the in_proj output, padded)
+    batch: int
+    cluster: int
+    slot_dtype: SlotDtype = "int32"
+
+    def __post_init__(self) -> None:
+        if self.heads < 1:
+            raise ValueError(f"the KDA step needs at least one head, got {self.heads}")
+        if self.batch < 1:
+            raise ValueError(f"batch must be at least 1, got {self.batch}")
+        if self.cluster not in CLUSTERS:
+            raise ValueError(f"the KDA step runs a head on a cluster of {CLUSTERS} CTAs, not {self.cluster}")
+        if self.slot_dtype not in ("int32", "int64"):
+            raise ValueError(f"slot tables are int32 or int64, not {self.slot_dtype!r}")
+        if self.rows < self.unpadded_rows:
+            raise ValueError(
+                f"the packed row has {self.rows} columns; {self.heads} heads need at least {self.unpadded_rows}"
+            )
+        if self.rows % 8:
+            raise ValueError(f"the packed row must be a whole number of 16-byte vectors, got {self.rows} columns")
+
+    @classmethod
+    def for_shape(
+        cls, heads: int, rows: int, batch: int, sm_count: int = H200_SMS, slot_dtype: SlotDtype = "int32"
+    ) -> KdaStepPlan:
+        """The smallest cluster whose grid still gives every SM a CTA, else the largest (8).
+
+        Every head costs 32 warps of state work whatever the cluster (128 rows, 4 per warp); the cluster only
+        groups them. Small clusters repeat less per-CTA work (every CTA convolves the head's whole q and k, and
+        exchanges once per cluster), large ones spread a small batch over more SMs: at TP8 B1 the 12 heads fill
+        only 12 SMs with one CTA per head, 96 with eight.
+        """
+        pairs = heads * batch
+        filling = [c for c in sorted(CLUSTERS) if pairs * c >= sm_count]
+        return cls(heads, rows, batch, filling[0] if filling else max(CLUSTERS), slot_dtype)
+
+    # --- the packed row ---------------------------------------------------------------------------------------
+
+    @property
+    def proj(self) -> int:
+        """P = H * D: the width of each of the q, k, v and g_out sections."""
+        return self.heads * HEAD_DIM
+
+    @property
+    def sections(self) -> dict[str, int]:
+        """Start column of each section of the packed row (RankShapes.in_proj_sections' order)."""
+        p = self.proj
+        return {"q": 0, "k": p, "v": 2 * p, "g": 3 * p, "f_a": 4 * p, "beta": 4 * p + GATE_RANK}
+
+    @property
+    def unpadded_rows(self) -> int:
+        return 4 * self.proj + GATE_RANK + self.heads
+
+    @property
+    def conv_channels(self) -> int:
+        return 3 * self.proj
+
+    # --- the launch ---------------------------------------------------------------------------------------------
+
+    @property
+    def rows_per_cta(self) -> int:
+        """R: value rows of S (and decay channels, and conv channels of q, k and v) each CTA owns."""
+        return HEAD_DIM // self.cluster
+
+    @property
+    def warps(self) -> int:
+        return self.rows_per_cta // ROWS_PER_WARP
+
+    @property
+    def threads(self) -> int:
+        return self.warps * WARP
+
+    @property
+    def ctas(self) -> int:
+        return self.cluster * self.heads * self.batch
+
+    @property
+    def slots(self) -> int:
+        """Partials each CTA receives in the output-norm exchange: one per (CTA, warp) of the cluster."""
+        return self.cluster * self.warps
+
+    @property
+    def v_lanes(self) -> int:
+        """Lanes of warp 1 that convolve the CTA's v channels, 8 each."""
+        return self.rows_per_cta // 8
+
+    @property
+    def qk_lanes_per_cta(self) -> int:
+        """Lanes (of the 16 per section in warp 0) whose q or k channels the CTA rewrites in the conv state."""
+        return 16 // self.cluster
+
+    @property
+    def state_bytes(self) -> int:
+        """Recurrent-state bytes one CTA reads (and writes): its R rows of 128 FP32."""
+        return self.rows_per_cta * HEAD_DIM * 4
+
+    @property
+    def tag(self) -> str:
+        return f"h{self.heads}/b{self.batch}/c{self.cluster}"
