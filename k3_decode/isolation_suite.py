@@ -50,7 +50,7 @@ from k3_decode.executor.audit import (
 from k3_decode.runtime.audit import Change
 from k3_decode.runtime.backend import BACKENDS, PROVIDERS, ProviderRegistry
 from k3_decode.runtime.errors import StartupError
-from k3_decode.runtime.ledger import Expectation, Ledger
+from k3_decode.runtime.ledger import Expectation, Ledger, count_delta
 from k3_decode.runtime.optable import OpTable
 from k3_decode.runtime.scopefile import RuntimeScope
 from k3_decode.runtime.writeset import WriteSet
@@ -212,7 +212,7 @@ class _Run:
         self.cells: dict[int, str] = {}
         self.weight_changes: list[str] = []
         self.weights = {f"layers.{i}.{n}" for i, w in ex.weights.items() for n in w.tensors()}
-        self.counts_at_start = _device_counts(ex)
+        self.counts_at_start = ex.device_counts()
 
     @property
     def specialized(self) -> bool:
@@ -291,7 +291,7 @@ class _Run:
         for s in warm + steps:
             self.cells[s] = cell.name
         self._audited(cell, captured, steps[0], name)
-        before = _device_counts(self.ex)
+        before = self.ex.device_counts()
         with _profiled(profile) as kernels:
             for _ in range(cell.replays):
                 requests = self._inputs(cell, dict.fromkeys(cell.decode, 1), prefill=False)
@@ -299,7 +299,7 @@ class _Run:
                 self._audited(cell, audited, steps[0], name)
         self._expect(cell, warm + steps)
         if profile:
-            self._kernel_names(cell, name, kernels, _delta(before, _device_counts(self.ex)), cell.replays)
+            self._kernel_names(cell, name, kernels, count_delta(before, self.ex.device_counts()), cell.replays)
 
     def _kernel_names(
         self, cell: Cell, graph: str, kernels: Mapping[str, int], counts: Mapping[str, int] | None, replays: int
@@ -327,7 +327,7 @@ class _Run:
 
     def _counters(self) -> None:
         """CUDA: the specialized kernels' device-side counters over the whole run against the ledger's claims."""
-        counts = _delta(self.counts_at_start, _device_counts(self.ex))
+        counts = count_delta(self.counts_at_start, self.ex.device_counts())
         specialized = self.ex.ledger.summary()["dispatches"]["by_path"]["specialized"]
         if counts is None and not specialized:
             self.not_run.append(
@@ -394,22 +394,6 @@ class _Run:
 
     def evidence(self) -> RunEvidence:
         return RunEvidence(self.name, self.ex.ledger.to_json(), list(self.writes), dict(self.cells))
-
-
-def _device_counts(ex: StackExecutor) -> dict[str, int] | None:
-    """Launch counts the registered providers read from their device-side counters (audit builds), or None."""
-    counts: dict[str, int] = {}
-    for provider in ex.registry:
-        read = getattr(provider, "device_counts", None)
-        if read is not None:
-            counts.update(read())
-    return counts or None
-
-
-def _delta(before: Mapping[str, int] | None, after: Mapping[str, int] | None) -> dict[str, int] | None:
-    if after is None:
-        return None
-    return {k: n - (before or {}).get(k, 0) for k, n in after.items()}
 
 
 class _profiled:

@@ -51,8 +51,9 @@ from k3_decode.executor.attribution import device_events, kernels_by_range
 from k3_decode.executor.roofline import StepShape, layer_bytes
 from k3_decode.runtime.backend import BACKENDS, PROVIDERS, ProviderRegistry, select_backend
 from k3_decode.runtime.errors import BackendError
-from k3_decode.runtime.ledger import Expectation
+from k3_decode.runtime.ledger import Expectation, count_delta
 from k3_decode.runtime.optable import OpTable, load_op_table
+from k3_decode.runtime.scopefile import RuntimeScope
 from k3_decode.runtime.startup import register_providers
 from k3_decode.weights import LayerWeights, SyntheticWeights
 
@@ -148,7 +149,7 @@ class K3Arm:
         graph: bool,
         flush: torch.Tensor | None,
         part_bytes: dict[int, int],
-        kernels: Counter[str],
+        kernels: Counter[str],  # profiler kernel names of this cell's profiles (filled by profile())
     ) -> None:
         self.name, self.arm_backend, self.ex, self.cell = name, backend, ex, cell
         self.backend = backend.requested if not backend.note else f"{backend.requested} (ran {backend.started})"
@@ -169,7 +170,10 @@ class K3Arm:
             chunk = random_input(self.dims, first, cell.prefill_tokens, seed + 1, self.device)
             self.requests.append(StepRequest(cell.batch, chunk, prefill=True))
         self.contexts = {r.request: ex.state.context_lens[r.request] for r in self.requests}
-        self._first_record = len(ex.ledger.records())  # the executor serves several cells: judge this one's steps
+        # The executor serves several cells: each arm judges only what ran after this point (its ledger window and
+        # the device counters' launches since).
+        self._since = ex.ledger.mark()
+        self._counts_at_start = ex.device_counts()
         self.graph: str | None = None
         self.layer_graphs: dict[int, str] = {}
         self._launches: dict[int, float] | None = None
@@ -276,10 +280,13 @@ class K3Arm:
             expected = self._specialized_expectations(by)
         else:  # a prefill in the batch routes a mixed step to stock on either backend
             expected = [Expectation("stock", by=by)]
-        mismatches = self.ex.ledger.check(expected)
+        window = self.ex.ledger.since(self._since)
+        mismatches = window.check(expected)
         if self.kernels:
-            self.ex.ledger.report_profiler_kernels(self.kernels)
-        mismatches += self.ex.ledger.check_execution(self.ex.kernel_catalog())
+            window.report_profiler_kernels(self.kernels)
+        if (counts := count_delta(self._counts_at_start, self.ex.device_counts())) is not None:
+            window.report_device_counts(counts)
+        mismatches += window.check_execution(self.ex.kernel_catalog())
         return PathReport(exp, tuple(mismatches))
 
     def _specialized_expectations(self, by: str) -> list[Expectation]:
@@ -292,7 +299,7 @@ class K3Arm:
             return [Expectation("stock", by=by)]
         limits = self.ex.registry.row_limits(self.ex.config.tp)
         paths = table.expected_paths(dims, self.ex.config.layers, rows, limits)
-        keys = sorted({(r.step, r.layer, r.op) for r in self.ex.ledger.records()[self._first_record :]})
+        keys = sorted({(r.step, r.layer, r.op) for r in self.ex.ledger.since(self._since).records()})
         return [Expectation(paths[(layer, op)], by=by, op=op, layer=layer, step=s) for s, layer, op in keys]
 
     # -- profiles -------------------------------------------------------------------------------------------
@@ -414,7 +421,6 @@ class _Stack:
     tp: int
     config: StackConfig
     arms: dict[str, StackExecutor]
-    kernels: dict[str, Counter[str]]
 
 
 class K3PerfSuite:
@@ -426,17 +432,24 @@ class K3PerfSuite:
         settings: Settings,
         device: str,
         distributed: bool = False,
+        *,
+        registry: ProviderRegistry = PROVIDERS,
+        scope: RuntimeScope | None = None,
+        table: OpTable | None = None,
     ) -> None:
+        """`registry`, `scope`, `table`: the runtime's defaults (the shipped providers, scope file and op table)
+        unless a test starts a private deployment (as StackExecutor.start takes them)."""
         data = perf_data()
         if model not in data.stacks:
             raise PerfConfigError(f"model: k3_decode/perf.toml names no perf stack for {model!r} — add one")
         self.model, self.cells, self.settings, self.distributed = model, cells, settings, distributed
         self.device = torch.device(device)
         self.stack_name = data.stacks[model]
-        table = load_op_table()
+        table = table or load_op_table()
+        self._runtime = {"registry": registry, "scope": scope, "table": table}
         self.backends = {
-            "baseline": resolve_backend("perf.baseline_backend", settings.baseline_backend, table),
-            "candidate": resolve_backend("perf.candidate_backend", settings.candidate_backend, table),
+            "baseline": resolve_backend("perf.baseline_backend", settings.baseline_backend, table, registry),
+            "candidate": resolve_backend("perf.candidate_backend", settings.candidate_backend, table, registry),
         }
         self._stack: _Stack | None = None
         self._flush: torch.Tensor | None = None
@@ -507,7 +520,7 @@ class K3PerfSuite:
         flush = self._flush_buffer() if settings.l2_flush else None
         part_bytes = self._part_bytes(stack.arms["baseline"], cell)
         arms = {
-            name: K3Arm(name, self.backends[name], ex, cell, graph, flush, part_bytes, stack.kernels[name])
+            name: K3Arm(name, self.backends[name], ex, cell, graph, flush, part_bytes, Counter())
             for name, ex in stack.arms.items()
         }
         notes = tuple(b.note for b in self.backends.values() if b.note)
@@ -550,11 +563,16 @@ class K3PerfSuite:
         weights: dict[int, LayerWeights] = {i: gen.layer(i) for i in config.layers}
         arms = {
             name: StackExecutor.start(
-                config, {"decode_backend": b.started}, device=self.device, weights=weights, log=lambda line: None
+                config,
+                {"decode_backend": b.started},
+                device=self.device,
+                weights=weights,
+                log=lambda line: None,
+                **self._runtime,
             )
             for name, b in self.backends.items()
         }
-        self._stack = _Stack(tp, config, arms, {name: Counter() for name in arms})
+        self._stack = _Stack(tp, config, arms)
         return self._stack
 
     def _part_bytes(self, ex: StackExecutor, cell: Cell) -> dict[int, int]:

@@ -314,6 +314,16 @@ class StackExecutor:
         """Which kernels each dispatch launches: registered specialized providers and the stock ops of ops.toml."""
         return KernelCatalog.build(self.registry, self.opmap.stock_launches())
 
+    def device_counts(self) -> dict[str, int] | None:
+        """Launches per kernel the registered providers read from their device-side counters (per process, since
+        start), or None when no provider reports any (the stock path's public kernels carry no counters)."""
+        counts: dict[str, int] = {}
+        for provider in self.registry:
+            read = getattr(provider, "device_counts", None)
+            if read is not None:
+                counts.update(read())
+        return counts or None
+
     # -- ledger plumbing ----------------------------------------------------------------------------------------
 
     def _on_layer(self, layer: int) -> None:

@@ -123,6 +123,14 @@ class KernelCatalog:
         return {k for (_, p), ks in self.launches.items() if path in (None, p) for k in ks}
 
 
+@dataclass(frozen=True)
+class LedgerMark:
+    """A point in a ledger's life: how many records it held and how often each graph had been replayed."""
+
+    records: int
+    replays: Mapping[str, int]
+
+
 class Ledger:
     def __init__(self) -> None:
         self._records: list[DispatchRecord] = []
@@ -161,6 +169,24 @@ class Ledger:
     def executions(self, record: DispatchRecord) -> int:
         """How many dispatches a record stands for: 1 when eager, its graph's replay count when captured."""
         return 1 if record.graph is None else self._replays.get(record.graph, 0)
+
+    def mark(self) -> LedgerMark:
+        return LedgerMark(len(self._records), dict(self._replays))
+
+    def since(self, mark: LedgerMark) -> Ledger:
+        """What ran after `mark`, as a ledger of its own: the records made since (eager steps and captures), and the
+        captured records of earlier graphs replayed since, each graph with only the replays made since. Several
+        cells that share one executor are judged each on its own dispatches this way; expectations, counters and
+        profiler names are not carried over (what was reported belongs to the whole run)."""
+        window = Ledger()
+        fresh = self._records[mark.records :]
+        replayed = {g for g, n in self._replays.items() if n > mark.replays.get(g, 0)}
+        window._records = [r for r in self._records[: mark.records] if r.graph in replayed] + fresh
+        graphs = {r.graph for r in window._records if r.graph is not None}
+        for graph in sorted(graphs):
+            if (new := self._replays.get(graph, 0) - mark.replays.get(graph, 0)) > 0:
+                window._replays[graph] = new
+        return window
 
     def report_device_counts(self, counts: Mapping[str, int]) -> None:
         """Launch counts per kernel name read from the device-side counters (audit builds) after the run."""
@@ -319,6 +345,13 @@ class Ledger:
         if ledger.summary() != data["summary"]:
             raise ValueError("dispatch ledger summary does not match its records (edited?); regenerate the ledger")
         return ledger
+
+
+def count_delta(before: Mapping[str, int] | None, after: Mapping[str, int] | None) -> dict[str, int] | None:
+    """Device-counter launches between two readings (`after` None: no counters to report)."""
+    if after is None:
+        return None
+    return {k: n - (before or {}).get(k, 0) for k, n in after.items()}
 
 
 class _Tally:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from harness.cli import main
 from harness.perf.checks import sweep_checks
 from harness.perf.measure import measure_cell
 from harness.perf.plan import Cell, PerfConfigError, Region, Settings
+from k3_decode.isolation_redteam import RedTeamKdaProvider, private_scope, private_table
 from k3_decode.kernels.providers import not_built_reason
 from k3_decode.perf import ArmBackend, K3PerfSuite, resolve_backend
 from k3_decode.runtime.backend import ProviderRegistry
@@ -183,3 +185,66 @@ def test_gpu_graph_and_eager_cells_at_k3_mini_dims():
             assert result.clocks_before.get("available") is True
     finally:
         suite.close()
+
+
+@dataclass
+class _CountingKdaProvider:
+    """A test double of a specialized KDA decode (the isolation red team's honest one) whose launch counter plays
+    the device-side counter; with `miss` = n its n-th launch goes uncounted, as a kernel that did not run would."""
+
+    miss: int = 0
+    op: str = "kda"
+    name: str = "counting-kda"
+    launches: dict[str, int] = field(default_factory=lambda: {"K3CountingKda": 1})
+    calls: list[int] = field(default_factory=lambda: [0, 0])  # launches, counted launches
+
+    def bind(self, target):
+        decode = RedTeamKdaProvider("honest").bind(target)["kda_decode"]
+
+        def counted(*args):
+            self.calls[0] += 1
+            self.calls[1] += self.calls[0] != self.miss
+            return decode(*args)
+
+        return {"kda_decode": counted}
+
+    def device_counts(self) -> dict[str, int]:
+        return {"K3CountingKda": self.calls[1]}
+
+
+def _specialized_cells(provider: _CountingKdaProvider) -> dict[str, list[str]]:
+    """A decode, a verify and a mixed cell in that order on one pair of executors (as the stage runs them), the
+    candidate latency_specialized with `provider` alone: each cell's candidate ledger mismatches."""
+    registry = ProviderRegistry()
+    registry.register(provider)
+    settings = dataclasses.replace(QUICK, candidate_backend="latency_specialized")
+    cells = (_cell(2), _cell(2, q=2), _cell(1, workload="mixed"))
+    suite = K3PerfSuite(
+        "k3-hopper", "k3-mini", cells, settings, "cpu", registry=registry, scope=private_scope(), table=private_table()
+    )
+    out = {}
+    try:
+        for c in cells:
+            prepared = suite.prepare(c, settings)
+            result = measure_cell(prepared, c, LOOSE, settings, lambda: {})
+            out[c.id] = list(result.paths["candidate"].mismatches)
+    finally:
+        suite.close()
+    return out
+
+
+def test_each_cell_is_judged_on_its_own_dispatches_and_the_device_counters():
+    """The first H200 A/B with every provider registered failed 9 honest cells: a verify cell expecting stock was
+    judged on an earlier cell's specialized steps, and no cell read the providers' device counters."""
+    provider = _CountingKdaProvider()
+    mismatches = _specialized_cells(provider)
+    assert len(mismatches) == 3 and all(m == [] for m in mismatches.values()), mismatches
+    assert provider.calls[0] > 0  # the decode cell's expectations held the KDA core specialized, and it ran
+
+
+def test_a_specialized_kernel_the_counters_did_not_see_fails_its_cell():
+    mismatches = _specialized_cells(_CountingKdaProvider(miss=1))
+    decode = mismatches[_cell(2).id]
+    assert any(m.startswith("kernel K3CountingKda:") and "but the device counters show" in m for m in decode), decode
+    # Only the cell the missing launch belongs to fails: the later cells count from their own start.
+    assert mismatches[_cell(2, q=2).id] == [] and mismatches[_cell(1, workload="mixed").id] == []

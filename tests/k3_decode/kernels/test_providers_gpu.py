@@ -20,7 +20,7 @@ from k3_decode.executor import StackExecutor, load_stack
 from k3_decode.executor.attribution import device_events
 from k3_decode.executor.audit import op_log_mismatches
 from k3_decode.kernels.providers import max_rows, not_built_reason
-from k3_decode.runtime.ledger import Expectation
+from k3_decode.runtime.ledger import Expectation, count_delta
 from tests.k3_decode.executor.helpers import decode_requests, oracle_failures
 
 pytestmark = [
@@ -52,14 +52,10 @@ def pair(request):
     special = StackExecutor.start(config, SPECIALIZED, device="cuda", weights=stock.weights, log=lambda line: None)
     for ex in (stock, special):
         ex.state.fill_synthetic(range(REQUESTS), 600, seed=0)
-    special.counts_at_start = _device_counts(special)  # the counters are per process: count from here
+    special.counts_at_start = special.device_counts()  # the counters are per process: count from here
     yield stock, special
     del stock, special
     torch.cuda.empty_cache()
-
-
-def _device_counts(ex: StackExecutor) -> dict[str, int]:
-    return {k: n for p in ex.registry for k, n in p.device_counts().items()}
 
 
 def _paths(ex: StackExecutor, step: int) -> dict[tuple[int, str], tuple[str, str]]:
@@ -130,7 +126,7 @@ def test_graph_replays_run_the_cute_kernels_the_ledger_claims(pair, tmp_path) ->
     assert graph_paths[(special.config.kda_layers[0], "in_proj")] == "specialized"
     assert special.ledger.summary()["graphs"][name]["replays"] == 2
     special.ledger.report_profiler_kernels(kernels)
-    counts = {k: n - special.counts_at_start[k] for k, n in _device_counts(special).items()}
+    counts = count_delta(special.counts_at_start, special.device_counts())
     special.ledger.report_device_counts(counts)
     assert special.ledger.check_execution(special.kernel_catalog()) == []
     # Broken case of the counter join: one launch fewer than the ledger claims is named.

@@ -261,3 +261,27 @@ def test_edited_json_is_rejected(edit, message):
     edit(data)
     with pytest.raises(ValueError, match=message):
         Ledger.from_json(data)
+
+
+# -- windows -------------------------------------------------------------------------------------------------------
+
+
+def test_a_window_holds_what_ran_since_its_mark_and_nothing_before():
+    ledger = Ledger()
+    old = captured_graph(ledger, replays=5)  # captured and replayed before the mark
+    idle = graph_key(2, 1)
+    ledger.record(rec(batch=2, mode="graph", graph=idle), rec(step=1, path="stock", reason="prefill batch"))
+    ledger.replayed(idle, 3)
+    mark = ledger.mark()
+    ledger.replayed(old, 2)  # replayed again after it: those two replays belong to the window
+    ledger.record(rec(step=7))
+    window = ledger.since(mark)
+    assert window.replays() == {old: 2}  # the idle graph ran nothing since the mark
+    assert [r.step for r in window.records()] == [0, 0, 0, 0, 7]
+    assert {r.graph for r in window.records()} == {old, None}
+    assert window.summary()["dispatches"]["total"] == 4 * 2 + 1
+    # The prefill before the mark is outside: a window expecting stock everywhere sees only specialized dispatches.
+    assert len(window.check([Expectation("specialized", by="t")])) == 0
+    assert ledger.check([Expectation("specialized", by="t")]) != []
+    # An empty window matches no expectation, so a cell that ran nothing cannot pass.
+    assert Ledger().since(Ledger().mark()).check([Expectation("stock", by="t")]) != []
