@@ -18,6 +18,7 @@ from k3_decode.config import ShardError, load_dims
 from k3_decode.kernels import cutedsl
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
+from k3_decode.kernels.kda_step_plan import ROWS_PER_WARP, KdaStepPlan
 
 PACKAGE = "k3_decode.kernels"
 
@@ -135,6 +136,64 @@ class KdaInProjBuild:
 
 
 @dataclass(frozen=True)
+class KdaStepBuild:
+    """The fused KDA decode step (q = 1) at one rank's heads and one batch."""
+
+    tp: int
+    plan: KdaStepPlan
+
+    kernel = "kda_step"
+
+    @property
+    def name(self) -> str:
+        return f"kda_step/tp{self.tp}/b{self.plan.batch}"
+
+    @property
+    def tags(self) -> dict[str, Any]:
+        """Facts the expectations select on, and the instruction counts the kernel's code must show. The code is the
+        same for every plan but for its constants (the plan sets the grid, the block, the sizes and the offsets), so
+        the counts are fixed by its structure (kda_step.py)."""
+        p = self.plan
+        rows = ROWS_PER_WARP
+        return {
+            "tp": self.tp,
+            "batch": p.batch,
+            "heads": p.heads,
+            "cluster": p.cluster,
+            "threads": p.threads,
+            "ctas": p.ctas,
+            "ctas_per_sm": p.ctas_per_sm,
+            "smem_bytes": p.smem_bytes,
+            # Bulk copies into shared memory: before the wait the f_b rows and the conv weights of the three
+            # channel runs (the head's q and k, the CTA's v); after it the packed row's sections (the three runs'
+            # inputs, f_a, the output gates), the three runs' taps and the state rows.
+            "weight_copies": 1 + 3,
+            "packed_copies": 3 + 2,
+            "tap_copies": 3,
+            "state_copies": 1,
+            "prefetches": 1 + 3,  # before the wait, into L2: the state rows and the three runs' taps
+            # Plain loads before the wait: A_log, dt_bias (two), o_norm (8 bytes), the slot steering the prefetch;
+            # after it: the slot again and beta.
+            "early_loads": 1 + 2 + 1 + 1,
+            "late_loads": 2,
+            "state_stores": rows,
+            "tap_stores": 3,
+            "out_stores": 2,  # the output of a live request and the zeros of a NULL one
+            "pushes": 2 + 1,  # the decay pairs of both f_b rows, the norm partial
+            # mbarrier waits: weights, packed row, taps, decays, state, norm on the live path; weights, packed row on
+            # the NULL path.
+            "waits": 6 + 2,
+            # The f_b rows (2 x 4 steps over a half-warp), the L2 norms (4), S k and S q per row (2 x 5), the norm (5).
+            "shuffles": 2 * 4 + 4 + rows * 2 * 5 + 5,
+        }
+
+    def compile(self, arch: str) -> KernelArtifacts:
+        from k3_decode.kernels.kda_step import KdaStepKernel, compile_args  # imports CuTe DSL
+
+        return cutedsl.compile_artifacts(KdaStepKernel(self.plan), compile_args(self.plan), arch)
+
+
+@dataclass(frozen=True)
 class K3KernelBuilds:
     """The KernelBuildSet of the k3-hopper subject."""
 
@@ -162,8 +221,8 @@ class K3KernelBuilds:
     def expectations_text(self) -> str:
         return resources.files(PACKAGE).joinpath(self.expectations_file).read_text()
 
-    def builds(self, arch: str) -> list[AttnResBuild | KdaInProjBuild]:
-        return [*self.attn_res_builds(), *self.kda_in_proj_builds(), *self.kda_o_proj_builds()]
+    def builds(self, arch: str) -> list[AttnResBuild | KdaInProjBuild | KdaStepBuild]:
+        return [*self.attn_res_builds(), *self.kda_in_proj_builds(), *self.kda_o_proj_builds(), *self.kda_step_builds()]
 
     def attn_res_builds(self) -> list[AttnResBuild]:
         dims = load_dims(self.table["model"])
@@ -220,6 +279,21 @@ class K3KernelBuilds:
                 raise ValueError(f"builds.toml {section}.tp: {exc}") from None
             for batch in spec["batches"]:
                 builds.append(KdaInProjBuild(tp, InProjPlan.for_shape(rows, k, batch, spec["sm_count"]), section))
+        return builds
+
+    def kda_step_builds(self) -> list[KdaStepBuild]:
+        """The fused KDA decode step at every TP and batch of builds.toml's [kda_step], at each rank's heads."""
+        dims = load_dims(self.table["model"])
+        spec = self.table["kda_step"]
+        builds = []
+        for tp in spec["tp"]:
+            try:
+                shard = dims.shard(tp)
+            except ShardError as exc:
+                raise ValueError(f"builds.toml kda_step.tp: {exc}") from None
+            for batch in spec["batches"]:
+                plan = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, spec["sm_count"])
+                builds.append(KdaStepBuild(tp, plan))
         return builds
 
 

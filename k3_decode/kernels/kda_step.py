@@ -42,25 +42,32 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   an FMA, or shared-memory loads.
 - Conv taps: every CTA reads the taps of the head's 256 q and k channels, but each channel's taps are rewritten by
   exactly one CTA (CTA r: q and k channels [rR, (r+1)R) and its own v channels). A rewrite must not land before a
-  peer's read, so the taps are read, then every thread arrives on the cluster barrier (release) once its taps are
-  in registers, and the rewriting lanes wait on it (acquire) at the very end, long after every CTA has arrived.
+  peer's read, so every thread arrives on the cluster barrier (release) once its CTA's taps are in shared memory
+  and consumed, and the rewriting lanes wait on it (acquire) at the very end, long after every CTA has arrived.
   The CTA's mbarrier initialization is published by the cluster barrier before (arrive relaxed at the start, wait
   before `griddepcontrol.wait`, where it costs nothing), so two cluster barrier phases in all.
-- Programmatic dependent launch. Weights load into registers before `griddepcontrol.wait`: the f_b rows, the conv
-  weights, A_log, dt_bias and o_norm do not depend on the previous kernel. The packed row (the in_proj output)
-  loads only after it. The state (recurrent and conv) is NOT loaded into registers before the wait: that is
-  correct only if the kernel just before this one in the stream neither writes the state nor lets its dependents
-  start before its own wait; in a decode step it is the input projection, but two steps back to back (this kernel
-  starts its dependents before its state stores) would read the state before the previous step wrote it, and
-  griddepcontrol.wait is the only ordering PDL gives. Instead one thread reads the slot (clamped into the table)
-  and issues `cp.async.bulk.prefetch.L2` of the CTA's state rows and the head's taps before the wait: a prefetch
-  puts nothing in registers and L2 is the GPU's point of coherence, so a stale slot only warms the wrong lines and
-  no value can be stale, with any neighbour; after the wait the slot is read again and the state loads hit L2.
-  The device-side launch counter is one relaxed atomic by one thread, after the wait.
-- Plain (not `.nc`) loads everywhere: an invariant load may legally be hoisted above the wait (the build checks
-  there are none), as the other kernels here.
-- Registers: ~16 state floats, the 4 k, q, decay values and the conv lane's 24 taps per thread; the build caps them
-  at 128 with no local memory, so 4 CTAs of 512 threads or 16 of 128 fit an SM.
+- Every input a CTA reads arrives by `cp.async.bulk` (global to shared memory, completing a transaction mbarrier),
+  issued by one thread; the lanes read it from shared memory once its barrier completes. Four groups, one barrier
+  each: the weights (the CTA's R f_b rows and the conv weights of its channels), the packed row's sections (the
+  conv inputs of its channels, f_a, its output gates), the conv taps, and its state rows (8 KB at C = 8). Why not
+  plain loads into registers: ptxas schedules those to save registers, and it sank the state loads (the largest
+  read, needed last) below the conv, serializing two memory latencies; a bulk copy has no register result to
+  economize on, and its consumers cannot run before it is issued. It also leaves ~24 registers per thread instead
+  of ~90, so every plan keeps 32 warps per SM (.minnctapersm, 64 registers: 8 CTAs of 128 threads or 2 of 512).
+- Programmatic dependent launch. The weights are copied before `griddepcontrol.wait` (f_b, the conv weights, and
+  A_log, dt_bias and o_norm, those three into registers): they do not depend on the previous kernel. The packed
+  row (the in_proj output) is copied only after it, first thing. The state (recurrent and conv) is NOT copied
+  before the wait: that is correct only if the kernel just before this one in the stream neither writes the
+  state nor lets its dependents start before its own wait; in a decode step it is the input projection, but two
+  steps back to back (this kernel starts its dependents before its state stores) would read the state before the
+  previous step wrote it, and griddepcontrol.wait is the only ordering PDL gives. Instead one thread reads the slot
+  (clamped into the tables) and issues `cp.async.bulk.prefetch.L2` of the CTA's state rows and the head's taps
+  before the wait: a prefetch puts nothing anywhere but L2, and L2 is the GPU's point of coherence, so a stale
+  slot only warms the wrong lines and no value can be stale, with any neighbour; after the wait the slot is read
+  again and the copies hit L2. The device-side launch counter is one relaxed atomic by one thread, after the wait.
+- The only plain global loads are A_log, dt_bias, o_norm and the slot hint (before the wait) and the slot and beta
+  (after it), none invariant (`.nc`, which may legally be hoisted above the wait; the build checks there are none).
+  The stores are plain 16-byte stores from registers: the state rows, the taps, the BF16 outputs (8 bytes a warp).
 
 Verify steps (q > 1 tokens per request) are not implemented here; the stock verify pipeline serves them.
 """
@@ -164,6 +171,11 @@ class KdaStepKernel:
             grid=[plan.cluster, plan.heads, plan.batch],
             block=[plan.threads, 1, 1],
             cluster=[plan.cluster, 1, 1],
+            smem=plan.smem_bytes,
+            # 1024 threads per SM (ptxas caps registers at 64 to fit them): 8 CTAs of 128 threads or 2 of 512.
+            # Naming the carveout keeps CuTe DSL from asking the driver for the SM's shared memory at compile time.
+            min_blocks_per_mp=plan.ctas_per_sm,
+            preferred_smem_carveout=100,
             stream=stream,
             use_pdl=True,
         )
@@ -197,77 +209,104 @@ class KdaStepKernel:
         col = lane % 16  # the f_a / f_b vector this lane multiplies
         # The f_b rows (decay channels) of half-warp `lane // 16`, local to the CTA: 2 w + half and R/2 more.
         fb_rows = [2 * warp + lane // 16 + j * (rows // 2) for j in range(2)]
-
-        smem = cutlass.utils.SmemAllocator()
-        bars = smem.allocate_array(Int64, 2, byte_alignment=8)
-        decay_s = smem.allocate_tensor(Float32, cute.make_layout(HEAD_DIM), byte_alignment=16)
-        qk_s = smem.allocate_tensor(Float32, cute.make_layout(2 * HEAD_DIM), byte_alignment=16)  # q, then k
-        v_s = smem.allocate_tensor(Float32, cute.make_layout(rows), byte_alignment=16)
-        norm_s = smem.allocate_tensor(Float32, cute.make_layout(plan.slots), byte_alignment=16)
-        if tidx == 0:
-            cute.arch.mbarrier_init(bars, 1)
-            cute.arch.mbarrier_init(bars + 1, 1)
-            cute.arch.mbarrier_init_fence()
-            # Each exchange completes when its bytes have arrived: the 128 decays, the 32 norm partials.
-            cute.arch.mbarrier_arrive_and_expect_tx(bars, HEAD_DIM * 4)
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + 1, plan.slots * 4)
-        cute.arch.cluster_arrive_relaxed()
-
         # The conv lanes: warp 0 convolves the head's q (lanes 0-15) and k (16-31) channels, 8 per lane; lanes
         # 0 .. R/8 - 1 of warp 1 the CTA's own v channels. Every other lane convolves the CTA's first v channels
-        # too (the same addresses as lane 0 of warp 1, so its loads are broadcasts) and discards them: without a
-        # divergent conv block ptxas keeps the state loads ahead of the conv (it sank them past one).
+        # too (a broadcast read of shared memory) and discards them, so the conv is no divergent block. `cl` is the
+        # lane's first channel in the CTA's local numbering (kda_step_plan.py), `chan` in the conv state's.
         is_qk = warp == 0
         is_conv = is_qk or (warp == 1 and lane < plan.v_lanes)
-        chan = (lane // 16) * sec["k"] + head * HEAD_DIM + VECTOR * col  # warp 0
+        cl = VECTOR * lane  # warp 0: q, then k
+        chan = (lane // 16) * sec["k"] + head * HEAD_DIM + VECTOR * col
         if warp != 0:
+            cl = 2 * HEAD_DIM
             chan = sec["v"] + first
             if is_conv:
+                cl = cl + VECTOR * lane
                 chan = chan + VECTOR * lane
 
-        # Weights first: they do not depend on the previous kernel.
-        fb = [cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(2)]
-        for j in cutlass.range_constexpr(2):
-            _copy(f_b[first + fb_rows[j], None], VECTOR, col, fb[j])
+        smem = cutlass.utils.SmemAllocator()
+        # mbarriers: 0 the decay exchange, 1 the norm exchange; then one per group of bulk copies into shared
+        # memory: 2 the weights, 3 the packed row's sections, 4 the conv taps, 5 the state rows.
+        bars = smem.allocate_array(Int64, 6, byte_alignment=128)
+        state_s = smem.allocate_tensor(Float32, cute.make_layout((rows, HEAD_DIM), stride=(HEAD_DIM, 1)), 128)
+        fb_s = smem.allocate_tensor(BFloat16, cute.make_layout((rows, GATE_RANK), stride=(GATE_RANK, 1)), 128)
+        cw_s = smem.allocate_tensor(BFloat16, cute.make_layout(plan.conv_local * CONV_WIDTH), 128)
+        x_s = smem.allocate_tensor(BFloat16, cute.make_layout(plan.packed_bytes // 2), 128)
+        taps_s = smem.allocate_tensor(BFloat16, cute.make_layout(plan.conv_local * TAPS), 128)
+        decay_s = smem.allocate_tensor(Float32, cute.make_layout(HEAD_DIM), 128)
+        qk_s = smem.allocate_tensor(Float32, cute.make_layout(2 * HEAD_DIM), 128)  # q, then k
+        v_s = smem.allocate_tensor(Float32, cute.make_layout(rows), 128)
+        norm_s = smem.allocate_tensor(Float32, cute.make_layout(plan.slots), 128)
+        fa_at = plan.conv_local  # x_s holds the conv inputs (local channels), then f_a, then the output gate
+        gate_at = fa_at + GATE_RANK
+        if tidx == 0:
+            for i in cutlass.range_constexpr(6):
+                cute.arch.mbarrier_init(bars + i, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.fence_proxy("async.shared", space="cta")  # the bulk copies complete these barriers
+            # Each barrier completes when its bytes have arrived: the pushes of the whole cluster, or its copies.
+            sizes = (HEAD_DIM * 4, plan.slots * 4, plan.weight_bytes, plan.packed_bytes, plan.tap_bytes)
+            for i in cutlass.range_constexpr(5):
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + i, sizes[i])
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + 5, plan.state_bytes)
+            # Weights first: they do not depend on the previous kernel.
+            _bulk_copy(fb_s.iterator, f_b[first, None].iterator, rows * GATE_RANK * 2, bars + 2)
+            for start, local, count in self._conv_runs(head, rank):
+                src = conv_w.iterator + CONV_WIDTH * start
+                _bulk_copy(cw_s.iterator + CONV_WIDTH * local, src, count * CONV_WIDTH * 2, bars + 2)
+            self._prefetch_state(conv_state, state, slots[b], head, rank)
+        cute.arch.cluster_arrive_relaxed()
         dt = [dt_bias[first + fb_rows[j]] for j in range(2)]
         decay_rate = cute.math.exp(a_log[head])
         w_norm = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
         _copy(o_norm, ROWS_PER_WARP, rank * (rows // ROWS_PER_WARP) + warp, w_norm)
-        cw = cute.make_rmem_tensor((VECTOR * CONV_WIDTH,), BFloat16)  # 8 channels x 4 taps, channel-major
-        for i in cutlass.range_constexpr(CONV_WIDTH):
-            _copy(conv_w, VECTOR, CONV_WIDTH * (chan // VECTOR) + i, _part(cw, VECTOR, i))
-        if tidx == 0:
-            self._prefetch_state(conv_state, state, slots[b], head, rank)
 
         cute.arch.cluster_wait()  # peers' barriers are initialized before anything is pushed to them
         cute.arch.griddepcontrol_wait()
-        if tidx + rank + head + b == 0:  # thread 0 of the grid's first CTA (all four are non-negative)
-            cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
+        x = packed[b, None]
+        if tidx == 0:
+            # The packed row's sections, first: the conv inputs of the CTA's channels, f_a, its output gates.
+            for start, local, count in self._conv_runs(head, rank):
+                _bulk_copy(x_s.iterator + local, x.iterator + start, count * 2, bars + 3)
+            _bulk_copy(x_s.iterator + fa_at, x.iterator + sec["f_a"], GATE_RANK * 2, bars + 3)
+            _bulk_copy(x_s.iterator + gate_at, x.iterator + (sec["g"] + first), rows * 2, bars + 3)
+            if rank + head + b == 0:  # thread 0 of the grid's first CTA (all three are non-negative)
+                cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
 
         slot = Int32(slots[b])  # read again: the copy before the wait only steered the prefetch
         if slot > 0:
             row0 = Int64(slot)  # 64-bit offsets: a slot of the recurrent state is 786 KB at TP8
-            x = packed[b, None]
-            conv_row = conv_state[slot, None]
-            fa = cute.make_rmem_tensor((VECTOR,), BFloat16)
-            _copy(x, VECTOR, sec["f_a"] // VECTOR + col, fa)
-            gate = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
-            _copy(x, ROWS_PER_WARP, (sec["g"] + first) // ROWS_PER_WARP + warp, gate)
+            conv_row = conv_state[row0, None]
+            if tidx == 0:  # the state rows, then the taps; both from L2 (prefetched before the wait)
+                _bulk_copy(state_s.iterator, state[row0, head, rank * rows, None].iterator, plan.state_bytes, bars + 5)
+                for start, local, count in self._conv_runs(head, rank):
+                    _bulk_copy(
+                        taps_s.iterator + TAPS * local, conv_row.iterator + TAPS * start, count * TAPS * 2, bars + 4
+                    )
             beta = _sigmoid(x[sec["beta"] + head].to(Float32))
-            s_rows = [cute.make_rmem_tensor((4,), Float32) for _ in range(ROWS_PER_WARP)]
-            for i in cutlass.range_constexpr(ROWS_PER_WARP):
-                _copy(state[row0, head, rank * rows + ROWS_PER_WARP * warp + i, None], 4, lane, s_rows[i])
-            inputs = cute.make_rmem_tensor((VECTOR,), BFloat16)
+
+            # The conv: every lane convolves 8 local channels (cl); see is_conv above for which it keeps.
+            cute.arch.mbarrier_wait(bars + 2, 0)  # the weights
+            cute.arch.mbarrier_wait(bars + 3, 0)  # the packed row's sections
+            cute.arch.mbarrier_wait(bars + 4, 0)  # the taps
+            cw = cute.make_rmem_tensor((VECTOR * CONV_WIDTH,), BFloat16)  # 8 channels x 4 taps, channel-major
+            for i in cutlass.range_constexpr(CONV_WIDTH):
+                _copy(cw_s, VECTOR, CONV_WIDTH * (cl // VECTOR) + i, _part(cw, VECTOR, i))
             taps = cute.make_rmem_tensor((VECTOR * TAPS,), BFloat16)  # 8 channels x 3 taps, channel-major
-            act = cute.make_rmem_tensor((VECTOR,), Float32)
-            _copy(x, VECTOR, chan // VECTOR, inputs)
             for t in cutlass.range_constexpr(TAPS):
-                _copy(conv_row, VECTOR, TAPS * (chan // VECTOR) + t, _part(taps, VECTOR, t))
+                _copy(taps_s, VECTOR, TAPS * (cl // VECTOR) + t, _part(taps, VECTOR, t))
+            inputs = cute.make_rmem_tensor((VECTOR,), BFloat16)
+            _copy(x_s, VECTOR, cl // VECTOR, inputs)
+            act = cute.make_rmem_tensor((VECTOR,), Float32)
             _conv_silu(cw, taps, inputs, act)
 
             # The decays of the CTA's channels, pushed to every CTA of the cluster (decay_s[c] = exp(g_c)).
+            fa = cute.make_rmem_tensor((VECTOR,), BFloat16)
+            _copy(x_s, VECTOR, fa_at // VECTOR + col, fa)
             for j in cutlass.range_constexpr(2):
-                dot = _dot(fb[j], fa, VECTOR)
+                fb = cute.make_rmem_tensor((VECTOR,), BFloat16)
+                _copy(fb_s[fb_rows[j], None], VECTOR, col, fb)
+                dot = _dot(fb, fa, VECTOR)
                 for i in cutlass.range_constexpr(4):  # the half-warp's 16 lanes hold one f_b row
                     dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << i)
                 decay = cute.math.exp(lower_bound * _sigmoid(decay_rate * (dot + dt[j])))
@@ -287,7 +326,7 @@ class KdaStepKernel:
             elif is_conv:
                 _store_f32(act, Float32(1.0), v_s, VECTOR * lane)
             cute.arch.sync_threads()  # q, k and v are in shared memory
-            cute.arch.cluster_arrive()  # this CTA's tap reads are done: peers may rewrite theirs (release)
+            cute.arch.cluster_arrive()  # this CTA's tap reads are complete: peers may rewrite theirs (release)
             cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
 
             q = cute.make_rmem_tensor((4,), Float32)
@@ -299,10 +338,12 @@ class KdaStepKernel:
             _copy(v_s, 4, warp, v)
             cute.arch.mbarrier_wait(bars, 0)  # every decay of the head has arrived
             _copy(decay_s, 4, lane, g)
+            cute.arch.mbarrier_wait(bars + 5, 0)  # the state rows have arrived
 
             o = [Float32(0.0)] * ROWS_PER_WARP
             for i in cutlass.range_constexpr(ROWS_PER_WARP):
-                s = s_rows[i]
+                s = cute.make_rmem_tensor((4,), Float32)
+                _copy(state_s[ROWS_PER_WARP * warp + i, None], 4, lane, s)
                 for e in cutlass.range_constexpr(4):
                     s[e] = s[e] * g[e]
                 predicted = _dot(s, k, 4)
@@ -324,6 +365,8 @@ class KdaStepKernel:
             if lane < plan.cluster:
                 dst = norm_s.iterator + (rank * plan.warps + warp)
                 cute.arch.store_async_dsmem(dst, partial.bitcast(Int32), bars + 1, lane)
+            gate = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
+            _copy(x_s, ROWS_PER_WARP, gate_at // ROWS_PER_WARP + warp, gate)
             cute.arch.mbarrier_wait(bars + 1, 0)
             total = norm_s[lane]  # plan.slots == 32: one partial per lane
             for m in cutlass.range_constexpr(5):
@@ -340,18 +383,34 @@ class KdaStepKernel:
             cute.arch.cluster_wait()
             owner = warp == 1 or col // plan.qk_lanes_per_cta == rank
             if is_conv and owner:
+                old = cute.make_rmem_tensor((VECTOR * TAPS,), BFloat16)
+                for t in cutlass.range_constexpr(TAPS):
+                    _copy(taps_s, VECTOR, TAPS * (cl // VECTOR) + t, _part(old, VECTOR, t))
+                _copy(x_s, VECTOR, cl // VECTOR, inputs)
                 shifted = cute.make_rmem_tensor((VECTOR * TAPS,), BFloat16)
                 for c in cutlass.range_constexpr(VECTOR):
-                    shifted[TAPS * c] = taps[TAPS * c + 1]
-                    shifted[TAPS * c + 1] = taps[TAPS * c + 2]
+                    shifted[TAPS * c] = old[TAPS * c + 1]
+                    shifted[TAPS * c + 1] = old[TAPS * c + 2]
                     shifted[TAPS * c + 2] = inputs[c]
                 for t in cutlass.range_constexpr(TAPS):
                     _copy(_part(shifted, VECTOR, t), VECTOR, TAPS * (chan // VECTOR) + t, conv_row)
-        else:  # NULL: zero output, no state touched
+        else:  # NULL: zero output, no state touched; the copies into this CTA's shared memory land before it exits
+            cute.arch.mbarrier_wait(bars + 2, 0)
+            cute.arch.mbarrier_wait(bars + 3, 0)
             y = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
             y.fill(0.0)
             if lane == 0:
                 _copy(y, ROWS_PER_WARP, (head * HEAD_DIM + rank * rows) // ROWS_PER_WARP + warp, out[b, None])
+
+    def _conv_runs(self, head: Int32, rank: Int32) -> tuple[tuple[Any, int, int], ...]:
+        """(first global conv channel, first local channel, channels) of the CTA's three runs of conv channels: the
+        head's q and k channels and the CTA's own v channels."""
+        plan = self.plan
+        return (
+            (head * HEAD_DIM, 0, HEAD_DIM),
+            (plan.proj + head * HEAD_DIM, HEAD_DIM, HEAD_DIM),
+            (2 * plan.proj + head * HEAD_DIM + rank * plan.rows_per_cta, 2 * HEAD_DIM, plan.rows_per_cta),
+        )
 
     @cute.jit
     def _prefetch_state(self, conv_state: cute.Tensor, state: cute.Tensor, hint: Any, head: Int32, rank: Int32):
@@ -424,6 +483,16 @@ def _dot(a: cute.Tensor, b: cute.Tensor, n: cutlass.Constexpr[int]) -> Float32:
 def _sigmoid(x: Float32) -> Float32:
     """1 / (1 + e^-x); saturates to 0 (not NaN) for very negative x, as e^-x overflows to inf."""
     return cute.arch.rcp_approx(1.0 + cute.math.exp(-x))
+
+
+@cute.jit
+def _bulk_copy(dst: Any, src: Any, size: cutlass.Constexpr[int], bar: Any):
+    """`cp.async.bulk` of `size` bytes from global to this CTA's shared memory, completing `size` bytes of the
+    transaction barrier `bar` (16-byte aligned addresses, `size` a multiple of 16)."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
+        read_only_args=[dst.toint(), src.toint(), Int32(size), bar.toint()],
+    )
 
 
 @cute.jit

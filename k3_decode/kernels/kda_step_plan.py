@@ -22,6 +22,7 @@ HEAD_DIM = 128  # D: 32 lanes x 4 keys; the layout below is built for it
 GATE_RANK = 128  # f_a width: one f_b row is 16 vectors of 8 BF16, one half-warp
 CONV_WIDTH = 4  # 3 stored taps per channel: 8 channels are 48 contiguous bytes, three 16-byte vectors
 ROWS_PER_WARP = 4  # value rows of S per warp: 4 independent butterflies in flight per lane
+RESIDENT_THREADS = 1024  # per SM: 32 warps, a 64-register budget per thread
 CLUSTERS = (8, 4, 2)  # CTAs per head, most first; 8 is the portable cluster size on Hopper
 H200_SMS = 132
 
@@ -106,6 +107,12 @@ class KdaStepPlan:
         return self.warps * WARP
 
     @property
+    def ctas_per_sm(self) -> int:
+        """CTAs the compiled kernel must fit on one SM at once: RESIDENT_THREADS threads, so at most 64 registers
+        per thread (ptxas is told, .minnctapersm). Every plan then holds the same 32 warps per SM."""
+        return RESIDENT_THREADS // self.threads
+
+    @property
     def ctas(self) -> int:
         return self.cluster * self.heads * self.batch
 
@@ -124,10 +131,41 @@ class KdaStepPlan:
         """Lanes (of the 16 per section in warp 0) whose q or k channels the CTA rewrites in the conv state."""
         return 16 // self.cluster
 
+    # --- what one CTA copies into shared memory (bulk copies, one mbarrier each) -----------------------------
+    # The CTA's conv channels, "local" numbering: the head's q (0 .. 127), k (128 .. 255), then its own R v channels.
+
+    @property
+    def conv_local(self) -> int:
+        return 2 * HEAD_DIM + self.rows_per_cta
+
+    @property
+    def weight_bytes(self) -> int:
+        """Before the wait: the CTA's R f_b rows (128 BF16 each) and the conv weights (4 BF16) of its channels."""
+        return self.rows_per_cta * GATE_RANK * 2 + self.conv_local * CONV_WIDTH * 2
+
+    @property
+    def packed_bytes(self) -> int:
+        """After it, from the packed row: the conv inputs of its channels, f_a, and the output gate of its rows."""
+        return self.conv_local * 2 + GATE_RANK * 2 + self.rows_per_cta * 2
+
+    @property
+    def tap_bytes(self) -> int:
+        """The stored taps (3 BF16) of its conv channels."""
+        return self.conv_local * (CONV_WIDTH - 1) * 2
+
     @property
     def state_bytes(self) -> int:
         """Recurrent-state bytes one CTA reads (and writes): its R rows of 128 FP32."""
         return self.rows_per_cta * HEAD_DIM * 4
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA: the copies above, the exchanged decays and norm partials, q, k and v as FP32,
+        six mbarriers, each buffer 128-byte aligned."""
+        r = self.rows_per_cta
+        parts = [6 * 8, self.state_bytes, self.weight_bytes, self.packed_bytes, self.tap_bytes]
+        parts += [HEAD_DIM * 4, 2 * HEAD_DIM * 4, r * 4, self.slots * 4]
+        return sum(-(-n // 128) * 128 for n in parts)
 
     @property
     def tag(self) -> str:
