@@ -1,0 +1,278 @@
+"""The fused KDA decode step kernel's plan and builds: what is built (fast, no CuTe DSL), and real sm_90a builds of
+one shape per cluster size with their PTX, SASS and cubin checked, a wrong expectation and two broken kernels that
+must fail (slow; needs CuTe DSL, `pip install 'k3gate[cutedsl]'`). `k3gate kernels build --arch sm_90a --match
+'kda_step*'` compiles all twelve."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.kernels_cmd import cubin_resources, parse_expectations, select_builds
+from k3_decode.config import K3
+from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds, KdaStepBuild
+from k3_decode.kernels.kda_step_plan import CLUSTERS, HEAD_DIM, RESIDENT_THREADS, KdaStepPlan
+from k3_decode.reference.kda import KdaSpec
+from tests.k3_decode.kernels.helpers import BUILDS, REPO, assert_launch_reaches_the_driver, needs_cutedsl
+
+SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory; the driver reserves 1 KiB per CTA
+H200_SMS = 132
+# The cluster the plan picks per (TP, batch): 8 CTAs per head while the grid would leave SMs idle, fewer above.
+CLUSTER = {
+    (8, 1): 8, (8, 2): 8, (8, 4): 4, (8, 8): 2, (8, 16): 2, (8, 64): 2,
+    (16, 1): 8, (16, 2): 8, (16, 4): 8, (16, 8): 4, (16, 16): 2, (16, 64): 2,
+}  # fmt: skip
+
+
+def step_builds() -> list[KdaStepBuild]:
+    return [b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, KdaStepBuild)]
+
+
+# --- the plan -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_the_plan_reads_the_packed_row_the_model_writes(tp):
+    shard = K3.shard(tp)
+    plan = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, 1)
+    sections = {name: s.start for name, s in shard.in_proj_sections().items() if name != "pad"}
+    assert plan.sections == sections
+    assert plan.unpadded_rows == shard.kda_in_proj_unpadded and plan.rows == shard.kda_in_proj_rows
+    assert plan.proj == shard.kda_proj and plan.conv_channels == shard.kda_conv_state[0]
+    spec = KdaSpec.for_rank(K3, tp)  # what the launcher checks the plan against
+    assert (spec.head_dim, spec.gate_rank, spec.conv_width) == (HEAD_DIM, 128, 4)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_a_cluster_covers_a_head_and_fits_an_sm(cluster):
+    plan = KdaStepPlan(12, 6288, 4, cluster)
+    rows = plan.rows_per_cta
+    assert rows * cluster == HEAD_DIM and plan.warps * 4 == rows and plan.threads == 32 * plan.warps
+    assert plan.slots == 32  # one norm partial per lane of the final sum
+    assert plan.qk_lanes_per_cta * cluster == 16 and 1 <= plan.v_lanes <= 32  # each tap rewritten by one CTA
+    # The decays: every CTA receives 128 floats, 8 bytes per (source CTA, warp, f_b row pair).
+    assert cluster * plan.warps * 2 * 8 == HEAD_DIM * 4
+    # 32 warps per SM whatever the cluster: registers (64 each) and shared memory both allow it.
+    assert plan.threads * plan.ctas_per_sm == RESIDENT_THREADS
+    assert plan.ctas_per_sm * 64 * plan.threads <= 65536
+    assert plan.ctas_per_sm * (plan.smem_bytes + 1024) <= SMEM_PER_SM
+    # Bulk copies move whole 16-byte units into 16-byte aligned places.
+    for size in (plan.weight_bytes, plan.packed_bytes, plan.tap_bytes, plan.state_bytes, rows * 2, rows * 6):
+        assert size % 16 == 0, size
+    assert plan.state_bytes == rows * HEAD_DIM * 4 and plan.conv_local == 2 * HEAD_DIM + rows
+
+
+def test_the_cluster_fills_the_gpu_until_the_batch_does():
+    for (tp, batch), cluster in CLUSTER.items():
+        shard = K3.shard(tp)
+        plan = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, H200_SMS)
+        assert plan.cluster == cluster, (tp, batch)
+        assert plan.ctas >= H200_SMS or cluster == max(CLUSTERS), (tp, batch)
+        smaller = [c for c in CLUSTERS if c < cluster]
+        assert all(shard.kda_heads * batch * c < H200_SMS for c in smaller), (tp, batch)
+
+
+def test_the_plan_refuses_what_the_kernel_cannot_take():
+    with pytest.raises(ValueError, match="cluster of"):
+        KdaStepPlan(12, 6288, 1, 16)
+    with pytest.raises(ValueError, match="cluster of"):
+        KdaStepPlan(12, 6288, 1, 3)
+    with pytest.raises(ValueError, match="at least one head"):
+        KdaStepPlan(0, 6288, 1, 8)
+    with pytest.raises(ValueError, match="batch"):
+        KdaStepPlan(12, 6288, 0, 8)
+    with pytest.raises(ValueError, match="at least 6284"):
+        KdaStepPlan(12, 6280, 1, 8)
+    with pytest.raises(ValueError, match="16-byte"):
+        KdaStepPlan(12, 6290, 1, 8)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        KdaStepPlan(12, 6288, 1, 8, "int16")  # type: ignore[arg-type]
+
+
+# --- what is built ----------------------------------------------------------------------------------------------
+
+
+def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
+    builds = step_builds()
+    assert [(b.tp, b.plan.batch) for b in builds] == [(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8, 16, 64)]
+    assert {b.name for b in builds} == {f"kda_step/tp{tp}/b{b}" for tp in (8, 16) for b in (1, 2, 4, 8, 16, 64)}
+    assert {b.tp: (b.plan.heads, b.plan.rows) for b in builds} == {8: (12, 6288), 16: (6, 3216)}
+    assert {(b.tp, b.plan.batch): b.plan.cluster for b in builds} == CLUSTER
+    assert {b.kernel for b in builds} == {"kda_step"} and {b.plan.slot_dtype for b in builds} == {"int32"}
+    assert K3_KERNEL_BUILDS.kda_step_builds() == builds
+
+
+def test_build_tags_count_what_the_code_must_hold():
+    tags = {b.name: b.tags for b in step_builds()}
+    b1 = tags["kda_step/tp8/b1"]
+    assert (b1["cluster"], b1["threads"], b1["ctas"], b1["ctas_per_sm"]) == (8, 128, 96, 8)
+    copies = ("weight_copies", "packed_copies", "tap_copies", "state_copies")
+    assert tuple(b1[k] for k in copies) == (4, 5, 3, 1) and b1["prefetches"] == 4
+    assert (b1["early_loads"], b1["late_loads"], b1["waits"], b1["pushes"]) == (5, 2, 8, 3)
+    assert (b1["state_stores"], b1["tap_stores"], b1["out_stores"], b1["shuffles"]) == (4, 3, 2, 57)
+    b64 = tags["kda_step/tp16/b64"]
+    assert (b64["cluster"], b64["threads"], b64["ctas"], b64["ctas_per_sm"]) == (2, 512, 768, 2)
+
+
+def test_expectations_judge_every_kda_step_build():
+    expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
+    builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_step*")  # every named tag exists
+    assert len(builds) == 12
+    step = expectations["kda_step"]
+    assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
+
+
+def test_a_tp_the_model_cannot_shard_is_a_build_table_error(monkeypatch):
+    table = K3_KERNEL_BUILDS.table | {"kda_step": K3_KERNEL_BUILDS.table["kda_step"] | {"tp": [7]}}
+    builds = K3KernelBuilds()
+    monkeypatch.setattr(K3KernelBuilds, "table", table)
+    with pytest.raises(ValueError, match=r"builds\.toml kda_step\.tp"):
+        builds.kda_step_builds()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_the_launcher_refuses_a_step_off_a_cuda_device():
+    import torch
+
+    from k3_decode.kernels import kda_step_op
+    from k3_decode.reference.kda import KdaCache
+
+    spec = KdaSpec.for_rank(K3, 16)
+    packed = torch.zeros(2, spec.in_proj_rows, dtype=torch.bfloat16)
+    cache = KdaCache(torch.zeros(3, spec.conv_channels, 3, dtype=torch.bfloat16), torch.zeros(3, 6, 128, 128))
+    with pytest.raises(ValueError, match="CUDA device"):
+        kda_step_op.decode_step(spec, None, packed, cache, torch.ones(2, dtype=torch.int32))
+
+
+# --- the real builds (CuTe DSL, no GPU) ---------------------------------------------------------------------------
+
+
+def command(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
+    """`k3gate kernels build --arch sm_90a --builds ...` in a fresh process (CuTe DSL reads its arch on import)."""
+    argv = ["build", "--arch", "sm_90a", "--builds", BUILDS, *args]
+    code = f"{prelude}\nimport sys\nfrom harness.kernels_cmd import main\nsys.exit(main({argv!r}))\n"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    env.pop("CUTE_DSL_ARCH", None)  # the command must set it itself
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200
+    )
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_one_build_per_cluster_compiles_and_meets_its_expectations(tmp_path):
+    out = tmp_path / "out"
+    proc = command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "kda_step/tp8/b[148]")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)["subjects"]["K3_KERNEL_BUILDS"]
+    assert report["ok"] and sorted(b["tags"]["cluster"] for b in report["builds"]) == [2, 4, 8]
+    assert all(b["ok"] and len(b["checks"]) >= 45 for b in report["builds"])  # the rules ran, not skipped
+
+    # Facts read straight from the artifacts, independent of the expectations file.
+    bodies = set()
+    for b in report["builds"]:
+        name, tags = b["build"], b["tags"]
+        ptx = (out / name / "kernel.ptx").read_text()
+        sass = (out / name / "kernel.sass").read_text()
+        (res,) = cubin_resources((out / name / "kernel.cubin").read_bytes()).values()
+        assert re.search(r"^\.target sm_90a$", ptx, re.M), name
+        assert res.frame_bytes == 0 and not re.search(r"\b(LDL|STL)\b", sass), f"{name} spills"
+        assert res.registers * tags["threads"] * tags["ctas_per_sm"] <= 65536, (name, res)
+        assert re.search(rf"^\.minnctapersm {tags['ctas_per_sm']}$", ptx, re.M), name
+        head, _, tail = sass.partition("ACQBULK")
+        assert tail, f"{name} has no griddepcontrol.wait"
+        # Before the wait: the weights' four bulk copies, the four L2 prefetches, five scalar loads; no shared read.
+        assert (head.count("UBLKCP"), head.count("UBLKPF"), len(re.findall(r"\bLDG\b", head))) == (4, 4, 5), name
+        assert "LDS" not in head and "STG" not in head, name
+        assert ptx.count("st.async.shared::cluster") == 3 and ptx.count("barrier.cluster.wait;") == 2, name
+        assert not re.search(r"\b(fma|mul|add)(\.rn)?\.(bf16|f16)", ptx), f"{name} has half-precision math"
+        bodies.add(ptx.split(".entry", 1)[1].split("(", 1)[1])
+    assert len(bodies) == 3  # the plans differ in the code (block size, offsets, copy sizes)
+
+
+def _broken(text: str) -> str:
+    """The real expectations with two of the kernel's numbers made wrong by one step each."""
+    head, sep, section = text.partition("[sm_90a.kda_step]")
+    rule = "pattern = 'cp\\.async\\.bulk\\.shared::cluster\\.global\\.mbarrier::complete_tx::bytes'\n"
+    rule += "before = 'griddepcontrol\\.wait;'\ncount = \"weight_copies\""
+    assert sep and section.count(rule) == 1 and section.count("max_registers = 64") == 1
+    section = section.replace("max_registers = 64", "max_registers = 32").replace(rule, rule[:-1] + ' + 1"')
+    return head + sep + section
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_violated_expectation_fails_the_build(tmp_path):
+    broken = tmp_path / "broken.toml"
+    broken.write_text(_broken(K3_KERNEL_BUILDS.expectations_text()))
+    out = tmp_path / "out"
+    proc = command(tmp_path, "--out", str(out), "--expectations", str(broken), "--match", "kda_step/tp16/b2")
+    assert proc.returncode == 1, proc.stderr
+    (result,) = json.loads((out / "report.json").read_text())["builds"]
+    failed = sorted(c["name"] for c in result["checks"] if not c["passed"])
+    assert len(failed) == 2 and failed[1] == "registers" and failed[0].startswith("ptx 'cp\\\\.async\\\\.bulk"), failed
+    held = [c["name"] for c in result["checks"] if c["passed"]]
+    assert held[:2] == ["compiles", "ptx .target"] and any("UBLKCP" in name for name in held)
+    assert "0 of 1 builds passed" in proc.stderr and re.search(r"registers \(\d+ <= 32\)", proc.stderr)
+
+
+# Kernels with one synchronization removed (the attribute is patched out in the compiling process only), and rules
+# that must catch each: without griddepcontrol.wait the packed row is read while the in_proj may still write it;
+# without the cluster barrier waits a CTA pushes into peers whose barriers may not exist yet and rewrites taps a peer
+# may not have read.
+BROKEN_KERNELS = {
+    "griddepcontrol_wait": ("ptx 'griddepcontrol\\\\.wait;'", "sass has '\\\\bACQBULK\\\\b'"),
+    "cluster_wait": ("ptx 'barrier\\\\.cluster\\\\.wait;'", "sass '\\\\bUCGABAR_(ARV|WAIT)\\\\b'"),
+}
+
+
+@pytest.mark.slow
+@needs_cutedsl
+@pytest.mark.parametrize("removed", sorted(BROKEN_KERNELS))
+def test_a_kernel_without_its_synchronization_fails_its_build(tmp_path, removed):
+    # The architecture first: CuTe DSL reads it when cutlass is imported, here before the command would set it.
+    patch = f"cute.arch.{removed} = lambda *args, **kwargs: None"
+    prelude = f"import os\nos.environ['CUTE_DSL_ARCH'] = 'sm_90a'\nimport cutlass.cute as cute\n{patch}"
+    out = tmp_path / "out"
+    proc = command(tmp_path, "--out", str(out), "--match", "kda_step/tp16/b2", prelude=prelude)
+    assert proc.returncode == 1, proc.stderr
+    (result,) = json.loads((out / "report.json").read_text())["builds"]
+    failed = {c["name"] for c in result["checks"] if not c["passed"]}
+    assert "compiles" not in failed and "registers" not in failed  # it built; the synchronization rules caught it
+    assert set(BROKEN_KERNELS[removed]) <= failed, sorted(failed)
+    assert len(failed) <= 8, sorted(failed)  # those rules, not everything (the SASS was read)
+
+
+LAUNCH_ON_CPU = """
+import torch
+from k3_decode.kernels import kda_step_op
+from k3_decode.kernels.kda_step_plan import KdaStepPlan
+
+compiled = kda_step_op._compiled(KdaStepPlan.for_shape(6, 3216, 3))
+p = 768
+def z(*shape, dtype=torch.bfloat16):
+    return torch.zeros(*shape, dtype=dtype)
+f32, i32 = torch.float32, torch.int32
+tensors = (z(3, 3216), z(p, 128), z(3 * p * 4), z(6, dtype=f32), z(p, dtype=f32), z(128), z(5, 3 * p * 3),
+           z(5, 6, 128, 128, dtype=f32), z(3, dtype=i32), z(3, p), z(1, dtype=i32))
+try:
+    kda_step_op.launch(compiled, tensors, (-5.0, 1e-6, 1e-5), 0)
+except Exception as exc:
+    print("RAISED", type(exc).__name__, "cudaErrorInsufficientDriver" in str(exc))
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_the_gpu_launch_path_binds_every_argument(tmp_path):
+    """The launcher the GPU test uses compiles from the same fake signature (with a run-time slot count) and hands
+    over every argument; on a machine without a driver the call gets as far as the launch (CUDA error 35)."""
+    assert_launch_reaches_the_driver(LAUNCH_ON_CPU, tmp_path)
