@@ -6,20 +6,47 @@ Marlin/Humming MXFP4 MoE on SM90): 16-bit activations, MXFP4 weights dequantized
 accumulation, tokens grouped by expert so each selected expert's weights are read once. Same launch structure as
 vLLM's fused Marlin MoE (align, FC1, activation, FC2, sum) less the activation launch, which rides in FC1's epilogue.
 
-How a weight is decoded: an E2M1 code s|e1 e0|m placed as FP16 bits s|0 0 0 e1 e0|m 0...0 is exactly its value
-times 2^-14 (code 1, 0.5, lands on the FP16 subnormal 2^-15, which is right), so a code costs a few integer ops
-and a free bitcast. The 32-element scale 2^(b - 127) is split: 2^(b - r + 14), with r the largest scale byte of the
-weight's row, is one FP16 multiply per weight (exact while a block sits within 2^23 of its row's largest block),
-and 2^(r - 127) multiplies the FP32 result once per output column.
+Why the previous kernel ran at 8-15 % of the HBM roofline (measured on the H200: 84 / 434 / 2214 us for 16 / ~120 /
+~600 experts at TP8 B 1 / 8 / 64, docs/stock-path.md "MoE"), read from its sm_90 SASS (compiled on the CPU):
+- It was issue-bound, not latency-bound. At the roofline an H200 streams ~7.9e12 MXFP4 weights/s (0.53 byte each),
+  about 31 weights per SM per clock; its four schedulers issue 128 thread-instructions per SM per clock, so a kernel
+  has ~4 instructions per weight *in total* (decode, scale, operand shuffles, MMA, loads, addresses). The FC1 main
+  loop was 842 instructions for 32 weights per thread per step: 26 per weight. The parts: the E2M1 decode on one
+  byte per 32-bit lane (shift, mask, or, bitcast, FP16 multiply; ~13), the FP16 range flag (a max over the x tile
+  with warp shuffles every K step: 49 FMNMX + 48 SHFL), the x tile's BF16 -> FP16 conversion and its M = 16 rows
+  (one real row at decode) converted to MMA operands every step, and 16-byte-at-most weight loads of 64 bytes per
+  row per step.
+- Few bytes in flight: 2 K steps of 2-4 KB per program, a scale pre-pass (the row's largest scale byte) and, in FC2,
+  an x pre-pass (the row shift into FP16's range), each a dependent round trip to memory before the first weight.
+- Grid: at B1 the 16 experts gave 17 x 24 FC1 programs and 17 x 112 FC2 programs: enough programs, but each one a
+  chain of latencies; the K split (more programs per expert) would not have helped an issue-bound loop.
 
-Activations enter the dot as FP16. FC1's input, the latent (a down-projection of a normalized hidden state, O(1)),
-is exact between 2^-14 and 65504 and keeps 2^-24 absolute steps below; a token with an element at or above 65520,
-which FP16 cannot hold, gets NaN outputs (loud, never a silently clipped value). FC2's input, the SiTU output, is
-pre-scaled per row by a power of two into FP16's normal range (a short pass: K is one intermediate shard), because a
-small latent makes it tiny (~latent^2) and the latent RMSNorm after the all-reduce would amplify any lost bits.
+What this version does (counts from the sm_90 SASS, tests/k3_decode/stock/test_moe_kernels_compile.py):
+- BF16 activations, so no range flag, no x conversion and no pre-pass: the latent and the SiTU output enter the MMA
+  as they are (BF16 x BF16 products are exact in FP32). The weights become BF16 too.
+- The decode works on packed words (Marlin's trick, arXiv 2408.11743, applied to E2M1 and BF16): one inline-PTX block
+  turns 4 packed bytes (8 codes) into 4 BF16 pairs with 2 byte permutes and, per pair, a mask, an integer multiply
+  that places sign and magnitude at once, a mask and one BF16x2 multiply by the block scale: ~2.3 instructions per
+  weight. Its BF16 bits are a code's value times 2^-126 (sign at bit 15, the code's e1 e0 m at bits 8..6: the codes
+  +-0.5 land on the BF16 subnormal 2^-127, which the multiply keeps), times 2^(b - 53) for scale byte b: a weight
+  enters the MMA as w * 2^-52, exact for scale bytes 48..MAX_SCALE_BYTE (180), and 2^52 is applied to the FP32
+  result once per output element.
+- Weights are the MMA's M operand (64 rows per warpgroup, swap-AB as decode GEMMs do) and the <= 16 tokens of an
+  expert block its N operand, so wgmma runs with the weights in registers and the tiny x tile in shared memory.
+  FC1's 64 rows are 32 gate and 32 up rows of the same intermediate columns, so SiTU stays in its epilogue.
+- 16-byte weight loads (16 packed bytes = one scale block per thread); a K step's weights, scales and activations
+  are requested together (FC1 at B <= 8: 512 K elements, 16 KB per program), and the other programs resident on
+  the SM (4-5 at ~100-130 registers) cover the latency. A prefetch of the next step held across the loop made
+  Triton keep the packed bytes one per register and re-pack them (6.2 instructions per weight instead of 3.9), and
+  Triton's own cp.async pipelining (num_stages 3) added shared-memory round trips (4.9): both measured in SASS and
+  dropped.
+The main loops come to 3.8-3.9 (FC1) and 4.2 (FC2) instructions per weight, from 26; tiles.toml picks BK per batch.
+Expected on the H200 (not yet measured): issue-bound at ~3.9 instructions per weight the loops need ~90 % of the
+HBM time, so about 60-80 % of the roofline per GEMM; B1 and B8 add the four launches and the one-program align.
 
-Decode is latency-bound at small batch: each program streams its weight rows in K steps of 32 * S elements and
-issues the next step's weight loads before it computes on the current one, so two steps are in flight.
+Interpreted (TRITON_INTERPRET=1, CPU tensors) the inline PTX cannot run: the same codes become FP32 bit patterns with
+the same value (value * 2^-126) and are scaled by the same power of two in FP32, and the dot runs in FP32 (exact
+for these products); only the FP32 summation order can differ from the GPU path.
 """
 
 from __future__ import annotations
@@ -30,105 +57,112 @@ import triton.language as tl
 from torch import Tensor
 
 from k3_decode.reference.mxfp import BLOCK, MxTensor
-from k3_decode.stock.triton_moe.common import bf16_rne, exponent_of, pow2_f32, situ_f32
-from k3_decode.stock.triton_moe.limits import MAX_PAIRS
+from k3_decode.stock.triton_moe.common import bf16_rne, pow2_f32, situ_f32
+from k3_decode.stock.triton_moe.limits import MAX_PAIRS, WEIGHT_SHIFT
 from k3_decode.stock.triton_moe.routing import align
 from k3_decode.stock.triton_moe.tiles import ExpertTiles
 
+# $4: 4 packed bytes (8 codes: byte i holds elements 2i (low nibble) and 2i + 1 (high nibble)); $5, $6: the BF16
+# scale factor, twice in each register. Out: $0, $1 the even elements of bytes (0, 1) and (2, 3), $2, $3 the odd.
+# prmt spreads bytes (0, 1) and (2, 3) into the low bytes of the two halves; masking one nibble per half and
+# multiplying by 2^12 + 2^6 (even) or 2^8 + 2^2 (odd) puts its sign bit at 15 and e1 e0 m at 8..6 (the two shifted
+# copies do not overlap), and the last mask keeps those bits of each half.
+_DECODE_PTX = tl.constexpr("""
+{
+.reg .b32 t, u, a;
+prmt.b32 t, $4, 0, 0x4140;
+prmt.b32 u, $4, 0, 0x4342;
+and.b32 a, t, 0x000F000F;
+mul.lo.u32 a, a, 0x1040;
+and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $0, a, $5;
+and.b32 a, u, 0x000F000F;
+mul.lo.u32 a, a, 0x1040;
+and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $1, a, $6;
+and.b32 a, t, 0x00F000F0;
+mul.lo.u32 a, a, 0x104;
+and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $2, a, $5;
+and.b32 a, u, 0x00F000F0;
+mul.lo.u32 a, a, 0x104;
+and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $3, a, $6;
+}
+""")
+
 
 @triton.jit
-def _row_shift(x_ptr, x_rows, x_ok, K, BM: tl.constexpr, BK: tl.constexpr):
-    """Per row, the power of two that moves its largest |x| into [2^14, 2^15) (0 for an all-zero row)."""
-    amax = tl.zeros([BM], dtype=tl.float32)
-    cols = tl.arange(0, BK)
-    for k0 in range(0, K, BK):
-        k = k0 + cols
-        v = tl.load(x_ptr + x_rows[:, None] + k[None, :], mask=x_ok[:, None] & (k < K)[None, :], other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
-    shift = tl.where(amax > 0, exponent_of(amax) - 14, 0)
-    # 2^-shift (on x) and 2^shift (on the result) must both be normal FP32 powers of two.
-    return tl.minimum(tl.maximum(shift, -126), 126)
+def _decode(packed, scale, SHIFT: tl.constexpr, ASM: tl.constexpr):
+    """(even, odd) weights times 2^-SHIFT of packed MXFP4 bytes [..., 16] with their scale bytes [..., 1].
+
+    even[..., j] is element 2j, odd[..., j] element 2j + 1. BF16 through the inline PTX (ASM), else FP32 with the
+    same values (the interpreter's path).
+    """
+    # 2^(b - 127) * 2^-SHIFT = 2^(b - SHIFT - 1) * 2^-126: the decoded bits already carry the 2^-126.
+    e = scale.to(tl.int32) - (SHIFT + 1)
+    if ASM:
+        factor = ((e + 127) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        factor = tl.broadcast_to(factor, packed.shape)
+        even, odd = tl.inline_asm_elementwise(
+            _DECODE_PTX, "=r,=r,=r,=r,r,r,r", [packed, factor], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        )
+    else:
+        b = packed.to(tl.int32)
+        # FP32 bits s | 0000 00 e1 e0 | m 0...: a code's value times 2^-126 (the +-0.5 codes are FP32 subnormals).
+        even = (((b & 0x8) << 28) | ((b & 0x7) << 22)).to(tl.float32, bitcast=True) * pow2_f32(e)
+        odd = (((b & 0x80) << 24) | ((b & 0x70) << 18)).to(tl.float32, bitcast=True) * pow2_f32(e)
+    return even, odd
 
 
 @triton.jit
-def _load_weights(w_ptr, s_ptr, w_rows, w_ok, b0, n_blocks, stride_wn, stride_sn, S: tl.constexpr):
-    """Packed codes [S, 16, N] and scale bytes [S, N] of the S scale blocks starting at block b0 (masked past K)."""
+def _load_step(w_rows, w_ok, s_rows, x_rows, x_ok, k0, K, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step: packed codes [R, BK/32, 16], scale bytes [R, BK/32, 1], activations [BM, BK] (zero past K)."""
+    nb = tl.arange(0, BK // 32)
     j = tl.arange(0, 16)
-    blk = b0 + tl.arange(0, S)
-    blk_ok = blk < n_blocks
-    w_off = w_rows[None, None, :] * stride_wn + (blk * 16)[:, None, None] + j[None, :, None]
-    packed = tl.load(w_ptr + w_off, mask=blk_ok[:, None, None] & w_ok[None, None, :], other=0)
-    s_off = w_rows[None, :] * stride_sn + blk[:, None]
-    scale = tl.load(s_ptr + s_off, mask=blk_ok[:, None] & w_ok[None, :], other=0)
-    return packed, scale
+    kx = k0 + tl.arange(0, BK)
+    byte = (k0 // 2 + nb * 16)[None, :, None] + j[None, None, :]
+    blk = (k0 // 32 + nb)[None, :, None]
+    if EVEN_K:
+        packed = tl.load(w_rows[:, None, None] + byte, mask=w_ok[:, None, None], other=0)
+        scale = tl.load(s_rows[:, None, None] + blk, mask=w_ok[:, None, None], other=0)
+        x = tl.load(x_rows[:, None] + kx[None, :], mask=x_ok[:, None], other=0.0)
+    else:
+        packed = tl.load(w_rows[:, None, None] + byte, mask=w_ok[:, None, None] & (byte < K // 2), other=0)
+        scale = tl.load(s_rows[:, None, None] + blk, mask=w_ok[:, None, None] & (blk < K // 32), other=0)
+        x = tl.load(x_rows[:, None] + kx[None, :], mask=x_ok[:, None] & (kx < K)[None, :], other=0.0)
+    return packed, scale, x
 
 
 @triton.jit
-def _row_scale_max(s_ptr, w_rows, w_ok, n_blocks, stride_sn, N: tl.constexpr, KB: tl.constexpr):
-    """Largest scale byte of each weight row (0 for rows that are all padding)."""
-    b = tl.arange(0, KB)
-    top = tl.zeros([N], dtype=tl.int32)
-    for b0 in range(0, n_blocks, KB):
-        blk = b0 + b
-        sc = tl.load(s_ptr + w_rows[:, None] * stride_sn + blk[None, :], mask=w_ok[:, None] & (blk < n_blocks)[None, :])
-        top = tl.maximum(top, tl.max(sc.to(tl.int32), axis=1))
-    return top
-
-
-@triton.jit
-def _pow2_f16(e):
-    """2^e as FP16 for int32 e <= 15; 0 below 2^-14 (a block that far under its row's largest adds nothing)."""
-    bits = tl.where(e >= -14, (e + 15) << 10, 0)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _mx_gemm(
-    x_ptr,
+def _mx_gemm_t(
     x_rows,
     x_ok,
-    x_mul,
-    w_ptr,
-    s_ptr,
     w_rows,
     w_ok,
+    s_rows,
     K,
-    stride_wn,
-    stride_sn,
     BM: tl.constexpr,
-    N: tl.constexpr,
-    S: tl.constexpr,
+    R: tl.constexpr,
+    BK: tl.constexpr,
+    SHIFT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    """(acc [BM, N] FP32, amax [BM]): acc[m, n] = sum_k x_mul[m] * x[row m, k] * W[w_rows n, k] for MXFP4 W (codes
-    [N, K/2] bytes, scales [N, K/32]); amax is each row's largest |x_mul * x|, to flag what FP16 could not hold.
-
-    Each weight becomes v * 2^(b - r) in FP16, with r its row's largest scale byte (exact while a block's scale is
-    within 2^23 of its row's largest); 2^(r - 127) is applied to the FP32 result once per column.
-    """
-    kk = tl.arange(0, S * 32)
-    n_blocks = K // 32
-    top = _row_scale_max(s_ptr, w_rows, w_ok, n_blocks, stride_sn, N, 128)
-    acc = tl.zeros([BM, N], dtype=tl.float32)
-    amax = tl.zeros([BM], dtype=tl.float32)
-    packed, scale = _load_weights(w_ptr, s_ptr, w_rows, w_ok, 0, n_blocks, stride_wn, stride_sn, S)
-    for b0 in range(0, n_blocks, S):
-        # The next step's weights are requested before this step's math, so two steps' bytes are in flight.
-        next_packed, next_scale = _load_weights(w_ptr, s_ptr, w_rows, w_ok, b0 + S, n_blocks, stride_wn, stride_sn, S)
-        # One contiguous load of this step's 32 * S activations per row, split into even and odd elements: column
-        # 16 s + j of either half is element 32 s + 2 j (+ 1) of the step, the order of the weight tile's rows.
-        k = b0 * 32 + kk
-        x = tl.load(x_ptr + x_rows[:, None] + k[None, :], mask=x_ok[:, None] & (k < K)[None, :], other=0.0)
-        x_even, x_odd = tl.split(tl.reshape(x.to(tl.float32) * x_mul[:, None], (BM, S * 16, 2)))
-        amax = tl.maximum(amax, tl.max(tl.maximum(tl.abs(x_even), tl.abs(x_odd)), axis=1))
-        codes = packed.to(tl.int32)
-        factor = _pow2_f16(scale.to(tl.int32) - top[None, :] + 14)[:, None, :]  # [S, 1, N]; 2^14 undoes the code's
-        w_even = (((codes & 0x8) << 12) | ((codes & 0x7) << 9)).to(tl.int16).to(tl.float16, bitcast=True) * factor
-        w_odd = (((codes & 0x80) << 8) | ((codes & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True) * factor
-        acc = tl.dot(x_even.to(tl.float16), tl.reshape(w_even, (S * 16, N)), acc)
-        acc = tl.dot(x_odd.to(tl.float16), tl.reshape(w_odd, (S * 16, N)), acc)
-        packed, scale = next_packed, next_scale
-    # 2^(r - 127) as 2^(r - 126) / 2 keeps the factor a normal FP32 number for r = 0 (all-padding rows).
-    return acc * (pow2_f32(top - 126) * 0.5)[None, :], amax
+    """acc [R, BM] FP32 = 2^-SHIFT * W[R, K] @ x[BM, K]^T for MXFP4 W (row pointers w_rows to the packed codes,
+    s_rows to the scale bytes) and BF16 x (row pointers x_rows); rows past w_ok / x_ok read as zero."""
+    acc = tl.zeros([R, BM], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        packed, scale, x = _load_step(w_rows, w_ok, s_rows, x_rows, x_ok, k0, K, BK, EVEN_K)
+        even, odd = _decode(packed, scale, SHIFT, ASM)
+        x_even, x_odd = tl.split(tl.reshape(x, (BM, BK // 2, 2)))  # columns j: elements 2j and 2j + 1 of the step
+        if ASM:
+            acc = tl.dot(tl.reshape(even, (R, BK // 2)), tl.trans(x_even), acc)
+            acc = tl.dot(tl.reshape(odd, (R, BK // 2)), tl.trans(x_odd), acc)
+        else:
+            acc = tl.dot(tl.reshape(even, (R, BK // 2)), tl.trans(x_even.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(tl.reshape(odd, (R, BK // 2)), tl.trans(x_odd.to(tl.float32)), acc, input_precision="ieee")
+    return acc
 
 
 @triton.jit
@@ -154,43 +188,35 @@ def k3_moe_fc1_situ(
     CLAMP_UP: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
-    S: tl.constexpr,
+    BK: tl.constexpr,
+    SHIFT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    """out[pair, n] = bf16(SiTU(x[token] . gate_e[n], x[token] . up_e[n])) for one expert block and BN columns."""
+    """out[pair, c] = bf16(SiTU(x[token] . gate_e[c], x[token] . up_e[c])) for one expert block and BN columns c.
+
+    The program's 2 BN weight rows are the gate rows of its columns, then their up rows (w13 is [gate | up]).
+    """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e >= 0:
+        r = tl.arange(0, 2 * BN)
+        col = pid_n * BN + r % BN
+        w_ok = col < inter
+        rows = col + (r // BN) * inter
+        w_rows = w_ptr + e * stride_we + rows * stride_wn
+        s_rows = s_ptr + e * stride_se + rows * stride_sn
         pair = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
         ok = pair < num_pairs
-        x_rows = (pair // TOP_K) * stride_x  # int32 offsets: B * L and 2I * L / 2 are far below 2^31
-        # Rows 2c and 2c + 1 of the tile are the gate and up rows of intermediate column c: one dot serves both.
-        r = tl.arange(0, 2 * BN)
-        col = pid_n * BN + r // 2
-        w_rows = col + (r % 2) * inter
-        acc, amax = _mx_gemm(
-            x_ptr,
-            x_rows,
-            ok,
-            tl.full([BM], 1.0, dtype=tl.float32),  # the latent is O(1): no pre-scaling pass over its 3584 columns
-            w_ptr + e * stride_we,
-            s_ptr + e * stride_se,
-            w_rows,
-            col < inter,
-            K,
-            stride_wn,
-            stride_sn,
-            BM,
-            2 * BN,
-            S,
-        )
-        # 65520 is the smallest magnitude FP16 rounds to inf: such a token's products are lost, so say so with NaN.
-        acc = tl.where((amax < 65520.0)[:, None], acc, float("nan"))
-        gate, up = tl.split(tl.reshape(acc, (BM, BN, 2)))
+        x_rows = x_ptr + (pair // TOP_K) * stride_x  # int32 offsets: B * L is far below 2^31
+        acc = _mx_gemm_t(x_rows, ok, w_rows, w_ok, s_rows, K, BM, 2 * BN, BK, SHIFT, EVEN_K, ASM)
+        acc = acc * (2.0**SHIFT)  # exact: a power of two
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BN, BM)), (1, 2, 0)))  # [BN, BM] each
         act = situ_f32(gate, up, beta, beta_lin, CLAMP_UP)
         cols = pid_n * BN + tl.arange(0, BN)
-        mask = ok[:, None] & (cols < inter)[None, :]
-        tl.store(out_ptr + pair[:, None] * stride_out + cols[None, :], bf16_rne(act), mask=mask)
+        mask = (cols < inter)[:, None] & ok[None, :]
+        tl.store(out_ptr + pair[None, :] * stride_out + cols[:, None], bf16_rne(act), mask=mask)
 
 
 @triton.jit
@@ -213,40 +239,28 @@ def k3_moe_fc2(
     stride_out,
     BM: tl.constexpr,
     BN: tl.constexpr,
-    S: tl.constexpr,
+    BK: tl.constexpr,
+    SHIFT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    """out[pair, n] = routing_weight[pair] * (a[pair] . w2_e[n]) in FP32, for one expert block and BN columns."""
+    """out[pair, n] = routing_weight[pair] * (a[pair] . w2_e[n]) in FP32, for one expert block and BN rows n."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e >= 0:
+        rows = pid_n * BN + tl.arange(0, BN)
+        w_ok = rows < latent
+        w_rows = w_ptr + e * stride_we + rows * stride_wn
+        s_rows = s_ptr + e * stride_se + rows * stride_sn
         pair = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
         ok = pair < num_pairs
-        a_rows = pair * stride_a
-        # The SiTU output can be tiny (a small latent gives ~latent^2): pre-scale each row into FP16's normal range.
-        # K is one intermediate shard (384 at TP8), one or two K steps, so the extra pass is short.
-        shift = _row_shift(a_ptr, a_rows, ok, K, BM, 32 * S)
-        rows = pid_n * BN + tl.arange(0, BN)
-        acc, amax = _mx_gemm(
-            a_ptr,
-            a_rows,
-            ok,
-            pow2_f32(-shift),
-            w_ptr + e * stride_we,
-            s_ptr + e * stride_se,
-            rows,
-            rows < latent,
-            K,
-            stride_wn,
-            stride_sn,
-            BM,
-            BN,
-            S,
-        )
+        a_rows = a_ptr + pair * stride_a
+        acc = _mx_gemm_t(a_rows, ok, w_rows, w_ok, s_rows, K, BM, BN, BK, SHIFT, EVEN_K, ASM)
         route_w = tl.load(route_w_ptr + pair, mask=ok, other=0.0)
-        acc = tl.where((amax < 65520.0)[:, None], acc * (pow2_f32(shift) * route_w)[:, None], float("nan"))
-        mask = ok[:, None] & (rows < latent)[None, :]
-        tl.store(out_ptr + pair[:, None] * stride_out + rows[None, :], acc, mask=mask)
+        out = acc * (route_w * (2.0**SHIFT))[None, :]
+        mask = w_ok[:, None] & ok[None, :]
+        tl.store(out_ptr + pair[None, :] * stride_out + rows[:, None], out, mask=mask)
 
 
 @triton.jit
@@ -315,6 +329,7 @@ def _experts_chunk(
     pairs = batch * top_k
     group = align(ids.contiguous(), num_experts, tiles.block_m)
     dev = latent.device
+    asm = dev.type != "cpu"  # CPU tensors: the kernels run under TRITON_INTERPRET=1, where inline PTX cannot
     act = torch.empty(pairs, inter, dtype=torch.bfloat16, device=dev)
     k3_moe_fc1_situ[(group.max_blocks, triton.cdiv(inter, tiles.fc1_block_n))](
         latent,
@@ -338,7 +353,10 @@ def _experts_chunk(
         CLAMP_UP=beta_lin is not None and beta_lin > 0,
         BM=tiles.block_m,
         BN=tiles.fc1_block_n,
-        S=tiles.fc1_k_blocks,
+        BK=tiles.fc1_block_k,
+        SHIFT=WEIGHT_SHIFT,
+        EVEN_K=lat % tiles.fc1_block_k == 0,
+        ASM=asm,
         num_warps=tiles.fc1_warps,
         num_stages=tiles.fc1_stages,
     )
@@ -362,7 +380,10 @@ def _experts_chunk(
         per_pair.stride(0),
         BM=tiles.block_m,
         BN=tiles.fc2_block_n,
-        S=tiles.fc2_k_blocks,
+        BK=tiles.fc2_block_k,
+        SHIFT=WEIGHT_SHIFT,
+        EVEN_K=inter % tiles.fc2_block_k == 0,
+        ASM=asm,
         num_warps=tiles.fc2_warps,
         num_stages=tiles.fc2_stages,
     )

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from k3_decode.reference.mxfp import MxTensor
 
-MAX_SCALE_BYTE = 200
-"""Largest UE8M0 scale byte (|w| < 6 * 2^73) the expert kernels take. They scale each 32-wide block's FP32 dot of
-FP16 activations (< 2^16) and codes (<= 6 * 2^-14) by 2^(b - 113), so a block sum is at most 768 * 2^(b - 113) and
-a K of 2^12 elements adds 2^7: b <= 200 keeps that far below FP32's 2^128. Real weights sit near 120; 255 is NaN."""
+WEIGHT_SHIFT = 52
+"""The expert kernels' MMA sees each weight as w * 2^-52 (BF16) and scales the FP32 result back by 2^52: the block
+scale 2^(b - 127) is one BF16 multiply by 2^(b - 53) of a decoded code (its value times 2^-126), and that factor is
+a normal BF16 number for every scale byte up to MAX_SCALE_BYTE (experts.py, "What this version does")."""
+
+MAX_SCALE_BYTE = 180
+"""Largest UE8M0 scale byte (|w| < 6 * 2^53) the expert kernels take: 2^(b - 53) must stay below BF16's 2^128.
+Real weights sit near 120; 255 is NaN. Blocks with scale bytes below MIN_EXACT_SCALE_BYTE enter the MMA as BF16
+subnormals (exact, but a tensor core may flush them): weights below 2^-74 of no consequence next to real ones."""
+
+MIN_EXACT_SCALE_BYTE = 54
+"""Smallest scale byte whose weights w * 2^-52 are normal BF16 numbers (0.5 * 2^(54 - 179) = 2^-126)."""
 
 MAX_PAIRS = 4096
 """Most (token, slot) pairs one align launch sorts in one program; `experts` splits larger batches."""

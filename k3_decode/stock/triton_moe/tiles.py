@@ -13,11 +13,11 @@ class ExpertTiles:
     max_batch: int
     block_m: int
     fc1_block_n: int
-    fc1_k_blocks: int
+    fc1_block_k: int
     fc1_warps: int
     fc1_stages: int
     fc2_block_n: int
-    fc2_k_blocks: int
+    fc2_block_k: int
     fc2_warps: int
     fc2_stages: int
     sum_block_n: int
@@ -31,10 +31,15 @@ class ExpertTiles:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"tiles.toml: {name} = {value} must be a power of two >= 16 (the tl.dot minimum)")
-        for name in ("fc1_k_blocks", "fc2_k_blocks", "sum_block_n"):
+        if self.block_m > 16:
+            # The token tile is the MMA's N operand next to 64 or more weight rows; decode has 1-2 pairs per expert.
+            raise ValueError(f"tiles.toml: block_m = {self.block_m}; the expert kernels take 16 tokens per block")
+        for name in ("fc1_block_k", "fc2_block_k"):
             value = getattr(self, name)
-            if value & (value - 1):
-                raise ValueError(f"tiles.toml: {name} = {value} must be a power of two")
+            if value < 32 or value & (value - 1):
+                raise ValueError(f"tiles.toml: {name} = {value} must be a power of two >= 32 (one MXFP4 scale block)")
+        if self.sum_block_n & (self.sum_block_n - 1):
+            raise ValueError(f"tiles.toml: sum_block_n = {self.sum_block_n} must be a power of two")
 
 
 @dataclass(frozen=True)

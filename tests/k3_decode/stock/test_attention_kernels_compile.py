@@ -73,8 +73,26 @@ def compile_recorded(kernel, args: tuple, kwargs: dict):
     constexprs = {n: v for n, v in values.items() if params[n].is_constexpr}
     signature = {n: "constexpr" if n in constexprs else _arg_type(values[n]) for n in names}
     options = {k: v for k, v in kwargs.items() if k not in params}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    attrs = _divisibility(names, values, constexprs)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _divisibility(names: list[str], values: dict, constexprs: dict) -> dict:
+    """The `tt.divisibility` hints Triton's launcher derives at run time: a pointer whose address and an integer
+    whose value is a multiple of 16 (meta tensors sit at address 0). Without them the compiler cannot prove
+    alignment and splits vector loads into bytes, so the SASS checked here would not be the SASS a GPU runs."""
+    attrs = {}
+    for i, name in enumerate(names):
+        value = values.get(name)
+        if name in constexprs:
+            continue
+        aligned = (isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0) or (
+            isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+        )
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
 
 
 def resource_usage(compiled) -> tuple[int, int]:

@@ -9,14 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3_decode.config import K3_MINI
+from k3_decode.config import K3, K3_MINI
 from k3_decode.reference import allreduce
 from k3_decode.reference import moe as ref
 from k3_decode.reference.mxfp import MxTensor
 from k3_decode.reference.norms import rms_norm
 from k3_decode.stock import moe as stock_moe
 from k3_decode.stock.moe import MOE_OPS, StockMoeOps, StockRouting, as_reference, moe_op_info, rank_order_all_reduce
-from k3_decode.stock.triton_moe.tiles import parse_tiles
+from k3_decode.stock.triton_moe.tiles import default_tiles, parse_tiles
 from k3_decode.weights import DenseMlpWeights, MoeWeights, SyntheticWeights
 from tests.k3_decode.stock.test_moe_helpers import assert_matches, failures, hidden, moe_weights, oracle_moe
 
@@ -212,14 +212,16 @@ def test_moe_op_kernel_names_exist_in_the_triton_modules() -> None:
     ("row", "message"),
     [
         ({"block_m": 8}, "block_m = 8 must be a power of two >= 16"),
-        ({"fc1_k_blocks": 3}, "fc1_k_blocks = 3 must be a power of two"),
+        ({"block_m": 32}, "the expert kernels take 16 tokens per block"),
+        ({"fc1_block_k": 48}, "fc1_block_k = 48 must be a power of two >= 32"),
+        ({"fc2_block_k": 16}, "fc2_block_k = 16 must be a power of two >= 32"),
         ({"fc2_warps": 0}, "fc2_warps = 0 must be a positive integer"),
     ],
 )
 def test_bad_tile_rows_are_rejected(row: dict, message: str) -> None:
     good = dict(
-        max_batch=8, block_m=16, fc1_block_n=16, fc1_k_blocks=4, fc1_warps=4, fc1_stages=3, fc2_block_n=64,
-        fc2_k_blocks=4, fc2_warps=4, fc2_stages=3, sum_block_n=512,
+        max_batch=8, block_m=16, fc1_block_n=32, fc1_block_k=512, fc1_warps=4, fc1_stages=1, fc2_block_n=64,
+        fc2_block_k=128, fc2_warps=4, fc2_stages=1, sum_block_n=512,
     )  # fmt: skip
     with pytest.raises(ValueError, match=message):
         parse_tiles({"experts": [{**good, **row}]})
@@ -230,6 +232,21 @@ def test_bad_tile_rows_are_rejected(row: dict, message: str) -> None:
     assert parse_tiles({"experts": [good]}).for_batch(8).block_m == 16
     with pytest.raises(ValueError, match=r"no tiles\.toml row covers batch 9"):
         parse_tiles({"experts": [good]}).for_batch(9)
+
+
+def test_the_shipped_tiles_pick_a_row_per_batch() -> None:
+    """B <= 8 takes the 512-wide FC1 K step (16 KB per program in flight for the few programs of small batches),
+    larger batches the 256-wide one; the boundary is inclusive, and every K3 shape divides the chosen steps (the
+    kernels' EVEN_K path: no K masks in the main loop at real shapes)."""
+    table = default_tiles()
+    picks = {b: table.for_batch(b) for b in (1, 7, 8, 9, 64, 256)}
+    assert picks[1] == picks[7] == picks[8] and picks[9] == picks[64] == picks[256] and picks[8] != picks[9]
+    assert (picks[8].fc1_block_k, picks[64].fc1_block_k) == (512, 256)
+    for tp in (8, 16):
+        rows, lat = K3.shard(tp).expert_w13
+        for t in (picks[1], picks[64]):
+            assert lat % t.fc1_block_k == 0 and (rows // 2) % t.fc2_block_k == 0, (tp, t)
+            assert (rows // 2) % t.fc1_block_n == 0 and lat % t.fc2_block_n == 0, (tp, t)
 
 
 # --- bad input: one line naming the problem and the fix --------------------------------------------------------
