@@ -1,0 +1,344 @@
+"""The CuTe DSL fused KDA decode step (k3_decode/kernels/kda_step.py) on an H200, at real K3 per-rank shapes (TP8:
+12 heads, TP16: 6), against the FP64 oracle (k3_decode/reference/kda.py) and the stock step (cuBLAS f_b GEMM +
+the Triton kernel, k3_decode/stock/kda.py).
+
+This must pass on a GPU before its provider (providers.py, CuteKdaStepProvider, now in PENDING) may be registered.
+
+Tolerances, the two styles the repo uses, both applied and printed:
+- suites/tolerances.toml `kda_decode.bfloat16` (output) and `kda_decode.state.bfloat16` (recurrent state): element-wise
+  atol + rtol |ref| on a matched fraction, a max_abs cap, a non-trivial reference (harness.numerics.compare);
+- tests/k3_decode/stock/attention_tolerances.toml `kda_decode` / `kda_decode_state`: rms_rel and peak_rel, with the
+  guard that a zero, constant or wrongly scaled output fails (the stock GPU test's check).
+Both were set for the stock path, whose f_b product is rounded to BF16 before the decay gate; the kernel keeps it in
+FP32, so it should sit well inside them, and its state must be at least as close to the oracle as stock's.
+Exact: the conv state (BF16 copies of BF16 inputs) equals the oracle's bit for bit, NULL rows (slot <= 0) are zero,
+and every slot the step does not own (canary slots, slot 0) is bit-identical before and after.
+
+Every test prints what it measured (METRIC lines): run with -s to see them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import cache
+
+import pytest
+import torch
+from torch import Tensor
+
+from harness.numerics.compare import ToleranceTable, compare
+from k3_decode.config import K3
+from k3_decode.kernels import kda_step_op
+from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaStepBuild
+from k3_decode.kernels.providers import not_built_reason
+from k3_decode.reference import kda as rk
+from k3_decode.stock import kda as sk
+from k3_decode.weights import KdaWeights
+from tests.k3_decode.stock.attention_helpers import (
+    assert_close,
+    clone_cache,
+    error_metrics,
+    load_tolerances,
+    projected_rows,
+    random_kda_cache,
+    reference_kda_weights,
+    weights_for,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not_built_reason() is not None, reason=f"the CuTe DSL kernels cannot run: {not_built_reason()}"),
+]
+
+DEV = "cuda"
+KDA_LAYER = 13
+RMS_TOL = load_tolerances()  # tests/k3_decode/stock/attention_tolerances.toml
+SUITE_TOL = ToleranceTable.load()  # suites/tolerances.toml
+BUILDS = [b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, KdaStepBuild)]  # what CI compiles
+# Every built shape, and two batches the builds do not list (the provider gets whatever the executor prepares).
+CASES = [(b.tp, b.plan.batch) for b in BUILDS] + [(8, 3), (16, 5)]
+
+
+@cache
+def kda_weights(tp: int):
+    return weights_for(K3, tp, DEV).attention(KDA_LAYER)
+
+
+def spec_for(tp: int) -> rk.KdaSpec:
+    return rk.KdaSpec.for_rank(K3, tp)
+
+
+def slot_table(batch: int, gen: torch.Generator, dtype: torch.dtype = torch.int32) -> Tensor:
+    """Live requests on distinct odd slots in a shuffled order; NULL rows (0 and -1, CUDA-graph padding) in the middle
+    and at the end from two rows on. Even slots (and slot 0) belong to no request: canaries the step must not touch.
+    The cache has 2 * batch + 2 slots."""
+    slots = (torch.randperm(batch, generator=gen) * 2 + 1).to(dtype)
+    if batch >= 2:
+        slots[batch // 2] = 0
+    if batch >= 4:
+        slots[-1] = -1
+    return slots.to(DEV)
+
+
+def check_rms(got: Tensor, ref: Tensor, op: str, what: str) -> tuple[float, float]:
+    """The stock GPU test's check (rms_rel, peak_rel, not trivially), printing the measured errors."""
+    tol = RMS_TOL[op]
+    rms_rel, peak_rel = assert_close(got, ref, tol, what)
+    print(f"METRIC {what}: rms_rel {rms_rel:.2e} (tol {tol.rms_rel:g}), peak_rel {peak_rel:.2e} (tol {tol.peak_rel:g})")
+    return rms_rel, peak_rel
+
+
+def check_suite(got: Tensor, ref: Tensor, op: str, what: str) -> None:
+    """The numerics stage's element-wise check under suites/tolerances.toml's entry, printing its metrics."""
+    tol = SUITE_TOL.get(op, "bfloat16")
+    checks, metrics = compare(what, got, ref, tol)
+    print(
+        f"METRIC {what} [{op}]: matched {metrics['matched_fraction']:.6f} (>= {tol.matched_fraction}), max_abs "
+        f"{metrics['max_abs_error']:.3e} (<= {tol.max_abs}), ref peak {metrics['ref_peak']:.3g}"
+    )
+    failed = [c.describe() for c in checks if not c.passed]
+    assert not failed, failed
+
+
+def untouched(before: Tensor, after: Tensor, owned: Tensor, what: str) -> None:
+    """Every slot but `owned` (the live slots) is bit-identical."""
+    keep = torch.ones(before.shape[0], dtype=torch.bool, device=before.device)
+    keep[owned.long()] = False
+    assert torch.equal(before[keep], after[keep]), f"{what}: a slot outside the write set changed"
+
+
+class Step:
+    """One decode step's inputs at (tp, batch): weights, packed rows, a cache, and identical copies for the oracle
+    and the stock path."""
+
+    def __init__(self, tp: int, batch: int, seed: int, slot_dtype: torch.dtype = torch.int32) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.tp, self.batch = tp, batch
+        self.spec, self.weights = spec_for(tp), kda_weights(tp)
+        self.cache = random_kda_cache(self.spec, 2 * batch + 2, 0, gen, DEV)
+        self.start = clone_cache(self.cache)
+        self.slots = slot_table(batch, gen, slot_dtype)
+        self.packed = projected_rows(self.weights.in_proj, (batch,), gen)
+        self.live = self.slots > 0
+
+    def kernel(self, cache: rk.KdaCache | None = None, packed: Tensor | None = None) -> Tensor:
+        packed = self.packed if packed is None else packed
+        return kda_step_op.decode_step(
+            self.spec, self.weights, packed, self.cache if cache is None else cache, self.slots
+        )
+
+    def oracle(self, cache: rk.KdaCache, packed: Tensor | None = None) -> Tensor:
+        packed = self.packed if packed is None else packed
+        return rk.kda_decode_step(self.spec, reference_kda_weights(self.weights), packed, cache, self.slots)
+
+    def stock(self, cache: rk.KdaCache, packed: Tensor | None = None) -> Tensor:
+        packed = self.packed if packed is None else packed
+        return sk.kda_decode_step(self.spec, self.weights, packed, cache, self.slots)
+
+    @property
+    def cluster(self) -> int:
+        return kda_step_op.plan_for(self.spec, self.packed, self.slots).cluster
+
+
+# --- against the oracle and the stock step -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp, batch", CASES, ids=[f"tp{t}-b{b}" for t, b in CASES])
+def test_step_matches_the_oracle_and_the_stock_step(tp: int, batch: int):
+    step = Step(tp, batch, seed=tp * 1000 + batch)
+    ref_cache, stock_cache = clone_cache(step.cache), clone_cache(step.cache)
+    got = step.kernel()
+    ref = step.oracle(ref_cache)
+    stock = step.stock(stock_cache)
+    torch.cuda.synchronize()
+    name = f"KDA step TP{tp} B{batch} (cluster {step.cluster})"
+    live, owned = step.live, step.slots[step.live]
+
+    assert got.dtype == torch.bfloat16 and got.shape == (batch, step.spec.proj)
+    assert torch.isfinite(got).all(), f"{name}: non-finite output"
+    assert not got[~live].any(), f"{name}: a NULL row's output is not zero"
+    check_suite(got[live], ref[live], "kda_decode", f"{name} out vs oracle")
+    out_rms, _ = check_rms(got[live], ref[live], "kda_decode", f"{name} out vs oracle")
+    state, ref_state = step.cache.recurrent[owned.long()], ref_cache.recurrent[owned.long()]
+    check_suite(state, ref_state, "kda_decode.state", f"{name} state vs oracle")
+    state_rms, _ = check_rms(state, ref_state, "kda_decode_state", f"{name} state vs oracle")
+    assert torch.equal(step.cache.conv, ref_cache.conv), f"{name}: the conv state differs from the oracle's"
+    untouched(step.start.recurrent, step.cache.recurrent, owned, f"{name} recurrent state")
+    untouched(step.start.conv, step.cache.conv, owned, f"{name} conv state")
+
+    # The stock step from the same state: both within the tolerance of the oracle, so within twice it of each other;
+    # the kernel keeps the f_b product in FP32 where stock rounds it to BF16, so its state is the closer one.
+    stock_out_rms, _ = error_metrics(stock[live], ref[live])
+    stock_state_rms, _ = error_metrics(stock_cache.recurrent[owned.long()], ref_state)
+    vs_stock_out, vs_stock_out_peak = error_metrics(got[live], stock[live])
+    vs_stock_state, _ = error_metrics(state, stock_cache.recurrent[owned.long()])
+    print(
+        f"METRIC {name}: stock vs oracle out rms_rel {stock_out_rms:.2e} state rms_rel {stock_state_rms:.2e}; "
+        f"kernel vs stock out rms_rel {vs_stock_out:.2e} (peak {vs_stock_out_peak:.2e}), state {vs_stock_state:.2e}"
+    )
+    assert vs_stock_out <= 2 * RMS_TOL["kda_decode"].rms_rel, f"{name}: farther from stock than two tolerances"
+    assert torch.equal(step.cache.conv, stock_cache.conv), f"{name}: the conv state differs from stock's"
+    assert state_rms <= stock_state_rms + 1e-6, f"{name}: state farther from the oracle than stock's ({state_rms:.2e})"
+    assert out_rms <= max(2 * stock_out_rms, 2e-3), f"{name}: output much farther from the oracle than stock's"
+
+
+def test_a_batch_of_null_rows_writes_zeros_and_touches_nothing():
+    step = Step(8, 4, seed=7)
+    step.slots.copy_(torch.tensor([0, -1, 0, -3], dtype=torch.int32))
+    step.live = step.slots > 0
+    out = torch.full((4, step.spec.proj), float("nan"), dtype=torch.bfloat16, device=DEV)
+    got = kda_step_op.decode_step(step.spec, step.weights, step.packed, step.cache, step.slots, out)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr() and not got.any(), "NULL rows must be written, with zeros"
+    assert torch.equal(step.cache.conv, step.start.conv) and torch.equal(step.cache.recurrent, step.start.recurrent)
+    print("METRIC KDA step NULL batch TP8 B4: zero output, caches bit-identical")
+
+
+def test_int64_slot_tables_give_the_same_bits_as_int32():
+    """The numerics suite passes int64 slot tables, the executor int32: one compile each, the same results."""
+    a, b = Step(16, 8, seed=11), Step(16, 8, seed=11, slot_dtype=torch.int64)
+    assert torch.equal(a.slots.long(), b.slots) and torch.equal(a.packed, b.packed)
+    out_a, out_b = a.kernel(), b.kernel()
+    torch.cuda.synchronize()
+    assert torch.equal(out_a, out_b), "int32 and int64 slot tables give different outputs"
+    assert torch.equal(a.cache.recurrent, b.cache.recurrent) and torch.equal(a.cache.conv, b.cache.conv)
+    print("METRIC KDA step int64 slots TP16 B8: bit-equal to int32")
+
+
+@pytest.mark.parametrize("tp, batch", [(8, 4), (16, 2), (8, 64)], ids=["tp8-b4", "tp16-b2", "tp8-b64"])
+def test_chained_steps_accumulate_state_like_the_oracle(tp: int, batch: int):
+    """Several steps back to back on the same cache (the state accumulates), launched one right after the other:
+    with PDL each may start while the previous one runs, so this also checks that nothing of the state is read
+    before griddepcontrol.wait."""
+    steps = 6
+    step = Step(tp, batch, seed=tp + batch)
+    gen = torch.Generator().manual_seed(99)
+    inputs = [projected_rows(step.weights.in_proj, (batch,), gen) for _ in range(steps)]  # all made before the chain
+    ref_cache = clone_cache(step.cache)
+    outs = [step.kernel(packed=x) for x in inputs]  # back to back in one stream
+    refs = [step.oracle(ref_cache, packed=x) for x in inputs]
+    torch.cuda.synchronize()
+    name = f"KDA step chain of {steps} TP{tp} B{batch}"
+    live, owned = step.live, step.slots[step.live].long()
+    for i, (got, ref) in enumerate(zip(outs, refs, strict=True)):
+        check_rms(got[live], ref[live], "kda_decode", f"{name} out {i}")
+    check_suite(outs[-1][live], refs[-1][live], "kda_decode", f"{name} last out vs oracle")
+    check_suite(step.cache.recurrent[owned], ref_cache.recurrent[owned], "kda_decode.state", f"{name} state")
+    check_rms(step.cache.recurrent[owned], ref_cache.recurrent[owned], "kda_decode_state", f"{name} state")
+    assert torch.equal(step.cache.conv, ref_cache.conv), f"{name}: the conv state differs from the oracle's"
+    untouched(step.start.recurrent, step.cache.recurrent, step.slots[live], f"{name} recurrent state")
+
+
+# --- CUDA graphs, determinism, the device counter -----------------------------------------------------------------
+
+
+def test_graph_replay_equals_the_eager_step_and_the_counter_counts_every_launch():
+    step = Step(8, 2, seed=3)
+    out = torch.empty(2, step.spec.proj, dtype=torch.bfloat16, device=DEV)
+
+    def run() -> Tensor:
+        return kda_step_op.decode_step(step.spec, step.weights, step.packed, step.cache, step.slots, out)
+
+    def restore() -> None:
+        step.cache.conv.copy_(step.start.conv)
+        step.cache.recurrent.copy_(step.start.recurrent)
+
+    run()  # compiles
+    restore()
+    before = kda_step_op.launch_count()
+    eager = run().clone()
+    eager_state, eager_conv = step.cache.recurrent.clone(), step.cache.conv.clone()
+    restore()
+    again = run().clone()
+    assert torch.equal(eager, again) and torch.equal(step.cache.recurrent, eager_state), "two eager runs differ"
+    assert kda_step_op.launch_count() == before + 2, "the device counter missed an eager launch"
+
+    graph = torch.cuda.CUDAGraph()
+    restore()
+    with torch.cuda.graph(graph):
+        run()
+    counted = kda_step_op.launch_count()  # capture launches nothing
+    for _ in range(2):
+        restore()
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), "the graph replay's output differs from the eager step"
+        assert torch.equal(step.cache.recurrent, eager_state) and torch.equal(step.cache.conv, eager_conv)
+    assert kda_step_op.launch_count() == counted + 2, "the device counter missed a launch inside a graph replay"
+    print(f"METRIC KDA step graph TP8 B2: replays bit-equal to eager; device counter {before} -> {counted + 2}")
+
+
+# --- timing (measured and printed; speed targets belong in benchmarks) ----------------------------------------------
+
+
+def weight_copy(weights: KdaWeights) -> KdaWeights:
+    """The step's own weights in new memory (the projections shared: the step does not read them)."""
+    small = {name: getattr(weights, name).clone() for name in ("f_b", "conv", "a_log", "dt_bias", "o_norm")}
+    return dataclasses.replace(weights, **small)
+
+
+def _graph_seconds_per_call(fn, calls: int, replays: int = 7) -> float:
+    """`calls` launches captured back to back in one CUDA graph, as decode runs them; median over replays."""
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def time_batch(tp: int, batch: int) -> tuple[float, float, int, int, float]:
+    """(CuTe seconds per call, stock seconds per call, cluster, rotating copies, bytes per call) at one batch."""
+    spec, weights = spec_for(tp), kda_weights(tp)
+    gen = torch.Generator().manual_seed(batch)
+    state_bytes = batch * spec.heads * 128 * 128 * 4 * 2  # read and written
+    copies = max(2, math.ceil(3 * torch.cuda.get_device_properties(DEV).L2_cache_size / state_bytes))
+    caches = [random_kda_cache(spec, batch + 1, 0, gen, DEV) for _ in range(copies)]
+    small = [weight_copy(weights) for _ in range(copies)]
+    slots = torch.arange(1, batch + 1, dtype=torch.int32, device=DEV)
+    packed = projected_rows(weights.in_proj, (batch,), gen)
+    out = torch.empty(batch, spec.proj, dtype=torch.bfloat16, device=DEV)
+
+    def cute(i: int) -> None:
+        kda_step_op.decode_step(spec, small[i % copies], packed, caches[i % copies], slots, out)
+
+    def stock(i: int) -> None:
+        sk.kda_decode_step(spec, small[i % copies], packed, caches[i % copies], slots, validate=False)
+
+    calls = 2 * copies
+    t_cute, t_stock = _graph_seconds_per_call(cute, calls), _graph_seconds_per_call(stock, calls)
+    moved = state_bytes + batch * spec.conv_channels * 3 * 2 * 2 + spec.proj * 128 * 2
+    return t_cute, t_stock, kda_step_op.plan_for(spec, packed, slots).cluster, copies, moved
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_timing_against_the_stock_step(tp: int):
+    """Per call in CUDA-graph replays, each call on its own cache and weights copy (rotating over enough of them that
+    the state and the weights come from HBM, as in decode, where ~90 other layers run in between), the packed row
+    shared (it is in L2 in decode too). Stock is the cuBLAS f_b GEMM plus the Triton kernel on the same inputs."""
+    slow = []
+    for batch in sorted({b.plan.batch for b in BUILDS}):
+        t_cute, t_stock, cluster, copies, moved = time_batch(tp, batch)
+        torch.cuda.empty_cache()
+        print(
+            f"METRIC KDA step timing TP{tp} B{batch} (cluster {cluster}): CuTe {t_cute * 1e6:.2f} us "
+            f"({moved / t_cute / 1e12:.2f} TB/s), stock {t_stock * 1e6:.2f} us (f_b GEMM + Triton), "
+            f"CuTe / stock {t_cute / t_stock:.2f}, {copies} rotating caches"
+        )
+        if t_cute > 2 * t_stock:  # loose: a kernel twice as slow as the two launches it replaces is a regression
+            slow.append(f"B{batch}: {t_cute * 1e6:.1f} vs {t_stock * 1e6:.1f} us")
+    assert not slow, f"TP{tp}: the fused step is more than twice as slow as stock at {', '.join(slow)}"
