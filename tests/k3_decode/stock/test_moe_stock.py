@@ -297,3 +297,96 @@ def test_oracle_container_dequantizes_exactly(tp1) -> None:
     lw = as_reference(tp1, torch.bfloat16)
     assert torch.equal(lw.experts.gate_up.float(), tp1.w13.dequantize())
     assert isinstance(StockRouting(torch.zeros(1), torch.zeros(1), torch.zeros(1)), StockRouting)
+
+
+# --- the expert kernels' inline PTX, emulated -------------------------------------------------------------------
+
+
+def _run_decode_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
+    """Executes the PTX block of experts._DECODE_PTX on 32-bit integers: prmt.b32, and.b32, mul.lo.u32 and
+    mul.rn.bf16x2 (exact here: the products are representable), as the PTX ISA defines them."""
+    import struct
+
+    def bf16(bits: int) -> float:
+        return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+    def to_bf16(value: float) -> int:
+        bits = struct.unpack("<I", struct.pack("<f", value))[0]
+        assert bits & 0xFFFF == 0, f"{value} is not a BF16 value: the emulated multiply would have to round"
+        return bits >> 16
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *src = [t.strip() for t in rest.split(",")]
+        a = [val(t) for t in src]
+        if op == "prmt.b32":
+            pool = (a[1] << 32) | a[0]
+            out = 0
+            for i in range(4):
+                sel = (a[2] >> (4 * i)) & 0xF
+                byte = (pool >> (8 * (sel & 7))) & 0xFF
+                if sel & 8:  # sign-replicate mode
+                    byte = 0xFF if byte & 0x80 else 0
+                out |= byte << (8 * i)
+        elif op == "and.b32":
+            out = a[0] & a[1]
+        elif op == "mul.lo.u32":
+            out = (a[0] * a[1]) & 0xFFFFFFFF
+        elif op == "mul.rn.bf16x2":
+            lo = to_bf16(bf16(a[0]) * bf16(a[1]))
+            hi = to_bf16(bf16(a[0] >> 16) * bf16(a[1] >> 16))
+            out = lo | (hi << 16)
+        else:
+            raise AssertionError(f"the emulator does not know {op}")
+        regs[dst] = out & 0xFFFFFFFF
+    return regs
+
+
+def test_the_inline_ptx_decodes_every_byte_like_the_reference() -> None:
+    """The GPU's decode (experts._DECODE_PTX), emulated: for every byte value in every byte position of the packed
+    word and scale bytes from MIN_EXACT_SCALE_BYTE to MAX_SCALE_BYTE, its four BF16 pairs are the even and odd
+    elements of the 4 bytes times 2^-WEIGHT_SHIFT, exactly as the reference codec dequantizes them. (That Triton
+    hands the asm byte i of a pack of 4 as byte i of $4 is checked on the GPU, test_moe_gpu.py.)"""
+    pytest.importorskip("triton")
+    import struct
+
+    from k3_decode.stock.triton_moe import experts
+    from k3_decode.stock.triton_moe.limits import MAX_SCALE_BYTE, MIN_EXACT_SCALE_BYTE, WEIGHT_SHIFT
+
+    text = str(experts._DECODE_PTX.value)
+    g = torch.Generator().manual_seed(3)
+    words = torch.stack([torch.roll(torch.arange(256), 37 * pos) for pos in range(4)], dim=1)  # every byte value
+    words[:128] = torch.randint(0, 256, (128, 4), generator=g)  # at every position, and random words
+
+    def factor(scale: int) -> int:
+        bits = (scale - (WEIGHT_SHIFT + 1) + 127) << 7
+        return bits | (bits << 16)
+
+    scales = (MIN_EXACT_SCALE_BYTE, 90, 121, 127, 150, MAX_SCALE_BYTE)
+    for lo_scale, hi_scale in zip(scales, scales[::-1], strict=True):
+        # $5 scales the elements of bytes 0 and 1, $6 those of bytes 2 and 3 (one scale block in practice; two here
+        # so that a pair multiplied by the wrong register shows)
+        padded = torch.zeros(256, 16, dtype=torch.uint8)  # the 4 bytes, padded to one 32-element block
+        padded[:, :4] = words.to(torch.uint8)
+        expected = [
+            MxTensor("mxfp4", padded, torch.full((256, 1), sc, dtype=torch.uint8)).dequantize(torch.float64)
+            for sc in (lo_scale, hi_scale)
+        ]
+        for row in range(256):
+            q = sum(int(b) << (8 * i) for i, b in enumerate(words[row].tolist()))
+            regs = _run_decode_ptx(text, {"$4": q, "$5": factor(lo_scale), "$6": factor(hi_scale)})
+            got = []
+            for reg in ("$0", "$1", "$2", "$3"):
+                for half in (regs[reg] & 0xFFFF, regs[reg] >> 16):
+                    got.append(struct.unpack("<f", struct.pack("<I", half << 16))[0] * 2.0**WEIGHT_SHIFT)
+            lo, hi = expected[0][row, :8].tolist(), expected[1][row, :8].tolist()
+            want_even = [lo[0], lo[2], hi[4], hi[6]]
+            want_odd = [lo[1], lo[3], hi[5], hi[7]]
+            assert got[:4] == want_even and got[4:] == want_odd, (lo_scale, row, got, lo, hi)
