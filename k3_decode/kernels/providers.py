@@ -63,9 +63,13 @@ def _check_target(target: Any, what: str) -> None:
 
 def _launch_counts() -> dict[str, Callable[[], int]]:
     """Each kernel's device-counter reader, by the kernel name the providers declare in `launches`."""
-    from k3_decode.kernels import attn_res_op, kda_in_proj_op
+    from k3_decode.kernels import attn_res_op, kda_in_proj_op, kda_step_op
 
-    return {"AttnResKernel": attn_res_op.launch_count, "KdaInProjKernel": kda_in_proj_op.launch_count}
+    return {
+        "AttnResKernel": attn_res_op.launch_count,
+        "KdaInProjKernel": kda_in_proj_op.launch_count,
+        "KdaStepKernel": kda_step_op.launch_count,
+    }
 
 
 class _CuteProvider:
@@ -159,8 +163,38 @@ class CuteKdaOProjProvider(_CuteProvider):
         return {"kda_o_proj": kda_o_proj, "attn_res_after": attn_res_after}
 
 
+@dataclass(frozen=True)
+class CuteKdaStepProvider(_CuteProvider):
+    """The KDA decode step (q = 1) as one kernel (kda_step.py) in place of the stock f_b GEMM + Triton kernel: f_b,
+    conv, norms, gates, the delta rule on the recurrent state in place, the gated RMSNorm; NULL slots (<= 0) give
+    zeros and touch no state, as stock.
+
+    PENDING, not registered: compiled and PTX/SASS-checked on the CPU (k3gate kernels build), not yet run on a GPU;
+    tests/k3_decode/kernels/test_kda_step_gpu.py must pass on an H200 first. It joins PROVIDERS, and `kda` the op
+    table's specialized KDA ops, once it does."""
+
+    op: str = "kda"
+    name: str = "cute-kda-step"
+    launches: Mapping[str, int] = field(default_factory=lambda: {"KdaStepKernel": 1})
+
+    def bind(self, target: Any) -> Mapping[str, Callable[..., Any]]:
+        from k3_decode.kernels import kda_step_op
+        from k3_decode.reference.kda import KdaCache, KdaSpec
+
+        _check_target(target, "KDA step")
+        spec = KdaSpec.for_rank(target.dims, target.tp)
+
+        def kda_decode(packed: Tensor, weights: KdaWeights, cache: KdaCache, slots: Tensor) -> Tensor:
+            return kda_step_op.decode_step(spec, weights, packed.contiguous(), cache, slots.contiguous())
+
+        return {"kda_decode": kda_decode}
+
+
 PROVIDERS = (CuteAttnResProvider(), CuteKdaInProjProvider())
-PENDING = (CuteKdaOProjProvider(),)  # written and compiled, waiting for their GPU run (see each class)
+PENDING = (
+    CuteKdaOProjProvider(),
+    CuteKdaStepProvider(),
+)  # written and compiled, waiting for their GPU run (see each class)
 
 
 def not_built_reason() -> str | None:
