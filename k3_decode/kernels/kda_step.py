@@ -251,7 +251,7 @@ class KdaStepKernel:
             cute.arch.mbarrier_arrive_and_expect_tx(bars + 5, plan.state_bytes)
             # Weights first: they do not depend on the previous kernel.
             _bulk_copy(fb_s.iterator, f_b[first, None].iterator, rows * GATE_RANK * 2, bars + 2)
-            for start, local, count in self._conv_runs(head, rank):
+            for start, local, count in plan.conv_runs(head, rank):
                 src = conv_w.iterator + CONV_WIDTH * start
                 _bulk_copy(cw_s.iterator + CONV_WIDTH * local, src, count * CONV_WIDTH * 2, bars + 2)
             self._prefetch_state(conv_state, state, slots[b], head, rank)
@@ -266,7 +266,7 @@ class KdaStepKernel:
         x = packed[b, None]
         if tidx == 0:
             # The packed row's sections, first: the conv inputs of the CTA's channels, f_a, its output gates.
-            for start, local, count in self._conv_runs(head, rank):
+            for start, local, count in plan.conv_runs(head, rank):
                 _bulk_copy(x_s.iterator + local, x.iterator + start, count * 2, bars + 3)
             _bulk_copy(x_s.iterator + fa_at, x.iterator + sec["f_a"], GATE_RANK * 2, bars + 3)
             _bulk_copy(x_s.iterator + gate_at, x.iterator + (sec["g"] + first), rows * 2, bars + 3)
@@ -279,7 +279,7 @@ class KdaStepKernel:
             conv_row = conv_state[row0, None]
             if tidx == 0:  # the state rows, then the taps; both from L2 (prefetched before the wait)
                 _bulk_copy(state_s.iterator, state[row0, head, rank * rows, None].iterator, plan.state_bytes, bars + 5)
-                for start, local, count in self._conv_runs(head, rank):
+                for start, local, count in plan.conv_runs(head, rank):
                     _bulk_copy(
                         taps_s.iterator + TAPS * local, conv_row.iterator + TAPS * start, count * TAPS * 2, bars + 4
                     )
@@ -401,16 +401,6 @@ class KdaStepKernel:
             y.fill(0.0)
             if lane == 0:
                 _copy(y, ROWS_PER_WARP, (head * HEAD_DIM + rank * rows) // ROWS_PER_WARP + warp, out[b, None])
-
-    def _conv_runs(self, head: Int32, rank: Int32) -> tuple[tuple[Any, int, int], ...]:
-        """(first global conv channel, first local channel, channels) of the CTA's three runs of conv channels: the
-        head's q and k channels and the CTA's own v channels."""
-        plan = self.plan
-        return (
-            (head * HEAD_DIM, 0, HEAD_DIM),
-            (plan.proj + head * HEAD_DIM, HEAD_DIM, HEAD_DIM),
-            (2 * plan.proj + head * HEAD_DIM + rank * plan.rows_per_cta, 2 * HEAD_DIM, plan.rows_per_cta),
-        )
 
     @cute.jit
     def _prefetch_state(self, conv_state: cute.Tensor, state: cute.Tensor, hint: Any, head: Int32, rank: Int32):

@@ -15,7 +15,7 @@ against the spec's, so the kernel and the model cannot disagree silently.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 WARP = 32
 HEAD_DIM = 128  # D: 32 lanes x 4 keys; the layout below is built for it
@@ -137,6 +137,17 @@ class KdaStepPlan:
     @property
     def conv_local(self) -> int:
         return 2 * HEAD_DIM + self.rows_per_cta
+
+    def conv_runs(self, head: Any, rank: Any) -> tuple[tuple[Any, int, int], ...]:
+        """(first conv-state channel, first local channel, channels) of CTA `rank` of head `head`'s three runs of
+        conv channels: the head's q and k channels and the CTA's own v channels. Plain arithmetic, so the kernel
+        calls it on its run-time head and rank, and every copy size below is a sum over these runs."""
+        rows = self.rows_per_cta
+        return (
+            (head * HEAD_DIM, 0, HEAD_DIM),
+            (self.proj + head * HEAD_DIM, HEAD_DIM, HEAD_DIM),
+            (2 * self.proj + head * HEAD_DIM + rank * rows, 2 * HEAD_DIM, rows),
+        )
 
     @property
     def weight_bytes(self) -> int:

@@ -18,7 +18,7 @@ import pytest
 from harness.kernels_cmd import cubin_resources, parse_expectations, select_builds
 from k3_decode.config import K3
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds, KdaStepBuild
-from k3_decode.kernels.kda_step_plan import CLUSTERS, HEAD_DIM, RESIDENT_THREADS, KdaStepPlan
+from k3_decode.kernels.kda_step_plan import CLUSTERS, CONV_WIDTH, GATE_RANK, HEAD_DIM, RESIDENT_THREADS, KdaStepPlan
 from k3_decode.reference.kda import KdaSpec
 from tests.k3_decode.kernels.helpers import BUILDS, REPO, assert_launch_reaches_the_driver, needs_cutedsl
 
@@ -95,6 +95,32 @@ def test_the_plan_refuses_what_the_kernel_cannot_take():
         KdaStepPlan(12, 6290, 1, 8)
     with pytest.raises(ValueError, match="int32 or int64"):
         KdaStepPlan(12, 6288, 1, 8, "int16")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tp, cluster", [(8, 8), (8, 2), (16, 4)])
+def test_the_copies_fill_exactly_the_bytes_their_barriers_wait_for(tp, cluster):
+    """Each transaction barrier completes only when the bytes it is armed with have landed: copies that drift from
+    the plan's sizes would hang the kernel on the GPU. The channel runs the kernel copies (the plan's conv_runs) must
+    cover the head's q and k and the CTA's v channels, contiguously in the local numbering, and sum to the armed
+    bytes."""
+    shard = K3.shard(tp)
+    plan = KdaStepPlan(shard.kda_heads, shard.kda_in_proj_rows, 4, cluster)
+    rows = plan.rows_per_cta
+    for head in (0, plan.heads - 1):
+        for rank in (0, cluster - 1):
+            runs = plan.conv_runs(head, rank)
+            first = head * HEAD_DIM + rank * rows
+            assert [(s, n) for s, _, n in runs] == [
+                (head * HEAD_DIM, HEAD_DIM),
+                (plan.proj + head * HEAD_DIM, HEAD_DIM),
+                (2 * plan.proj + first, rows),
+            ]
+            assert [local for _, local, _ in runs] == [0, HEAD_DIM, 2 * HEAD_DIM]
+            channels = sum(n for _, _, n in runs)
+            assert channels == plan.conv_local
+            assert rows * GATE_RANK * 2 + channels * CONV_WIDTH * 2 == plan.weight_bytes
+            assert channels * 2 + GATE_RANK * 2 + rows * 2 == plan.packed_bytes
+            assert channels * (CONV_WIDTH - 1) * 2 == plan.tap_bytes
 
 
 # --- what is built ----------------------------------------------------------------------------------------------
