@@ -30,7 +30,7 @@ from torch import Tensor
 
 from k3_decode.config import ModelDims
 from k3_decode.executor.config import StackConfig
-from k3_decode.executor.forward import LayerRunner, StepBuffers
+from k3_decode.executor.forward import ElidedRowParallel, LayerRunner, StepBuffers
 from k3_decode.executor.inputs import StackInput
 from k3_decode.executor.memory import DeviceBudget, MemoryPlan, plan_memory
 from k3_decode.executor.opmap import StockOpMap, load_op_map
@@ -90,12 +90,18 @@ RUNNER_CALLS: dict[str, tuple[Side, dict[str, tuple[str, ...]]]] = {
 
 @dataclass(frozen=True)
 class ProviderTarget:
-    """What a specialized provider binds its kernels to: one rank's shard of a model on one device."""
+    """What a specialized provider binds its kernels to: one rank's shard of a model on one device.
+
+    `combines_partials()`: whether the layer runner combines row-parallel partials across ranks (a TP all-reduce
+    between o_proj and the AttnRes after attention, k3_decode.distributed) rather than using this rank's as they
+    are (forward.ELIDED). A provider that fuses past o_proj asks it at call time: the TP executor sets its
+    combines after the providers are bound."""
 
     dims: ModelDims
     tp: int
     rank: int
     device: torch.device
+    combines_partials: Callable[[], bool] = lambda: False
 
 
 class ExecutableProvider(KernelProvider, Protocol):
@@ -339,6 +345,9 @@ class StackExecutor:
     def _stock(self, side: Side) -> Any:
         return self.attention if side == "attention" else self.moe
 
+    def _combines_partials(self) -> bool:
+        return not isinstance(self.runner.row_parallel, ElidedRowParallel)
+
     def _bind_providers(self) -> dict[tuple[str, str], _Bound]:
         """Bind every registered provider of an op the table specializes, when the backend can route to it.
 
@@ -348,7 +357,7 @@ class StackExecutor:
         if self.planner.backend != "latency_specialized":
             return {}
         table = self.planner.table
-        target = ProviderTarget(self.dims, self.config.tp, self.config.rank, self.device)
+        target = ProviderTarget(self.dims, self.config.tp, self.config.rank, self.device, self._combines_partials)
         bound: dict[tuple[str, str], _Bound] = {}
         for provider in self.registry:
             calls: list[str] = []

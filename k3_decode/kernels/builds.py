@@ -18,6 +18,7 @@ from k3_decode.config import ShardError, load_dims
 from k3_decode.kernels import cutedsl
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
+from k3_decode.kernels.kda_o_proj_plan import OProjPlan
 from k3_decode.kernels.kda_step_plan import ROWS_PER_WARP, KdaStepPlan
 
 PACKAGE = "k3_decode.kernels"
@@ -82,12 +83,11 @@ class KdaInProjBuild:
 
     tp: int
     plan: InProjPlan
-    op: str = "kda_in_proj"  # the projection at this shape: the packed input projection, or o_proj
+    op: str = "kda_in_proj"
 
     @property
     def kernel(self) -> str:
-        # Chunked batches (above 8) have expectations of their own: they may use the whole register file. The same
-        # weight-stream kernel runs o_proj ([B, proj] -> [B, hidden]), so its builds meet the same expectations.
+        # Chunked batches (above 8) have expectations of their own: they may use the whole register file.
         return "kda_in_proj_chunked" if self.plan.chunked else "kda_in_proj"
 
     @property
@@ -133,6 +133,71 @@ class KdaInProjBuild:
         from k3_decode.kernels.kda_in_proj import KdaInProjKernel, compile_args  # imports CuTe DSL
 
         return cutedsl.compile_artifacts(KdaInProjKernel(self.plan), compile_args(self.plan), arch)
+
+
+@dataclass(frozen=True)
+class KdaOProjBuild:
+    """o_proj with the AttnRes after attention in one launch (kda_o_proj.py) at one rank's shape, batch and kind."""
+
+    tp: int
+    plan: OProjPlan
+    capacity: int  # bank blocks the buffers hold (K3: 8)
+
+    kernel = "kda_o_proj"
+
+    @property
+    def name(self) -> str:
+        return f"kda_o_proj/tp{self.tp}/b{self.plan.batch}/{self.plan.kind.tag}"
+
+    @property
+    def tags(self) -> dict[str, Any]:
+        """Facts the expectations select on, and the instruction counts the plan implies for the code.
+
+        Counts are of instructions in the code: the k loop is one rolled body unrolled `depth` steps deep, whose
+        refill of the weight slots the compiler drops when one group covers K. The stream (everything before the
+        arrival) and the epilogue (one AttnRes application, after it) are counted apart.
+        """
+        p, k = self.plan, self.plan.kind
+        group = p.depth * p.rows_per_warp  # 16-byte weight loads per refill of every slot
+        mix = k.num_blocks > 0
+        weight_loads = 2 * mix + k.out_norm  # the AttnRes weights: res_norm and res_proj when mixing, out_norm
+        independent = weight_loads + k.num_blocks + (k.delta == "add")  # bank blocks, the old prefix
+        stream_loads = group + (group if p.groups > 1 else 0) + p.fill_loads
+        return {
+            "tp": self.tp,
+            "batch": p.batch,
+            "k": p.k,
+            "num_blocks": k.num_blocks,
+            "delta": k.delta,
+            "save": k.save,
+            "out_norm": k.out_norm,
+            "mix": mix,
+            "rows_per_warp": p.rows_per_warp,
+            "ctas": p.ctas,
+            "clusters": p.clusters,
+            "ctas_per_sm": p.ctas_per_sm,
+            "depth": p.depth,
+            "groups": p.groups,
+            "weight_bytes": p.weight_bytes,
+            "weight_loads_ahead": group,  # issued before griddepcontrol.wait
+            "stream_loads": stream_loads,  # W ahead, one refill body, o's staging
+            # Loaded by an epilogue CTA before it waits for the grid, then the one vector after: the o_proj row.
+            "epilogue_loads_before_wait": independent,
+            "global_loads": stream_loads + independent + 1,
+            "o_stages": p.fill_loads,  # shared stores of the staged o
+            "o_reads": p.depth * p.batch,  # ld.shared.v4 of o, one per step and batch row
+            "stream_fmas": p.depth * p.rows_per_warp * p.batch * 8,
+            "stream_shuffles": 5 * p.rows_per_warp * p.batch,
+            "out_stores": p.rows_per_warp * p.batch,  # BF16 o_proj outputs per lane's warp
+            "row_stores": 2 + k.save,  # the MLP input, the prefix, the saved block
+            "pushes": (k.partials // 4 if mix else 0) + k.out_norm,  # st.async per pushing lane
+            "exchanges": mix + k.out_norm,
+        }
+
+    def compile(self, arch: str) -> KernelArtifacts:
+        from k3_decode.kernels.kda_o_proj import KdaOProjKernel, compile_args  # imports CuTe DSL
+
+        return cutedsl.compile_artifacts(KdaOProjKernel(self.plan), compile_args(self.plan, self.capacity), arch)
 
 
 @dataclass(frozen=True)
@@ -221,7 +286,7 @@ class K3KernelBuilds:
     def expectations_text(self) -> str:
         return resources.files(PACKAGE).joinpath(self.expectations_file).read_text()
 
-    def builds(self, arch: str) -> list[AttnResBuild | KdaInProjBuild | KdaStepBuild]:
+    def builds(self, arch: str) -> list[AttnResBuild | KdaInProjBuild | KdaOProjBuild | KdaStepBuild]:
         return [*self.attn_res_builds(), *self.kda_in_proj_builds(), *self.kda_o_proj_builds(), *self.kda_step_builds()]
 
     def attn_res_builds(self) -> list[AttnResBuild]:
@@ -262,9 +327,29 @@ class K3KernelBuilds:
         """The packed input projection: x[B, hidden] @ W[rows, hidden]^T per rank."""
         return self._projection_builds("kda_in_proj", lambda shard: (shard.kda_in_proj_rows, shard.hidden))
 
-    def kda_o_proj_builds(self) -> list[KdaInProjBuild]:
-        """The weight-stream kernel at o_proj's shape: [B, proj] @ W[hidden, proj]^T per rank."""
-        return self._projection_builds("kda_o_proj", lambda shard: shard.kda_o_proj)
+    def kda_o_proj_builds(self) -> list[KdaOProjBuild]:
+        """o_proj with the AttnRes after attention fused: [B, proj] @ W[hidden, proj]^T per rank, then the AttnRes
+        kinds builds.toml lists (each must be one the model's after-attention sites use)."""
+        dims = load_dims(self.table["model"])
+        spec = self.table["kda_o_proj"]
+        after = {k for k, sites in site_kinds(dims).items() if any(s.startswith("after attention") for s in sites)}
+        kinds = []
+        for tag in spec["kinds"]:
+            kind = AttnResKind.from_tag(tag)
+            if kind not in after:
+                raise ValueError(f"builds.toml kda_o_proj.kinds: {tag} is not an after-attention kind of {dims.name}")
+            kinds.append(kind)
+        builds = []
+        for tp in spec["tp"]:
+            try:
+                hidden, k = dims.shard(tp).kda_o_proj
+            except ShardError as exc:
+                raise ValueError(f"builds.toml kda_o_proj.tp: {exc}") from None
+            for batch in spec["batches"]:
+                for kind in kinds:
+                    plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"])
+                    builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
+        return builds
 
     def _projection_builds(self, section: str, shape: Callable[[Any], tuple[int, int]]) -> list[KdaInProjBuild]:
         """The weight-stream kernel at `shape(rank shard)` = (rows, K) for every TP and batch of builds.toml's

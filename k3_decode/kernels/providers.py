@@ -63,11 +63,12 @@ def _check_target(target: Any, what: str) -> None:
 
 def _launch_counts() -> dict[str, Callable[[], int]]:
     """Each kernel's device-counter reader, by the kernel name the providers declare in `launches`."""
-    from k3_decode.kernels import attn_res_op, kda_in_proj_op, kda_step_op
+    from k3_decode.kernels import attn_res_op, kda_in_proj_op, kda_o_proj_op, kda_step_op
 
     return {
         "AttnResKernel": attn_res_op.launch_count,
         "KdaInProjKernel": kda_in_proj_op.launch_count,
+        "KdaOProjKernel": kda_o_proj_op.launch_count,
         "KdaStepKernel": kda_step_op.launch_count,
     }
 
@@ -132,33 +133,86 @@ class CuteKdaInProjProvider(_CuteProvider):
         return {"kda_in_proj": kda_in_proj}
 
 
+class FusedCallError(RuntimeError):
+    """The layer runner called a fused provider's calls in an order its one launch cannot serve."""
+
+
+class OneLaunch:
+    """What lets two runner calls be one launch: the o_proj call keeps its operands and hands back the buffer the
+    fused kernel will write o_proj's output (the partial) into; the AttnRes call after attention, which consumes that
+    output, takes them back and launches the kernel that computes both. In stream order the buffer holds o_proj's
+    output once the AttnRes call has launched, before anything later in the stream reads it.
+
+    Only that order is served: an o_proj call whose output was not consumed, or an AttnRes call on a tensor other
+    than the buffer handed back (a TP all-reduce's result, say), raises instead of computing from a stale buffer."""
+
+    def __init__(self) -> None:
+        self._pending: tuple[Tensor, Tensor, Tensor] | None = None
+
+    def defer(self, o: Tensor, weight: Tensor) -> Tensor:
+        """Keep o [B, K] and weight [H, K]; returns the [B, H] buffer the launch will write o @ weight^T into."""
+        if self._pending is not None:
+            self._pending = None
+            raise FusedCallError(
+                "o_proj was called again before the AttnRes after attention consumed the previous output; the fused "
+                "kernel computes both in one launch, so each o_proj call must be followed by its AttnRes call"
+            )
+        partial = torch.empty(o.shape[0], weight.shape[0], dtype=o.dtype, device=o.device)
+        self._pending = (o, weight, partial)
+        return partial
+
+    def take(self, partial: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(o, weight, partial) of the deferred o_proj call whose output `partial` is; raises for any other tensor."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending[2] is not partial:
+            raise FusedCallError(
+                "the AttnRes after attention must consume the o_proj output this provider's o_proj call returned "
+                "(the fused kernel computes both in one launch); it got "
+                + ("no deferred o_proj call" if pending is None else "another tensor")
+            )
+        return pending
+
+
 @dataclass(frozen=True)
 class CuteKdaOProjProvider(_CuteProvider):
-    """o_proj and the AttnRes after attention: the weight-stream kernel at o_proj's shape ([B, proj] @
-    W[hidden, proj]^T), then the AttnRes kernel on its output (restart or add, the post-attention norm).
+    """o_proj and the AttnRes after attention in one launch (kda_o_proj.py): the `kda_o_proj` call defers the launch
+    and returns the buffer o_proj's output will be in, the `attn_res_after` call on it launches the fused kernel
+    (OneLaunch), so the two runner calls of op o_proj (executor RUNNER_CALLS) are one kernel.
 
-    PENDING, not registered: both kernels passed their GPU tests at their own shapes, but the weight stream has not
-    run on a GPU at o_proj's (k3gate kernels build checks it there; tests/k3_decode/kernels/test_kda_in_proj_gpu.py
-    and test_providers_gpu.py run it next). It joins PROVIDERS, and `o_proj` the op table's specialized KDA ops,
-    once they pass."""
+    One rank's shard alone only: with a TP all-reduce between o_proj and the AttnRes (k3_decode.distributed) the
+    partials would have to be combined inside the kernel, which is not built yet (kda_o_proj.py says where it goes),
+    so the o_proj call refuses such a stack rather than run either half apart.
+
+    PENDING, not registered: the kernel is compiled and PTX/SASS-checked on the CPU (k3gate kernels build), not yet
+    run on a GPU; tests/k3_decode/kernels/test_kda_o_proj_gpu.py must pass on an H200 first. It joins PROVIDERS,
+    and `o_proj` the op table's specialized KDA ops, once it does."""
 
     op: str = "o_proj"
     name: str = "cute-kda-o-proj"
-    launches: Mapping[str, int] = field(default_factory=lambda: {"KdaInProjKernel": 1, "AttnResKernel": 1})
+    launches: Mapping[str, int] = field(default_factory=lambda: {"KdaOProjKernel": 1})
 
     def bind(self, target: Any) -> Mapping[str, Callable[..., Any]]:
-        from k3_decode.kernels import attn_res_op, kda_in_proj_op
+        from k3_decode.kernels import kda_o_proj_op
 
         _check_target(target, "o_proj")
         block_size, eps = target.dims.attn_res_block_size, target.dims.rms_norm_eps
+        one = OneLaunch()
 
         def kda_o_proj(o: Tensor, weights: KdaWeights) -> Tensor:
-            return kda_in_proj_op.linear(o.contiguous(), weights.o_proj)
+            if target.combines_partials():
+                raise ProviderBindError(
+                    "the fused o_proj + AttnRes kernel serves one rank's shard alone; this stack combines o_proj's "
+                    "partials across ranks (a TP all-reduce) before the AttnRes, which the kernel does not do yet; "
+                    "keep o_proj stock here"
+                )
+            return one.defer(o.contiguous(), weights.o_proj)
 
         def attn_res_after(buffers: AttnResBuffers, layer: int, attn_out: Tensor, residual: ResidualWeights) -> Tensor:
+            o, weight, partial = one.take(attn_out)
             weights = MixWeights(residual.mlp_res.norm, residual.mlp_res.proj, residual.post_attn_norm)
             site = AttnResSite.after_attention(layer, block_size)
-            return attn_res_op.apply(buffers, site, attn_out, weights, eps)
+            _, mlp_input = kda_o_proj_op.apply(o, weight, buffers, site, weights, eps, attn_out=partial)
+            return mlp_input
 
         return {"kda_o_proj": kda_o_proj, "attn_res_after": attn_res_after}
 

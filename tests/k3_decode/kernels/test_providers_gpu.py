@@ -146,13 +146,15 @@ def test_graph_replays_run_the_cute_kernels_the_ledger_claims(pair, tmp_path) ->
 
 @pytest.mark.parametrize("tp", [8, 16])
 def test_the_pending_o_proj_provider_matches_the_stock_ops(tp: int) -> None:
-    """Its two calls against the stock ops from the same inputs: o_proj within two BF16 roundings of cuBLAS's (the
-    bound of test_kda_in_proj_gpu.py), and the AttnRes after attention within the AttnRes tolerance, on a plain and
-    a block-write (restart) layer, the prefix bit-equal."""
+    """Its two calls (one fused launch, kernels/kda_o_proj.py) against the stock ops from the same inputs: o_proj
+    within one BF16 rounding of the exact product and two of cuBLAS's (the bound of test_kda_in_proj_gpu.py), the
+    MLP input within the AttnRes tolerance of the stock pair's, and the prefix and bank bit-equal to the stock
+    AttnRes fed the provider's own o_proj output, on a plain and a block-write (restart) layer. An AttnRes call on
+    another tensor than the o_proj output it was handed is refused."""
     from k3_decode.attn_res_state import AttnResBuffers
     from k3_decode.config import K3
     from k3_decode.executor.executor import ProviderTarget
-    from k3_decode.kernels.providers import CuteKdaOProjProvider
+    from k3_decode.kernels.providers import CuteKdaOProjProvider, FusedCallError
     from k3_decode.stock.attention_ops import StockAttentionOps
     from tests.k3_decode.kernels.test_kda_in_proj_gpu import bound
     from tests.k3_decode.stock.attention_helpers import assert_close, load_tolerances, weights_for
@@ -161,25 +163,30 @@ def test_the_pending_o_proj_provider_matches_the_stock_ops(tp: int) -> None:
     stock = StockAttentionOps(K3, tp, "cuda")
     gen = torch.Generator().manual_seed(tp)
     weights = weights_for(K3, tp, "cuda")
+    attention = weights.layer(6, experts=[0]).attention
     hidden, proj = K3.shard(tp).kda_o_proj
-    for rows in (1, 4):
-        o = torch.randn(rows, proj, generator=gen).bfloat16().cuda()
-        attention = weights.layer(6, experts=[0]).attention
-        got, want = fns["kda_o_proj"](o, attention), stock.kda_o_proj(o, attention)
-        exact, tol_elem = bound(o, attention.o_proj)
-        assert ((got.double() - exact).abs() <= tol_elem).all(), f"TP{tp} rows {rows}: beyond one BF16 rounding"
-        assert ((got.double() - want.double()).abs() <= 2 * tol_elem).all(), "farther from cuBLAS than two roundings"
     tol = load_tolerances()["attn_res"]
     bs = K3.attn_res_block_size
-    for layer_index in (6, bs):  # a plain layer, and a block-write layer (its attention output restarts the prefix)
-        residual = weights.residual(layer_index)
-        blocks = layer_index // bs + 1
-        delta = torch.randn(4, hidden, generator=gen).bfloat16().cuda()
-        prefix = torch.randn(4, hidden, generator=gen).bfloat16().cuda()
-        bank = torch.randn(4, K3.num_attn_res_blocks, hidden, generator=gen).bfloat16().cuda()
-        mine = AttnResBuffers(prefix.clone(), bank.clone(), blocks)
-        theirs = AttnResBuffers(prefix.clone(), bank.clone(), blocks)
-        got = fns["attn_res_after"](mine, layer_index, delta, residual)
-        want = stock.attn_res_after(theirs, layer_index, delta, residual)
-        assert_close(got, want.float(), tol, f"o_proj provider AttnRes after layer {layer_index}")
-        assert torch.equal(mine.prefix, theirs.prefix) and torch.equal(mine.blocks, theirs.blocks)
+    for rows in (1, 4):
+        for layer_index in (6, bs):  # a plain layer, and a block-write layer (its attention output restarts p)
+            residual = weights.residual(layer_index)
+            blocks = layer_index // bs + 1
+            o = torch.randn(rows, proj, generator=gen).bfloat16().cuda()
+            prefix = torch.randn(rows, hidden, generator=gen).bfloat16().cuda()
+            bank = torch.randn(rows, K3.num_attn_res_blocks, hidden, generator=gen).bfloat16().cuda()
+            mine, theirs, fed = (AttnResBuffers(prefix.clone(), bank.clone(), blocks) for _ in range(3))
+            partial = fns["kda_o_proj"](o, attention)
+            got = fns["attn_res_after"](mine, layer_index, partial, residual)
+            want_partial = stock.kda_o_proj(o, attention)
+            want = stock.attn_res_after(theirs, layer_index, want_partial, residual)
+            exact, tol_elem = bound(o, attention.o_proj)
+            what = f"o_proj provider TP{tp} rows {rows} layer {layer_index}"
+            assert ((partial.double() - exact).abs() <= tol_elem).all(), f"{what}: beyond one BF16 rounding"
+            assert ((partial.double() - want_partial.double()).abs() <= 2 * tol_elem).all(), f"{what}: vs cuBLAS"
+            rms, peak = assert_close(got, want.float(), tol, what)
+            print(f"METRIC {what}: MLP input vs the stock pair rms_rel {rms:.2e} peak_rel {peak:.2e}")
+            stock.attn_res_after(fed, layer_index, partial, residual)
+            assert torch.equal(mine.prefix, fed.prefix) and torch.equal(mine.blocks, fed.blocks), what
+    partial = fns["kda_o_proj"](o, attention)
+    with pytest.raises(FusedCallError, match="another tensor"):
+        fns["attn_res_after"](mine, layer_index, partial.clone(), residual)

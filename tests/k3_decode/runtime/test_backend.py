@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -116,7 +118,43 @@ def test_the_pending_o_proj_provider_is_not_registered_and_binds_both_of_its_cal
     pending = next(p for p in providers.PENDING if p.op == "o_proj")
     assert pending.op == "o_proj" and pending.op not in {p.op for p in providers.PROVIDERS}
     assert "o_proj" not in TABLE.specialized_ops()
-    assert dict(pending.launches) == {"KdaInProjKernel": 1, "AttnResKernel": 1}
-    assert pending.max_rows(8)[0] == 4
+    assert dict(pending.launches) == {"KdaOProjKernel": 1}  # o_proj and the AttnRes after attention: one launch
+    assert pending.max_rows(8)[0] == pending.max_rows(16)[0] == 4
     with pytest.raises(providers.ProviderBindError, match="runs on a CUDA device"):
         pending.bind(ProviderTarget(K3, 8, 0, torch.device("cpu")))
+
+
+def test_one_launch_hands_the_deferred_o_proj_output_to_the_attn_res_call_only():
+    one = providers.OneLaunch()
+    o, weight = torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(32, 16, dtype=torch.bfloat16)
+    partial = one.defer(o, weight)
+    assert partial.shape == (2, 32) and partial.dtype == torch.bfloat16
+    got = one.take(partial)
+    assert got[0] is o and got[1] is weight and got[2] is partial
+    with pytest.raises(providers.FusedCallError, match="got no deferred o_proj call"):
+        one.take(partial)  # consumed once
+    partial = one.defer(o, weight)
+    with pytest.raises(providers.FusedCallError, match="got another tensor"):
+        one.take(partial.clone())  # e.g. an all-reduce's result: not the buffer the launch writes
+    one.defer(o, weight)
+    with pytest.raises(providers.FusedCallError, match="called again before"):
+        one.defer(o, weight)
+    one.defer(o, weight)  # a refused order leaves nothing behind
+
+
+def test_the_pending_o_proj_provider_defers_o_proj_to_its_attn_res_call_and_refuses_combined_partials(monkeypatch):
+    """Its two calls as the executor makes them (off a GPU, so nothing launches): o_proj hands back a buffer, the
+    AttnRes call refuses any other tensor, and a stack that all-reduces the partials is refused at the o_proj call."""
+    pending = next(p for p in providers.PENDING if p.op == "o_proj")
+    monkeypatch.setattr(providers, "_check_target", lambda target, what: None)
+    combined = {"now": False}
+    fns = pending.bind(ProviderTarget(K3, 8, 0, torch.device("cpu"), lambda: combined["now"]))
+    assert sorted(fns) == ["attn_res_after", "kda_o_proj"]
+    weights = SimpleNamespace(o_proj=torch.ones(K3.hidden_size, 1536, dtype=torch.bfloat16))
+    partial = fns["kda_o_proj"](torch.ones(2, 1536, dtype=torch.bfloat16), weights)
+    assert partial.shape == (2, K3.hidden_size)
+    with pytest.raises(providers.FusedCallError, match="another tensor"):
+        fns["attn_res_after"](None, 6, partial.clone(), None)
+    combined["now"] = True
+    with pytest.raises(providers.ProviderBindError, match="combines o_proj's partials across ranks"):
+        fns["kda_o_proj"](torch.ones(2, 1536, dtype=torch.bfloat16), weights)

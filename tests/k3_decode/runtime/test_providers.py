@@ -98,6 +98,27 @@ def test_an_op_the_runner_makes_together_with_others_cannot_be_specialized_alone
         specialized(Provider({}, op="mla"), OpTable({**table.parts, "kda": kda, "mla": mla}))
 
 
+def test_providers_are_told_whether_the_runner_combines_partials_across_ranks():
+    """A provider that fuses past o_proj asks its target at call time; the TP executor sets its combines after the
+    providers are bound (k3_decode.distributed.tp_stack)."""
+    from k3_decode.distributed.row_parallel import UnfusedRowParallel
+
+    targets: list[ProviderTarget] = []
+
+    @dataclass(frozen=True)
+    class Recording(Provider):
+        def bind(self, target: ProviderTarget) -> Mapping[str, Callable[..., Any]]:
+            targets.append(target)
+            return self.calls
+
+    ex = specialized(Recording({"kda_decode": lambda *a: None}))
+    (target,) = targets
+    assert target.combines_partials() is False  # one rank's shard alone: the all-reduces are elided
+    ex.runner.row_parallel = UnfusedRowParallel(lambda partial: partial)
+    assert target.combines_partials() is True
+    assert ProviderTarget(ex.dims, 1, 0, ex.device).combines_partials() is False  # a target made outside an executor
+
+
 def test_the_runner_calls_map_to_the_op_tables_ops():
     """RUNNER_CALLS covers every op of every part of the shipped op table, and nothing else."""
     table = private_table()

@@ -1,0 +1,347 @@
+"""o_proj with the AttnRes after attention for Hopper (sm_90a) in CuTe DSL, in one launch.
+
+Compiled for sm_90a on the CPU with its PTX and SASS checked by `k3gate kernels build`; it has not run on a GPU yet:
+its GPU test (tests/k3_decode/kernels/test_kda_o_proj_gpu.py) must pass on an H200 before its provider registers
+(providers.py, CuteKdaOProjProvider, PENDING).
+
+Semantics, per decode step of B <= 4 rows: attn_out = o @ W^T with W = o_proj [H = 7168, K] (K = 1536 at TP8, 768
+at TP16), every output an FP32 sum of the K products rounded once to BF16, as the input projection's weight stream
+(kda_in_proj.py) computes it; attn_out is this rank's o_proj partial, on one rank the attention output. Then, per
+row, the AttnRes after attention (attn_res.py; k3_decode/reference/attn_res.py `after_attention`) with delta =
+attn_out: p' = bf16(p + attn_out) ("add") or attn_out ("restart"), the softmax mix of the bank blocks and p', and
+the post-attention RMSNorm. Written: attn_out, the prefix (and a saved block, for a kind that saves), the MLP input.
+Given the same attn_out bits, the prefix is bit-equal to the stock pair's (cuBLAS, then the AttnRes kernel).
+
+Why one launch needs a grid-wide point. The AttnRes after attention needs the whole o_proj row (its logits and its
+norm are sums over all 7168 columns), and every 16 columns of that row come from a different CTA of the weight
+stream. Three ways were weighed:
+- Two launches (the provider before this kernel: the weight stream, then the AttnRes kernel). PDL hides the second
+  kernel's weight loads, not its launch and ramp, and the issue allows four launches for the attention side of a
+  KDA layer (AttnRes, in_proj, KDA step, o_proj + AttnRes).
+- A grid barrier over every CTA (a cooperative grid sync). Every CTA would wait for the slowest for no use, and it
+  is safe only if the whole grid is co-resident, which a cooperative launch guarantees and CuTe DSL's launch does
+  not offer.
+- Chosen: only the CTAs that need the whole row wait. The grid is made of clusters of the AttnRes kernel's size (7
+  CTAs of 128 threads, 8 columns per thread: attn_res_plan.ClusterPlan), so the same clusters can run the AttnRes
+  device code (attn_res.py's exchange setup, weight loads and mix-and-store, shared as jit methods). Every CTA
+  streams its 16 rows of W, stores its 16 columns of every attn_out row, and arrives on a global arrival word; the
+  7 CTAs of cluster b (b < B) then wait until every CTA of the grid has arrived and apply AttnRes to row b, while
+  every other cluster exits at once.
+
+Which clusters wait: clusters 0..B-1, fixed, rather than the last B clusters to arrive (by the order of their
+arrival tickets). Both are deadlock-free (below). Fixed clusters know their role from the start, so while the rest
+of the grid streams they already have in flight everything that does not depend on o_proj (the AttnRes weights,
+the bank blocks, the old prefix: up to 12 vectors per thread); after the last arrival only the read of the o_proj
+row (from L2) stands between it and the exchanges. Picking by arrival order needs a per-cluster ticket, so a
+cluster barrier after the stream, a broadcast of the ticket through the cluster and another barrier, and then
+every load of the epilogue after the last arrival: one more cluster round trip and memory latency on the critical
+path of every launch.
+
+Deadlock freedom. A waiting CTA waits only for arrivals, and a CTA arrives after nothing but the previous kernel
+(griddepcontrol.wait), its own loads and a CTA barrier, so every resident CTA reaches its arrival. A CTA not yet
+resident needs a free slot; the waiting clusters hold at most B <= 4 cluster slots and every other cluster frees
+its slots as soon as it has arrived, so the grid finishes whenever the device can hold more than B clusters at
+once. An H200 holds far more: four CTAs of 128 threads per SM (ptxas caps registers at 128 for that, and the build
+checks it), so 528 CTA slots on 132 SMs, and the grid is 448 CTAs (64 clusters): it is resident in one wave and
+nobody waits for a slot at all. PDL does not change this: the next kernel launches only once every CTA of this one
+has executed griddepcontrol.launch_dependents (so all of them are resident), and the previous kernel's CTAs were
+all resident before any of ours.
+
+The arrival word, never reset (also not between CUDA-graph replays). As CUDA's cooperative-groups grid sync does
+(cooperative_groups details, `sync_grids`): CTA 0 adds 2^31 - (N - 1) and each other CTA adds 1, N = the grid's
+CTAs, so one launch adds exactly 2^31 in all: the low 31 bits end where they began (0) and the top bit flips. With
+the low bits at 0, no partial sum carries into the top bit (the 1s reach at most N - 1; with CTA 0's add among
+them the sum is 2^31 - j, j >= 1), so the top bit flips exactly when the last CTA arrives. A waiting CTA polls until
+the top bit differs from the one its own add returned (`seen`). Every launch leaves the word the same way whatever
+its plan, so all launches on a device share one word (kda_o_proj_op.py), provided no two overlap in time: in a
+decode step they are stream-ordered, and the next launch arrives only after its own griddepcontrol.wait, which
+implies this grid's completion through the kernels in between (each of which waits too).
+
+Memory ordering (PTX memory model, gpu scope):
+1. Release: each thread stores its o_proj outputs; a CTA barrier (bar.sync) orders them before thread 0's
+   `atom.release.gpu.add` (release is cumulative over what precedes it in causality order, which the barrier
+   establishes). The SASS is MEMBAR.GPU, then the atomic. This is CUTLASS's GenericBarrier (cutlass/barrier.h:
+   __syncthreads, then one thread's red.release.gpu).
+2. The adds are a chain of atomic read-modify-writes of one word; in the PTX model a read that observes the last of
+   them is preceded in observation order by every write of the chain, so the acquire that sees the flipped bit
+   synchronizes with every CTA's release.
+3. Acquire: thread 0 polls with `ld.acquire.gpu` (SASS: LDG.E.STRONG.GPU, then CCTL.IVALL: the SM's L1 is
+   invalidated, so later loads of the o_proj row come from L2, where the other SMs' stores are); a CTA barrier then
+   orders the other threads' plain loads of the row (never `ld.global.nc`, which may be served from a stale line or
+   hoisted) after it. The build checks each of these instructions and that only the row is read after the poll.
+
+Ready for a fused TP all-reduce: attn_out is this rank's partial, and `_attention_row` is the only place the
+epilogue reads it. A TP variant would have each CTA also push its columns of attn_out to the peers (a mailbox or a
+multicast row, as k3_decode/distributed's peer two-shot does) before it arrives, the epilogue wait for the peers'
+columns as well, and `_attention_row` sum the ranks' partials of its 8 columns in rank order before the AttnRes.
+One GPU has no all-reduce here, so the provider refuses a stack whose partials are combined across ranks.
+
+Work split (kda_o_proj_plan.py): the weight stream of kda_in_proj.py on CTAs of 4 warps x 4 rows = 16 rows of W:
+16-byte weight loads straight into registers, 12 per thread in flight and the first 12 issued before
+griddepcontrol.wait; o staged once per CTA in shared memory (B x K x 2 bytes, at most 12 KiB); FP32 FMAs and a
+fixed-order butterfly per output, so results do not depend on scheduling. TP8 streams 6 k steps of 256 columns in
+two groups of 3; TP16's 3 steps are one group (every weight load of a thread is issued before the wait). B <= 4
+rows (rows_per_warp x B accumulators beside the weight slots under 128 registers: 117-128 in the builds, no
+spills); above that the plan keeps o_proj stock (providers.toml [o_proj]).
+
+Expected time at TP8, B = 1..4: 22 MB of W at ~4.15 TB/s is ~5.3 us of streaming; the tail after it is the last
+CTA's stores and release (~1 us), the poll that sees it (~0.5-1 us), the row read from L2 and the two DSMEM
+exchanges (~2 us): ~8-9 us per launch, against cuBLAS's 8.7 us plus ~2.5 us of AttnRes for the stock pair.
+Measured: not yet (the GPU test prints it against the stock pair and the two-launch path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, const_expr
+
+from k3_decode.kernels import cutedsl
+from k3_decode.kernels.attn_res import AttnResKernel
+from k3_decode.kernels.attn_res import _load8 as _row_vector
+from k3_decode.kernels.kda_in_proj import _copy8, _load, _load8, _to_f32, _warp_sum
+from k3_decode.kernels.kda_o_proj_plan import VECTOR, WARP, OProjPlan
+
+
+def compile_args(plan: OProjPlan, capacity: int) -> tuple[Any, ...]:
+    """Fake arguments of one compile: the shapes and dtypes the compiled kernel then accepts, nothing else."""
+
+    def bf16(*shape: int) -> Any:
+        return cutedsl.fake_tensor(BFloat16, shape)
+
+    b, h = plan.batch, plan.hidden
+    return (
+        bf16(b, plan.k),  # o: the KDA output, o_proj's input
+        bf16(h, plan.k),  # W: o_proj's weight
+        bf16(b, h),  # attn_out: o_proj's output (this rank's partial)
+        bf16(b, h),  # prefix
+        bf16(b, capacity, h),  # bank
+        bf16(b, h),  # out: the MLP input
+        bf16(h),  # res_norm
+        bf16(h),  # res_proj
+        bf16(h) if plan.kind.out_norm else None,  # out_norm
+        cutedsl.fake_tensor(Int32, (1,)),  # arrivals: the grid's arrival word
+        cutedsl.fake_tensor(Int32, (1,)),  # launches: the device-side execution counter
+        Int32(0),  # save_index
+        Float32(1e-5),  # eps
+        cutedsl.fake_stream(),
+    )
+
+
+class KdaOProjKernel:
+    """o_proj and the AttnRes after attention for one fixed plan (shape, batch, AttnRes kind).
+
+    Arguments of the compiled function, all on one device, 16-byte aligned, last dimension contiguous, BF16 unless
+    said: o [B, K], W [H, K], attn_out [B, H] (written: o @ W^T), prefix [B, H] (rewritten), blocks
+    [B, capacity, H] (block `save_index` written when the kind saves), out [B, H] (written: the MLP input),
+    res_norm [H], res_proj [H], out_norm [H] (None without an output norm), arrivals [1] Int32 (the grid's arrival
+    word: zero when first used, and left with its low 31 bits zero by every launch, so it is never reset),
+    launches [1] Int32 (the device-side execution counter), save_index Int32, eps Float32, and the CUDA stream.
+    """
+
+    def __init__(self, plan: OProjPlan) -> None:
+        self.plan = plan
+        self.attn = AttnResKernel(plan.hidden, plan.kind)  # the epilogue: one AttnRes application per cluster
+
+    @cute.jit
+    def __call__(
+        self,
+        o: cute.Tensor,
+        w: cute.Tensor,
+        attn_out: cute.Tensor,
+        prefix: cute.Tensor,
+        blocks: cute.Tensor,
+        out: cute.Tensor,
+        res_norm: cute.Tensor,
+        res_proj: cute.Tensor,
+        out_norm: cute.Tensor | None,
+        arrivals: cute.Tensor,
+        launches: cute.Tensor,
+        save_index: Int32,
+        eps: Float32,
+        stream: Any,
+    ):
+        plan = self.plan
+        self.kernel(
+            o, w, attn_out, prefix, blocks, out, res_norm, res_proj, out_norm, arrivals, launches, save_index, eps
+        ).launch(
+            grid=[plan.cluster, plan.clusters, 1],
+            block=[plan.threads, 1, 1],
+            cluster=[plan.cluster, 1, 1],
+            # All CTAs resident at once (ctas_per_sm per SM): ptxas caps registers to fit them. Naming the carveout
+            # keeps CuTe DSL from asking the driver for the SM's shared memory at compile time (a CPU build).
+            min_blocks_per_mp=plan.ctas_per_sm,
+            preferred_smem_carveout=100,
+            stream=stream,
+            use_pdl=True,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        o: cute.Tensor,
+        w: cute.Tensor,
+        attn_out: cute.Tensor,
+        prefix: cute.Tensor,
+        blocks: cute.Tensor,
+        out: cute.Tensor,
+        res_norm: cute.Tensor,
+        res_proj: cute.Tensor,
+        out_norm: cute.Tensor | None,
+        arrivals: cute.Tensor,
+        launches: cute.Tensor,
+        save_index: Int32,
+        eps: Float32,
+    ):
+        plan = self.plan
+        tidx, _, _ = cute.arch.thread_idx()
+        rank, cluster, _ = cute.arch.block_idx()  # grid x = the CTA's rank in its cluster
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        cta = cluster * plan.cluster + rank
+        row0 = (cta * plan.warps + warp) * plan.rows_per_warp
+
+        smem = cutlass.utils.SmemAllocator()
+        areas = self.attn.allocate_exchange(smem, tidx)
+        staged = smem.allocate_tensor(
+            BFloat16, cute.make_layout((plan.batch, plan.k), stride=(plan.k, 1)), byte_alignment=16
+        )
+        cute.arch.cluster_arrive_relaxed()  # publishes the epilogue's barriers to the cluster, long before use
+        slots = [
+            [cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(plan.rows_per_warp)] for _ in range(plan.depth)
+        ]
+
+        # Weights first: they do not depend on the previous kernel, so they stream while it finishes.
+        self._load_group(w, slots, row0, lane, Int32(0))
+        cute.arch.griddepcontrol_wait()
+        if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
+            cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
+        self._stage(o, staged, tidx)
+        cute.arch.sync_threads()
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
+        self._stream(w, attn_out, staged, slots, row0, lane)
+
+        # The grid-wide point: this CTA's share of attn_out is stored; it says so on the arrival word.
+        cute.arch.cluster_wait()  # the epilogue's barriers are published (the arrive above is long done)
+        cute.arch.sync_threads()  # every thread's o_proj stores precede thread 0's release below
+        seen = self._arrive(arrivals, tidx, cta)
+        if cluster < plan.batch:  # the same for every CTA of a cluster: clusters 0..B-1 apply AttnRes to row b
+            self._epilogue(
+                attn_out, prefix, blocks, out, res_norm, res_proj, out_norm, arrivals, seen, areas,
+                save_index, eps, tidx, rank, cluster,
+            )  # fmt: skip
+
+    @cute.jit
+    def _arrive(self, arrivals: cute.Tensor, tidx: Int32, cta: Int32) -> Int32:
+        """Thread 0 adds this CTA's share to the arrival word with a gpu-scope release and returns the old value
+        (0 in the other threads, which do not use it). CTA 0 adds 2^31 - (ctas - 1), every other CTA 1."""
+        seen = Int32(0)
+        if tidx == 0:
+            add = Int32(1)
+            if cta == 0:
+                add = Int32(self.plan.arrival_master)
+            seen = cute.arch.atomic_add(arrivals.iterator, add, sem="release", scope="gpu")
+        return seen
+
+    @cute.jit
+    def _wait_for_grid(self, arrivals: cute.Tensor, seen: Int32, tidx: Int32):
+        """Until every CTA of the grid has arrived: thread 0 polls the arrival word with gpu-scope acquire loads
+        until its top bit differs from the one its own arrival saw; the CTA barrier then passes that on."""
+        if tidx == 0:
+            now = cute.arch.load(arrivals.iterator, Int32, sem="acquire", scope="gpu")
+            while (now ^ seen) >= 0:  # the same top bit: the launch's adds have not all landed
+                now = cute.arch.load(arrivals.iterator, Int32, sem="acquire", scope="gpu")
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _load_group(self, w: cute.Tensor, slots: list, row0: Int32, lane: Int32, group: Int32):
+        """Issue the weight loads of k steps group * depth .. + depth - 1 into the slots."""
+        plan = self.plan
+        for j in cutlass.range_constexpr(plan.depth):
+            for r in cutlass.range_constexpr(plan.rows_per_warp):
+                _load8(w[row0 + r, None], lane + WARP * (group * plan.depth + j), slots[j][r])
+
+    @cute.jit
+    def _stage(self, o: cute.Tensor, staged: cute.Tensor, tidx: Int32):
+        """Copy the batch rows of o into shared memory, one 16-byte vector per thread and pass."""
+        plan = self.plan
+        per_row = plan.k // VECTOR
+        for i in cutlass.range_constexpr(plan.fill_loads):
+            v = tidx + plan.threads * i
+            if const_expr(plan.threads * (i + 1) <= plan.batch * per_row):
+                _copy8(o[v // per_row, None], staged[v // per_row, None], v % per_row)
+            else:
+                if v < plan.batch * per_row:  # the last pass, when it does not fill every thread
+                    _copy8(o[v // per_row, None], staged[v // per_row, None], v % per_row)
+
+    @cute.jit
+    def _stream(
+        self, w: cute.Tensor, attn_out: cute.Tensor, staged: cute.Tensor, slots: list, row0: Int32, lane: Int32
+    ):
+        """attn_out[:, the warp's rows] = o @ W[the warp's rows]^T, with group 0 of the weights already in flight."""
+        plan = self.plan
+        rows, batch = plan.rows_per_warp, plan.batch
+        acc = cute.make_rmem_tensor((rows * batch,), Float32)
+        acc.fill(0.0)
+        for g in cutlass.range(plan.groups, unroll=1):
+            for j in cutlass.range_constexpr(plan.depth):
+                wv = [_to_f32(slots[j][r].load()) for r in range(rows)]
+                if g + 1 < plan.groups:  # refill the slot just read: the stream runs `depth` steps ahead
+                    for r in cutlass.range_constexpr(rows):
+                        _load8(w[row0 + r, None], lane + WARP * ((g + 1) * plan.depth + j), slots[j][r])
+                step = g * plan.depth + j
+                for b in cutlass.range_constexpr(batch):
+                    xv = _to_f32(_load(staged[b, None], lane + WARP * step))
+                    for r in cutlass.range_constexpr(rows):
+                        a = acc[r * batch + b]
+                        for i in cutlass.range_constexpr(VECTOR):
+                            a = a + wv[r][i] * xv[i]
+                        acc[r * batch + b] = a
+
+        # Lane r * batch + b writes attn_out[b, row0 + r]; every lane holds every warp total.
+        for r in cutlass.range_constexpr(rows):
+            for b in cutlass.range_constexpr(batch):
+                total = _warp_sum(acc[r * batch + b])
+                if lane == r * batch + b:
+                    attn_out[b, row0 + r] = total.to(BFloat16)
+
+    @cute.jit
+    def _epilogue(
+        self,
+        attn_out: cute.Tensor,
+        prefix: cute.Tensor,
+        blocks: cute.Tensor,
+        out: cute.Tensor,
+        res_norm: cute.Tensor,
+        res_proj: cute.Tensor,
+        out_norm: cute.Tensor | None,
+        arrivals: cute.Tensor,
+        seen: Int32,
+        areas: tuple,
+        save_index: Int32,
+        eps: Float32,
+        tidx: Int32,
+        rank: Int32,
+        row: Int32,
+    ):
+        """The AttnRes after attention of batch row `row`, once every CTA of the grid has stored its o_proj rows."""
+        kind, attn = self.plan.kind, self.attn
+        vec = rank * self.plan.threads + tidx  # this thread's 8 columns of the row
+        # What does not depend on o_proj is loaded first, in flight while the rest of the grid finishes.
+        w_mix, w_out = attn.load_weights(res_norm, res_proj, out_norm, vec)
+        bank = [_row_vector(blocks[row, s, None], vec) for s in range(kind.num_blocks)]
+        old = _row_vector(prefix[row, None], vec).to(Float32)  # unused (and not loaded) at a restart
+        self._wait_for_grid(arrivals, seen, tidx)
+        delta = self._attention_row(attn_out, row, vec)
+        p = delta.to(Float32)
+        if const_expr(kind.delta == "add"):
+            p = (old + p).to(BFloat16).to(Float32)
+        attn.mix_and_store(bank, p, w_mix, w_out, areas, out, prefix, blocks, row, save_index, vec, tidx, rank, eps)
+
+    @cute.jit
+    def _attention_row(self, attn_out: cute.Tensor, row: Int32, vec: Int32) -> cute.TensorSSA:
+        """This thread's 8 columns of the attention output of `row`: on one rank, the o_proj output itself. (A
+        fused TP all-reduce would sum the ranks' partials here, in rank order, before the AttnRes.)"""
+        return _row_vector(attn_out[row, None], vec)

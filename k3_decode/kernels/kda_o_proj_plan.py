@@ -1,0 +1,139 @@
+"""How the fused o_proj + AttnRes kernel (k3_decode/kernels/kda_o_proj.py) splits its work, without CuTe DSL.
+
+The kernel computes attn_out[B, H] = o[B, K] @ W[H, K]^T (o_proj: H = 7168 output features, K = the rank's KDA
+value width, 1536 at TP8 and 768 at TP16), then the AttnRes after attention on every row of attn_out. The grid is
+made of clusters of the AttnRes kernel's size (attn_res_plan.ClusterPlan: 7 CTAs of 128 threads at K3's width), so
+the same clusters that stream W can run the AttnRes epilogue: CTA c (cluster c // 7, rank c % 7) owns
+`warps * rows_per_warp` consecutive rows of W, each warp `rows_per_warp` of them over the whole of K, a lane one
+16-byte vector (8 columns) of each row per k step of 256 columns; o is staged whole in shared memory. Clusters
+0..B-1 then apply AttnRes to row b = their cluster index. Every number here is fixed at compile time, so listing
+builds needs neither CuTe DSL nor torch, and the build expectations can count instructions from these numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
+
+VECTOR = 8  # BF16 elements in one 16-byte load
+WARP = 32
+STEP = WARP * VECTOR  # the columns of W one warp covers per k step
+MAX_BATCH = 4  # accumulators: rows_per_warp x batch per lane beside 12 weight vectors in flight, under 128 registers
+LOADS_IN_FLIGHT = 12  # 16-byte weight loads a thread keeps outstanding (as the input projection's plan)
+ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
+MAX_CTAS_PER_SM = 4  # 4 x 128 threads x 128 registers = an SM's 64K registers
+H200_SMS = 132
+ARRIVAL_TOP = 1 << 31  # the arrival word's top bit flips once per launch (see kda_o_proj.py)
+
+
+@dataclass(frozen=True)
+class OProjPlan:
+    hidden: int  # H: o_proj's output features, the AttnRes row width
+    k: int  # K: o_proj's input features on this rank
+    batch: int
+    kind: AttnResKind  # the AttnRes after attention this launch applies
+    sm_count: int
+    rows_per_warp: int
+
+    @classmethod
+    def for_shape(cls, hidden: int, k: int, batch: int, kind: AttnResKind, sm_count: int = H200_SMS) -> OProjPlan:
+        """The plan for one shape: the most rows per warp (the most reuse of each staged o vector) whose grid is
+        whole clusters and fits on the SMs at once (one wave, MAX_CTAS_PER_SM per SM)."""
+        cluster = ClusterPlan.for_hidden(hidden)  # raises for a width AttnRes cannot split
+        if k <= 0 or k % STEP:
+            raise ValueError(f"the fused o_proj kernel needs K to be a positive multiple of {STEP}, got {k}")
+        if not 1 <= batch <= MAX_BATCH:
+            raise ValueError(
+                f"the fused o_proj kernel serves 1..{MAX_BATCH} rows (its register budget), got {batch}; "
+                "run o_proj and the AttnRes after attention stock above"
+            )
+        if kind.delta not in ("add", "restart") or kind.delta_dtype != "bfloat16":
+            raise ValueError(
+                f"the AttnRes after attention takes the BF16 o_proj output as delta (add or restart), not {kind.tag}"
+            )
+        if sm_count < 1:
+            raise ValueError(f"sm_count must be at least 1, got {sm_count}")
+        per_cluster = cluster.cluster * cluster.warps
+        whole = [r for r in ROWS_PER_WARP if hidden % (per_cluster * r) == 0]
+        fitting = [r for r in whole if hidden // (cluster.warps * r) <= MAX_CTAS_PER_SM * sm_count]
+        if not fitting:
+            raise ValueError(
+                f"the fused o_proj kernel cannot split {hidden} rows into whole clusters that fit on {sm_count} SMs"
+            )
+        plan = cls(hidden, k, batch, kind, sm_count, fitting[0])
+        if plan.clusters < batch:
+            raise ValueError(f"{plan.clusters} clusters cannot apply AttnRes to {batch} rows (one cluster per row)")
+        return plan
+
+    @property
+    def attn(self) -> ClusterPlan:
+        return ClusterPlan.for_hidden(self.hidden)
+
+    @property
+    def cluster(self) -> int:
+        return self.attn.cluster
+
+    @property
+    def threads(self) -> int:
+        return self.attn.threads
+
+    @property
+    def warps(self) -> int:
+        return self.attn.warps
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.warps * self.rows_per_warp
+
+    @property
+    def ctas(self) -> int:
+        return self.hidden // self.rows_per_cta
+
+    @property
+    def clusters(self) -> int:
+        return self.ctas // self.cluster
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """CTAs each SM must hold at once so that the whole grid is resident in one wave (ptxas caps registers)."""
+        return -(-self.ctas // self.sm_count)
+
+    @property
+    def arrival_master(self) -> int:
+        """What CTA 0 adds to the arrival word; every other CTA adds 1. All of a launch's adds total 2^31."""
+        return ARRIVAL_TOP - (self.ctas - 1)
+
+    @property
+    def steps(self) -> int:
+        """k steps per row: each is one 16-byte weight load per lane and row."""
+        return self.k // STEP
+
+    @property
+    def depth(self) -> int:
+        """k steps of weights a thread has in flight: the smallest divisor of `steps` that keeps LOADS_IN_FLIGHT
+        loads outstanding (all of K when it has fewer steps), so every group is whole."""
+        want = -(-LOADS_IN_FLIGHT // self.rows_per_warp)
+        return next(d for d in range(1, self.steps + 1) if self.steps % d == 0 and d >= min(want, self.steps))
+
+    @property
+    def groups(self) -> int:
+        """Trips of the k loop: each multiplies `depth` steps and issues the loads of the next `depth`."""
+        return self.steps // self.depth
+
+    @property
+    def fill_loads(self) -> int:
+        """16-byte loads of o (and shared stores) per thread that stage the batch."""
+        return -(-self.batch * (self.k // VECTOR) // self.threads)
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.batch * self.k * 2
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.hidden * self.k * 2
+
+    @property
+    def tag(self) -> str:
+        return f"k{self.k}/b{self.batch}/{self.kind.tag}"

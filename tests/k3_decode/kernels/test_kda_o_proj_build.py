@@ -1,0 +1,302 @@
+"""The fused o_proj + AttnRes kernel's plan and builds: what is built and the arrival word's arithmetic (fast, no
+CuTe DSL), and real sm_90a builds of a few shapes with their PTX, SASS and cubin checked, plus broken variants of
+the grid-wide arrival that the expectations must fail (slow; needs CuTe DSL, `pip install 'k3gate[cutedsl]'`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.kernels_cmd import cubin_resources, parse_expectations, select_builds
+from k3_decode.config import K3
+from k3_decode.kernels.attn_res_plan import AttnResKind, site_kinds
+from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds, KdaOProjBuild
+from k3_decode.kernels.kda_o_proj_plan import ARRIVAL_TOP, MAX_BATCH, STEP, OProjPlan
+from tests.k3_decode.kernels.helpers import BUILDS, REPO, assert_launch_reaches_the_driver, needs_cutedsl
+
+SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory; the driver reserves 1 KiB per CTA
+H200_SMS = 132
+ADD8 = AttnResKind.from_tag("n8-add-norm")
+
+
+def o_proj_builds() -> list[KdaOProjBuild]:
+    return [b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, KdaOProjBuild)]
+
+
+def after_attention_kinds() -> set[AttnResKind]:
+    return {k for k, sites in site_kinds(K3).items() if any(s.startswith("after attention") for s in sites)}
+
+
+# --- the plan -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("batch", range(1, MAX_BATCH + 1))
+def test_k3_shapes_are_whole_clusters_resident_in_one_wave(tp, batch):
+    hidden, k = K3.shard(tp).kda_o_proj
+    plan = OProjPlan.for_shape(hidden, k, batch, ADD8, H200_SMS)
+    assert (plan.cluster, plan.threads, plan.warps) == (7, 128, 4)  # the AttnRes kernel's cluster at 7168
+    assert plan.rows_per_warp == 4 and plan.ctas == 448 and plan.clusters == 64 and plan.ctas_per_sm == 4
+    assert plan.ctas * plan.rows_per_cta == hidden and plan.ctas % plan.cluster == 0  # every row once, whole clusters
+    assert plan.ctas <= plan.ctas_per_sm * H200_SMS  # one wave: no CTA waits for a free SM behind the waiters
+    assert plan.ctas_per_sm * plan.threads * 128 <= 65536  # the register cap ptxas is told to meet
+    assert plan.clusters >= batch  # one epilogue cluster per row
+    assert plan.steps * STEP == k and plan.depth * plan.groups == plan.steps
+    assert plan.depth * plan.rows_per_warp >= 12  # the loads in flight the stream's bandwidth needs
+    assert (plan.depth, plan.groups) == ((3, 2) if tp == 8 else (3, 1))
+    exchange = 2 * 8 + (plan.attn.slots * 20 + plan.attn.slots) * 4 + 64  # barriers, the two areas, alignment
+    assert plan.ctas_per_sm * (plan.stage_bytes + exchange + 1024) <= SMEM_PER_SM
+
+
+def test_plan_refuses_what_the_kernel_cannot_take():
+    with pytest.raises(ValueError, match=r"1\.\.4 rows"):
+        OProjPlan.for_shape(7168, 1536, 5, ADD8)
+    with pytest.raises(ValueError, match=r"1\.\.4 rows"):
+        OProjPlan.for_shape(7168, 1536, 0, ADD8)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        OProjPlan.for_shape(7168, 1000, 1, ADD8)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        OProjPlan.for_shape(7000, 1536, 1, ADD8)
+    with pytest.raises(ValueError, match="add or restart"):
+        OProjPlan.for_shape(7168, 1536, 1, AttnResKind.from_tag("n0-none-save-norm"))
+    with pytest.raises(ValueError, match="add or restart"):
+        OProjPlan.for_shape(7168, 1536, 1, AttnResKind(8, "add", False, True, "float32"))
+    with pytest.raises(ValueError, match="fit on 8 SMs"):  # 448 CTAs cannot be resident on 8 SMs
+        OProjPlan.for_shape(7168, 1536, 1, ADD8, sm_count=8)
+
+
+# --- the arrival word (a model of the kernel's integer arithmetic) ----------------------------------------------
+
+
+def _int32(x: int) -> int:
+    x &= 0xFFFFFFFF
+    return x - (1 << 32) if x & 0x80000000 else x
+
+
+def _waits(now: int, seen: int) -> bool:
+    """The kernel's poll condition, in Int32: the top bits of `now` and `seen` are equal."""
+    return _int32(now ^ seen) >= 0
+
+
+@pytest.mark.parametrize("ctas", [1, 2, 7, 448])
+def test_each_launch_flips_the_top_bit_exactly_at_its_last_arrival(ctas):
+    """Launches of one plan and of others on the same word, arrivals in random orders: every CTA's poll waits until
+    the last add of its launch lands and not after it, and each launch leaves the low 31 bits at zero."""
+    rng = random.Random(ctas)
+    word = 0
+    for launch in range(40):
+        n = ctas if launch % 3 else rng.choice([1, 2, 7, 448])  # plans of other sizes share the word
+        master = ARRIVAL_TOP - (n - 1)
+        adds = [master] + [1] * (n - 1)
+        rng.shuffle(adds)
+        seen = []
+        for i, add in enumerate(adds):
+            seen.append(word)
+            word = _int32(word + add)
+            last = i == n - 1
+            # every CTA that has arrived so far waits exactly while the launch is incomplete
+            assert all(_waits(word, s) != last for s in seen), (launch, i)
+        assert word & 0x7FFFFFFF == 0 and (word < 0) == (launch % 2 == 0)
+
+
+def test_the_arrival_master_is_what_the_plan_adds():
+    plan = OProjPlan.for_shape(7168, 1536, 4, ADD8)
+    assert plan.arrival_master + (plan.ctas - 1) == ARRIVAL_TOP and 0 < plan.arrival_master < ARRIVAL_TOP
+
+
+# --- what is built ----------------------------------------------------------------------------------------------
+
+
+def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
+    builds = o_proj_builds()
+    kinds = {AttnResKind.from_tag(t) for t in ("n1-restart-norm", "n1-add-norm", "n8-restart-norm", "n8-add-norm")}
+    assert {(b.tp, b.plan.batch, b.plan.kind) for b in builds} == {
+        (tp, batch, kind) for tp in (8, 16) for batch in (1, 2, 4) for kind in kinds
+    }
+    assert kinds <= after_attention_kinds()
+    assert {b.tp: (b.plan.hidden, b.plan.k) for b in builds} == {8: K3.shard(8).kda_o_proj, 16: K3.shard(16).kda_o_proj}
+    assert {b.kernel for b in builds} == {"kda_o_proj"} and {b.capacity for b in builds} == {8}
+    assert len({b.name for b in builds}) == len(builds) == 24
+    assert "kda_o_proj/tp16/b4/n8-add-norm" in {b.name for b in builds}
+
+
+def test_after_attention_kinds_are_restarts_and_adds_over_every_bank_size():
+    kinds = after_attention_kinds()
+    assert kinds == {AttnResKind(n, d, False, True) for n in range(1, 9) for d in ("add", "restart")}
+
+
+def test_build_tags_count_what_the_code_must_hold():
+    tags = {b.name: b.tags for b in o_proj_builds()}
+    t = tags["kda_o_proj/tp8/b4/n8-add-norm"]  # 2 groups of 3 steps x 4 rows; 768 vectors of o over 128 threads
+    assert (t["weight_loads_ahead"], t["stream_loads"], t["o_stages"], t["o_reads"]) == (12, 12 + 12 + 6, 6, 12)
+    assert t["epilogue_loads_before_wait"] == 3 + 8 + 1 and t["global_loads"] == 30 + 12 + 1
+    assert (t["stream_fmas"], t["stream_shuffles"], t["out_stores"], t["row_stores"]) == (384, 80, 16, 2)
+    assert (t["pushes"], t["exchanges"]) == (5 + 1, 2)
+    r = tags["kda_o_proj/tp16/b1/n1-restart-norm"]  # one group covers K (no refill), one pass of o, no old prefix
+    assert (r["stream_loads"], r["epilogue_loads_before_wait"], r["global_loads"]) == (12 + 1, 3 + 1, 13 + 4 + 1)
+    assert (r["stream_fmas"], r["out_stores"], r["pushes"]) == (3 * 4 * 1 * 8, 4, 1 + 1)
+
+
+def test_expectations_judge_every_o_proj_build():
+    expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
+    builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_o_proj/*")  # every named tag exists
+    assert len(builds) == 24
+    spec = expectations["kda_o_proj"]
+    assert spec.max_registers == 128 and spec.max_frame_bytes == 0 and len(spec.rules) >= 45
+
+
+def test_a_kind_no_after_attention_site_uses_is_a_build_table_error(monkeypatch):
+    table = K3_KERNEL_BUILDS.table
+    bad = table | {"kda_o_proj": table["kda_o_proj"] | {"kinds": ["n0-none-save-norm"]}}
+    monkeypatch.setattr(K3KernelBuilds, "table", bad)
+    with pytest.raises(ValueError, match=r"builds\.toml kda_o_proj\.kinds: n0-none-save-norm"):
+        K3KernelBuilds().kda_o_proj_builds()
+
+
+# --- the real builds (CuTe DSL, no GPU) ---------------------------------------------------------------------------
+
+
+def command(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`k3gate kernels build --arch sm_90a --builds ...` in a fresh process (CuTe DSL reads its arch on import)."""
+    argv = ["build", "--arch", "sm_90a", "--builds", BUILDS, *args]
+    code = f"import sys\nfrom harness.kernels_cmd import main\nsys.exit(main({argv!r}))\n"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    env.pop("CUTE_DSL_ARCH", None)  # the command must set it itself
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200
+    )
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_few_o_proj_builds_compile_and_meet_their_expectations(tmp_path):
+    out = tmp_path / "out"
+    proc = command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "kda_o_proj/tp*/b[14]/n*-add-norm")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)["subjects"]["K3_KERNEL_BUILDS"]
+    assert report["ok"] and len(report["builds"]) == 8
+    assert all(b["ok"] and len(b["checks"]) >= 50 for b in report["builds"])  # the rules ran, not skipped
+
+    # Facts read straight from the artifacts, independent of the expectations file.
+    for b in report["builds"]:
+        name, tags = b["build"], b["tags"]
+        ptx = (out / name / "kernel.ptx").read_text()
+        sass = (out / name / "kernel.sass").read_text()
+        (res,) = cubin_resources((out / name / "kernel.cubin").read_bytes()).values()
+        assert re.search(r"^\.target sm_90a$", ptx, re.M), name
+        assert res.frame_bytes == 0 and not re.search(r"\b(LDL|STL)\b", sass), f"{name} spills"
+        assert res.registers * 128 * 4 <= 65536, (name, res)  # four CTAs per SM
+        head, _, tail = sass.partition("ACQBULK")
+        assert tail and head.count("LDG.E.128") == 12 and "LDS" not in head, name  # W only, before the wait
+        # The grid-wide point in program order: stores, release, then (epilogue) acquire polls, one row read.
+        release, poll = sass.index("MEMBAR.ALL.GPU"), sass.index("LDG.E.STRONG.GPU")
+        assert sass.rindex("STG.E.U16") < release < sass.index("ATOMG.E.ADD.STRONG.GPU") < poll, name
+        assert sass[poll:].count("LDG.E.128") == 1, name  # only the o_proj row after the acquire
+        assert sass.count("STAS") == tags["pushes"] and "STAS" not in sass[:poll], name
+    # The batch and the kind are in the code; TP only in the constants and the k loop's trip count.
+    b1 = (out / "kda_o_proj/tp8/b1/n1-add-norm" / "kernel.ptx").read_text()
+    assert b1 != (out / "kda_o_proj/tp8/b4/n1-add-norm" / "kernel.ptx").read_text()
+    assert b1 != (out / "kda_o_proj/tp8/b1/n8-add-norm" / "kernel.ptx").read_text()
+
+
+BROKEN_ARRIVALS = """
+import json, sys, tempfile
+from pathlib import Path
+import cutlass.cute as cute
+from cutlass import Int32
+from harness.kernels_cmd import judge, parse_expectations
+from k3_decode.kernels import cutedsl
+from k3_decode.kernels.builds import K3_KERNEL_BUILDS
+from k3_decode.kernels.kda_o_proj import KdaOProjKernel, compile_args
+
+class RelaxedArrival(KdaOProjKernel):  # the arrival's add without release: the stores may land after it
+    @cute.jit
+    def _arrive(self, arrivals, tidx, cta):
+        seen = Int32(0)
+        if tidx == 0:
+            add = Int32(1)
+            if cta == 0:
+                add = Int32(self.plan.arrival_master)
+            seen = cute.arch.atomic_add(arrivals.iterator, add, sem="relaxed", scope="gpu")
+        return seen
+
+class RelaxedPoll(KdaOProjKernel):  # the poll without acquire: the row may be read from before the flip
+    @cute.jit
+    def _wait_for_grid(self, arrivals, seen, tidx):
+        if tidx == 0:
+            now = cute.arch.load(arrivals.iterator, Int32, sem="relaxed", scope="gpu")
+            while (now ^ seen) >= 0:
+                now = cute.arch.load(arrivals.iterator, Int32, sem="relaxed", scope="gpu")
+        cute.arch.sync_threads()
+
+class NoWait(KdaOProjKernel):  # the epilogue reads the row without waiting for the grid
+    @cute.jit
+    def _wait_for_grid(self, arrivals, seen, tidx):
+        cute.arch.sync_threads()
+
+(build,) = [b for b in K3_KERNEL_BUILDS.kda_o_proj_builds() if b.name == "kda_o_proj/tp16/b2/n8-add-norm"]
+expect = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")["kda_o_proj"]
+failed = {}
+for variant in (KdaOProjKernel, RelaxedArrival, RelaxedPoll, NoWait):
+    art = cutedsl.compile_artifacts(variant(build.plan), compile_args(build.plan, build.capacity), "sm_90a")
+    result = judge(build, "sm_90a", art, "", expect, Path(tempfile.mkdtemp()))
+    failed[variant.__name__] = sorted(c.name for c in result.checks if not c.passed)
+print(json.dumps(failed))
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_broken_arrivals_fail_the_expectations(tmp_path):
+    """The kernel's own build passes; a relaxed arrival, a relaxed poll and a missing wait each compile fine and
+    each fails the rules that name what it broke."""
+    script = tmp_path / "broken_arrivals.py"  # CuTe DSL compiles from source, so the variants live in a file
+    script.write_text(BROKEN_ARRIVALS)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUTE_DSL_ARCH": "sm_90a"}
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    failed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert failed["KdaOProjKernel"] == []
+    relaxed = " ".join(failed["RelaxedArrival"])
+    assert "atom\\\\.global\\\\.release" in relaxed and "MEMBAR" in relaxed, failed["RelaxedArrival"]
+    poll = " ".join(failed["RelaxedPoll"])
+    assert "ld\\\\.acquire\\\\.gpu\\\\.global\\\\.b32" in poll and "CCTL" in poll, failed["RelaxedPoll"]
+    assert any("ld\\\\.acquire" in name for name in failed["NoWait"]), failed["NoWait"]
+
+
+LAUNCH_ON_CPU = """
+import torch
+from k3_decode.kernels import kda_o_proj_op
+from k3_decode.kernels.attn_res_plan import AttnResKind
+from k3_decode.kernels.kda_o_proj_plan import OProjPlan
+
+plan = OProjPlan.for_shape(7168, 768, 2, AttnResKind.from_tag("n3-add-norm"))
+compiled = kda_o_proj_op._compiled(plan, 8)
+def bf16(*shape):
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+tensors = (bf16(2, 768), bf16(7168, 768), bf16(2, 7168), bf16(2, 7168), bf16(2, 8, 7168), bf16(2, 7168),
+           bf16(7168), bf16(7168), bf16(7168), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+try:
+    kda_o_proj_op.launch(compiled, tensors, -1, 1e-5, 0)
+except Exception as exc:
+    print("RAISED", type(exc).__name__, "cudaErrorInsufficientDriver" in str(exc))
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_the_gpu_launch_path_binds_every_argument(tmp_path):
+    """The launcher the provider and the GPU test use compiles from the same fake signature and hands over every
+    argument; on a machine without a driver the call gets as far as the launch (CUDA error 35)."""
+    assert_launch_reaches_the_driver(LAUNCH_ON_CPU, tmp_path)
