@@ -190,12 +190,16 @@ def test_whole_moe_at_random_batches(tp, batch, scale, seed):
 
 
 @pytest.mark.gpu
-def test_triton_experts_return_nan_for_a_latent_fp16_cannot_hold():
-    """The Triton path's defined behaviour (k3_decode/stock/triton_moe/experts.py): an element at or above 65520 makes
-    that token's output NaN, loudly, instead of a silently clipped value; the other tokens stay finite."""
+def test_triton_experts_stay_exact_for_a_latent_fp16_could_not_hold():
+    """The Triton experts take BF16 activations (k3_decode/stock/triton_moe/experts.py): an element of 7e4, past FP16's
+    65504 (where the earlier FP16 kernel returned NaN by design), is an ordinary value, and the token's output
+    matches the FP64 oracle like every other token's."""
     device = torch.device("cuda")
     case = moe.ExpertsCell(D, 1, 3)
     call = case.make(0, device)
     call.tensors["latent"][1, 0] = 7e4
-    out = SUITE.implementations(device)[0].ops["moe_experts"](call)["routed"]
-    assert bool(out[1].isnan().any()) and bool(out[[0, 2]].isfinite().all())
+    out = SUITE.implementations(device)[0].ops["moe_experts"](call)["routed"].double()
+    want = case.reference(call)["routed"].double().to(device)
+    assert bool(out.isfinite().all())
+    rel = (out - want).norm(dim=-1) / want.norm(dim=-1)
+    assert float(rel.max()) < 1e-2, rel.tolist()  # BF16 output rounding is ~4e-3 per element
