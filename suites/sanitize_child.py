@@ -138,6 +138,44 @@ def kda_in_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
     return 1
 
 
+def _kda_step_inputs(cell: Cell, plan: Plan, device: torch.device) -> tuple[Any, Any, Any, Any, Any]:
+    """(spec, weights, packed, cache, slots) of a KDA step cell: the rank's shapes for `tp`, the cell's slot table
+    (`slots`, one entry per request, <= 0 NULL) into a cache of `cache_slots` slots, every tensor in its own
+    allocation, values of the magnitudes the model keeps."""
+    from k3_decode.config import load_dims
+    from k3_decode.reference.kda import KdaCache, KdaSpec, KdaWeights
+
+    axes = dict(cell.axes)
+    spec = KdaSpec.for_rank(load_dims(plan.model), int(axes["tp"]))
+    batch, rows, num_slots = int(axes["batches"]), list(axes["slots"]), int(axes["cache_slots"])
+    if len(rows) != batch or not all(s < num_slots for s in rows):
+        raise ValueError(f"cell {cell.op}: slots {rows} must list {batch} slots below cache_slots {num_slots}")
+    gen = _generator(plan, cell)
+    p = spec.proj
+    weights = KdaWeights(
+        f_b=_bf16(gen, device, p, spec.gate_rank, scale=0.05),
+        conv=_bf16(gen, device, spec.conv_channels, spec.conv_width, scale=0.5),
+        a_log=(torch.randn(spec.heads, generator=gen) * 0.5).to(device),
+        dt_bias=(torch.randn(p, generator=gen) * 0.5).to(device),
+        o_norm=_bf16(gen, device, spec.head_dim, scale=0.1, shift=1.0),
+    )
+    packed = _bf16(gen, device, batch, spec.in_proj_rows)
+    cache = KdaCache(
+        _bf16(gen, device, num_slots, spec.conv_channels, spec.conv_taps(1)),
+        (torch.randn(num_slots, spec.heads, spec.head_dim, spec.head_dim, generator=gen) * 0.05).to(device),
+    )
+    slots = torch.tensor(rows, dtype=torch.int32).to(device)
+    return spec, weights, packed, cache, slots
+
+
+def kda_step_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
+    """One fused KDA decode step (q = 1) on the cell's slot table. Returns the launches made."""
+    from k3_decode.kernels import kda_step_op
+
+    kda_step_op.decode_step(*_kda_step_inputs(cell, plan, device))
+    return 1
+
+
 @dataclass(frozen=True)
 class CuteOp:
     run: Callable[[Cell, Plan, torch.device], int]  # builds the inputs, launches, returns the launches it made
@@ -148,6 +186,7 @@ class CuteOp:
 CUTE_OPS: dict[str, CuteOp] = {
     "cute_attn_res": CuteOp(attn_res_cell, "k3_decode.kernels.attn_res_op", "AttnResKernel"),
     "cute_kda_in_proj": CuteOp(kda_in_proj_cell, "k3_decode.kernels.kda_in_proj_op", "KdaInProjKernel"),
+    "cute_kda_step": CuteOp(kda_step_cell, "k3_decode.kernels.kda_step_op", "KdaStepKernel"),
 }
 
 

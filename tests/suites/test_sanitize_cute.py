@@ -23,6 +23,8 @@ CUTE_NAMES = {
     "3716871681_tensorptrbf16_gmem_align16_o_3716871681_tensorptrbf16gmemalign16o387168573447168_0",
     "KdaInProjKernel": "kernel_cutlass_kernel_k3_decodekernelskda_in_projKdaInProjKernel_object_at__tensorptrbf16"
     "gmemalign16o3716871681_tensorptrbf16gmemalign16o3216716871681_tensorptrbf16gmemalign16o332163216_0",
+    "KdaStepKernel": "kernel_cutlass_kernel_k3_decodekernelskda_stepKdaStepKernel_object_at__tensorptrbf16gmemalign16o"
+    "3321632161_tensorptrbf16gmemalign16o7681281281_tensorptrbf16gmemalign16o92161_tensorptrf32g_0",
 }
 STOCK = [k for k in PLAN.kernels if k not in PLAN.patterns]
 REASON = "the CUDA device is sm_80; the CuTe DSL kernels are built for sm_90a"
@@ -56,13 +58,16 @@ def judged(log, report, exit_code=0, tool="memcheck"):
 def test_the_plan_has_a_cell_per_cute_dsl_kernel_named_by_pattern():
     from k3_decode.config import K3, RankShapes
     from k3_decode.kernels.attn_res_plan import AttnResKind, site_kinds
-    from k3_decode.kernels.providers import PROVIDERS
+    from k3_decode.kernels.kda_step_plan import KdaStepPlan
+    from k3_decode.kernels.providers import PENDING, PROVIDERS
 
     cute = cells_of("cute")
-    assert set(cute) == {"cute_attn_res", "cute_kda_in_proj"}
-    assert PLAN.patterns == PLAN.cute_kernels == {"AttnResKernel", "KdaInProjKernel"}
-    # The patterns are the names the providers declare for the ledger: one kernel, one name, everywhere.
-    assert PLAN.patterns == {k for p in PROVIDERS for k in p.launches}
+    assert set(cute) == {"cute_attn_res", "cute_kda_in_proj", "cute_kda_step"}
+    assert PLAN.patterns == PLAN.cute_kernels == {"AttnResKernel", "KdaInProjKernel", "KdaStepKernel"}
+    # The patterns are the names the providers declare for the ledger: one kernel, one name, everywhere. Every
+    # registered provider's kernel has a cell; a pending provider's kernel may have one before its GPU run.
+    registered = {k for p in PROVIDERS for k in p.launches}
+    assert registered <= PLAN.patterns <= registered | {k for p in PENDING for k in p.launches}
     assert all(not c.kernels and dict(c.axes)["batches"] == 3 for c in cute.values())  # odd batch, patterns only
 
     attn = dict(cute["cute_attn_res"].axes)
@@ -72,6 +77,13 @@ def test_the_plan_has_a_cell_per_cute_dsl_kernel_named_by_pattern():
     assert any(k.delta == "restart" for k in kinds)
     proj = dict(cute["cute_kda_in_proj"].axes)
     assert RankShapes.for_tp(K3, proj["tp"]).kda_in_proj_rows == 3216
+    step = dict(cute["cute_kda_step"].axes)
+    shard = RankShapes.for_tp(K3, step["tp"])
+    assert step["tp"] == 16 and len(step["slots"]) == step["batches"]
+    assert any(s <= 0 for s in step["slots"]) and sum(s > 0 for s in step["slots"]) >= 2  # a NULL row, two live
+    assert all(s < step["cache_slots"] for s in step["slots"]) and step["cache_slots"] > max(step["slots"]) + 1
+    plan = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, step["batches"])  # an H200's 132 SMs
+    assert plan.cluster == 8  # DSMEM pushes into 7 peers, both cluster barrier phases
 
 
 def test_every_cute_cell_has_its_runner_in_the_child():
@@ -91,7 +103,12 @@ def test_every_cute_cell_has_its_runner_in_the_child():
         ('kernel_patterns = ["AttnResKernel"]', 'kernels = ["AttnResKernel"]', "exactly one kernel"),
         ('kernel_patterns = ["KdaInProjKernel"]', 'kernel_patterns = ["AttnResKernel"]', "planned twice"),
         ('op = "cute_kda_in_proj"', 'op = "cute_attn_res"', "have two cells"),
-        ('runner = "cute"\naxes = { tp = 16', 'runner = "cuda"\naxes = { tp = 16', "runner 'cuda'"),
+        (
+            'runner = "cute"\naxes = { tp = 16, batches = 3 }',
+            'runner = "cuda"\naxes = { tp = 16, batches = 3 }',
+            "runner 'cuda'",
+        ),
+        ('kernel_patterns = ["KdaStepKernel"]', 'kernel_patterns = ["Kda"]', "also matches"),
         ('kernel_patterns = ["KdaInProjKernel"]', 'kernel_pattern = ["KdaInProjKernel"]', "unknown key"),
     ],
 )
@@ -107,15 +124,17 @@ def own_allocation(t):
 
 
 def test_the_child_builds_inputs_the_ops_take_each_in_its_own_allocation(monkeypatch):
-    """The CuTe cells' inputs on the CPU, handed to the stock AttnRes op (the CuTe op's contract, k3_decode/kernels/
-    attn_res_op.py) and to the in_proj plan, instead of the CuTe DSL ops, which need an sm_90 GPU."""
+    """The CuTe cells' inputs on the CPU, handed to the stock AttnRes and KDA decode ops (the CuTe ops' contracts,
+    k3_decode/kernels/attn_res_op.py and kda_step_op.py) and to the in_proj plan, instead of the CuTe DSL ops, which
+    need an sm_90 GPU."""
     pytest.importorskip("triton")
     import torch
 
     from k3_decode.config import K3
-    from k3_decode.kernels import attn_res_op, kda_in_proj_op
+    from k3_decode.kernels import attn_res_op, kda_in_proj_op, kda_step_op
     from k3_decode.kernels.kda_in_proj_plan import InProjPlan
     from k3_decode.stock import attn_res as stock_attn_res
+    from k3_decode.stock import kda as stock_kda
     from suites import sanitize_child
 
     calls = []
@@ -131,8 +150,18 @@ def test_the_child_builds_inputs_the_ops_take_each_in_its_own_allocation(monkeyp
         calls.append(InProjPlan.for_shape(w.shape[0], w.shape[1], x.shape[0]))
         return x.float() @ w.float().T
 
+    def decode_step(spec, weights, packed, cache, slots):
+        tensors = [packed, cache.conv, cache.recurrent, slots]
+        tensors += [getattr(weights, name) for name in ("f_b", "conv", "a_log", "dt_bias", "o_norm")]
+        assert all(own_allocation(t) for t in tensors)
+        start = (cache.conv.clone(), cache.recurrent.clone())
+        out = stock_kda.kda_decode_step(spec, weights, packed, cache, slots)  # checks shapes, dtypes, slot range
+        calls.append((spec, slots.tolist(), out, start, cache))
+        return out
+
     monkeypatch.setattr(attn_res_op, "apply", attn_res)
     monkeypatch.setattr(kda_in_proj_op, "linear", linear)
+    monkeypatch.setattr(kda_step_op, "decode_step", decode_step)
     cute, cpu = cells_of("cute"), torch.device("cpu")
     assert sanitize_child.attn_res_cell(cute["cute_attn_res"], PLAN, cpu) == len(calls) == 2
     saves = [site for site, batch, capacity in calls if site.save_index is not None]
@@ -141,6 +170,15 @@ def test_the_child_builds_inputs_the_ops_take_each_in_its_own_allocation(monkeyp
     calls.clear()
     assert sanitize_child.kda_in_proj_cell(cute["cute_kda_in_proj"], PLAN, cpu) == len(calls) == 1
     assert (calls[0].rows, calls[0].k, calls[0].batch) == (3216, K3.hidden_size, 3)
+    calls.clear()
+    assert sanitize_child.kda_step_cell(cute["cute_kda_step"], PLAN, cpu) == len(calls) == 1
+    ((spec, slots, out, (conv, recurrent), cache),) = calls
+    assert (spec.heads, spec.in_proj_rows, len(slots)) == (6, 3216, 3) and cache.conv.shape[2] == 3  # TP16, q = 1
+    null = [b for b, s in enumerate(slots) if s <= 0]
+    assert null and not out[null].any() and out[[b for b in range(3) if b not in null]].abs().amax() > 0
+    changed = sorted({i for i in range(conv.shape[0]) if not torch.equal(conv[i], cache.conv[i])})
+    assert changed == sorted(s for s in slots if s > 0)  # the live requests' rows, nothing else
+    assert torch.equal(recurrent[0], cache.recurrent[0])  # slot 0, the NULL row's, untouched
 
 
 # --- the kernel filter -------------------------------------------------------------------------------------------
@@ -286,22 +324,22 @@ def test_cute_cells_are_not_run_with_the_reason_where_the_kernels_cannot_run(tmp
         pytest.skip("the CuTe DSL kernels can run here")
     monkeypatch.setattr(sanitize_child, "_install_launch_hook", lambda record: None)  # no global hook in tests
     report = tmp_path / "child.json"
-    assert sanitize_child.main(["--report", str(report), "--cells", "cute_attn_res,cute_kda_in_proj"]) == 0
+    assert sanitize_child.main(["--report", str(report), "--cells", ",".join(cells_of("cute"))]) == 0
     got = json.loads(report.read_text())
-    assert got["not_run"] == {"AttnResKernel": reason, "KdaInProjKernel": reason}
+    assert got["not_run"] == dict.fromkeys(PLAN.cute_kernels, reason)
     assert {op: c["status"] for op, c in got["cells"].items()} == dict.fromkeys(cells_of("cute"), "not_run")
     assert got["launched"] == []
 
 
 def test_not_run_cute_cells_make_the_tool_and_the_run_not_run_never_passed():
-    not_run = dict.fromkeys(["AttnResKernel", "KdaInProjKernel"], REASON)
+    not_run = dict.fromkeys([k for k in PLAN.kernels if k in PLAN.cute_kernels], REASON)
     result = judged(CLEAN, child(set(STOCK), not_run))
     assert result.status == "NOT_RUN"
     assert result.not_run == not_run
     assert result.kernels["AttnResKernel"].not_run == REASON and not result.kernels["AttnResKernel"].launched
     assert result.kernels["kda_decode_kernel"].not_run == "" and result.kernels["kda_decode_kernel"].launched
     assert f"{len(STOCK)} kernel(s) launched" in result.reason
-    assert f"AttnResKernel, KdaInProjKernel ({REASON})" in result.reason
+    assert f"AttnResKernel, KdaInProjKernel, KdaStepKernel ({REASON})" in result.reason
 
     tools = [judged(CLEAN, child(set(STOCK), not_run), tool=t) for t in sanitize.TOOLS]
     run = summarize(PLAN, tools)
@@ -316,7 +354,7 @@ def test_not_run_cute_cells_make_the_tool_and_the_run_not_run_never_passed():
 
 
 def test_errors_and_missing_stock_kernels_outrank_cells_not_run():
-    not_run = dict.fromkeys(["AttnResKernel", "KdaInProjKernel"], REASON)
+    not_run = dict.fromkeys(PLAN.cute_kernels, REASON)
     log = "========= COMPUTE-SANITIZER\n" + memcheck_report("merge_kernel") + "========= ERROR SUMMARY: 1 error\n"
     assert judged(log, child(set(STOCK), not_run), sanitize.ERROR_EXIT).status == "FAILED"
     missing = judged(CLEAN, child(set(STOCK) - {"merge_kernel"}, not_run))
