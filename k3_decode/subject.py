@@ -42,8 +42,18 @@ class K3Subject:
         return {key: value for key, value in section.items() if key != "coverage"}
 
     def coverage_scope(self) -> dict[str, Any] | None:
-        """`[isolation.coverage]`: the specialized modules whose line coverage the isolation stage measures."""
-        return self.scope.get("isolation", {}).get("coverage")
+        """`[isolation.coverage]`: the specialized modules whose line coverage the isolation stage measures. Where
+        the specialized kernels cannot run on this machine, every module glob is excluded with that reason: no
+        suite can execute them here, so a floor would measure the machine, not the change (the check is NOT_RUN)."""
+        table = self.scope.get("isolation", {}).get("coverage")
+        if table is None or self.name != "k3-hopper":
+            return table
+        from k3_decode.kernels.providers import not_built_reason  # late: it imports torch
+
+        if (reason := not_built_reason()) is None:
+            return table
+        why = f"the specialized kernels cannot run on this machine ({reason}), so no suite executes them here"
+        return {**table, "exclude": {**table.get("exclude", {}), **dict.fromkeys(table["modules"], why)}}
 
     def isolation_suite(self, config: Any) -> Any:
         """The runtime isolation suite of the in-process subject (its executor under the write-set audit and proof
