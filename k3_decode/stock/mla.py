@@ -30,8 +30,7 @@ from k3_decode.weights import MlaWeights
 ACT_DTYPE = torch.bfloat16
 E4M3_MAX = 448.0
 HEADS_PER_PROGRAM = 16  # the split kernel's head block; must match triton_kernels.mla_attention.BLOCK_H
-POSITIONS_PER_TILE = 32  # the split kernel's BLOCK_N; splits are whole tiles
-MIN_POSITIONS_PER_SPLIT = 128  # 4 tiles: its partials (H x 2 KiB) stay well below its cache rows (72 KiB)
+POSITIONS_PER_TILE = 128  # the split kernel's BLOCK_N; splits are whole tiles
 MAX_SPLITS = 64
 H200_SMS = 132
 
@@ -57,14 +56,16 @@ class PagedLatentCache:
 
 
 def choose_num_splits(batch: int, heads: int, max_context: int, num_sms: int = H200_SMS) -> int:
-    """Split count fixed per (batch, max context), so a CUDA graph can capture it: about two programs per SM,
-    at least MIN_POSITIONS_PER_SPLIT positions per split, at most MAX_SPLITS."""
+    """Split count fixed per (batch, max context), so a CUDA graph can capture it. The split kernel holds one CTA
+    per SM (162 KB of shared memory, 255 registers at 8 warps), so the grid is one wave: as many splits as
+    leave every SM one program (num_sms // programs per split), at least one tile each, at most MAX_SPLITS.
+    B1 at 4096 tokens: 32 one-tile splits; B8: 16 (2 tiles each); B64: 2 (16 tiles each); B >= 67: 1."""
     if batch < 1 or heads < 1 or max_context < 0:
         raise ValueError(f"choose_num_splits: batch {batch}, heads {heads}, max_context {max_context} must be >= 1/0")
     programs = batch * math.ceil(heads / HEADS_PER_PROGRAM)
-    want = math.ceil(2 * num_sms / programs)
-    useful = max(1, math.ceil(max_context / MIN_POSITIONS_PER_SPLIT))
-    return max(1, min(want, useful, MAX_SPLITS))
+    want = num_sms // programs
+    tiles = max(1, math.ceil(max_context / POSITIONS_PER_TILE))
+    return max(1, min(want, tiles, MAX_SPLITS))
 
 
 def _widths(dims: MlaDims, heads: int) -> tuple[int, int, int, int]:

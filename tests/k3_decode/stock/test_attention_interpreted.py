@@ -44,7 +44,7 @@ TOL = load_tolerances()
 TOLI = load_tolerances("interpreter")
 TP = 2
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
-INTERPRETED_TESTS = 7  # kernel tests (parametrized cases counted) the interpreted run must pass
+INTERPRETED_TESTS = 11  # kernel tests (parametrized cases counted) the interpreted run must pass
 
 
 @pytest.mark.slow
@@ -144,20 +144,13 @@ def test_interpreted_kda_verify_kernels_with_fla(monkeypatch):
         assert torch.equal(cache.recurrent[s], start.recurrent[s]), f"state slot {s} changed"
 
 
-@interpreted
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_interpreted_mla_split_kv_and_merge(num_splits: int):
-    from k3_decode.stock.triton_kernels.mla_attention import launch_merge, launch_split_kv
+def _split_kv(query, paged, num_splits: int, heads: int):
+    from k3_decode.stock.triton_kernels.mla_attention import launch_split_kv
 
-    gen = torch.Generator().manual_seed(3)
     mla = K3_MINI.mla
-    heads = K3_MINI.shard(TP).mla_heads
-    # Pages of 64 positions: a 32-position tile starts mid-page, as at K3 page sizes.
-    paged = random_paged_cache(K3_MINI, [37, 0, 90, 5], 64, gen, "cpu", k_scale=0.5, q_scale=0.25).paged
-    query = rm.quantize_e4m3(torch.randn(4, heads, mla.cache_row, generator=gen) * 2, 0.25)
-    scale = rm.softmax_scale(mla)
-    part_out = torch.empty(4, num_splits, heads, mla.kv_lora_rank)
-    part_lse = torch.empty(4, num_splits, heads)
+    batch = query.shape[0]
+    part_out = torch.full((batch, num_splits, heads, mla.kv_lora_rank), float("nan"))
+    part_lse = torch.full((batch, num_splits, heads), float("nan"))
     launch_split_kv(
         query,
         paged.cache,
@@ -166,19 +159,97 @@ def test_interpreted_mla_split_kv_and_merge(num_splits: int):
         part_out,
         part_lse,
         kv_lora_rank=mla.kv_lora_rank,
-        score_scale=0.25 * 0.5 * scale,
+        score_scale=0.25 * 0.5 * rm.softmax_scale(mla),
         value_scale=0.5,
     )
-    merged = torch.empty(heads, 4, mla.kv_lora_rank, dtype=torch.bfloat16)
-    launch_merge(part_out, part_lse, merged)
+    return part_out, part_lse
+
+
+# Contexts of 1, of exactly one page and one tile, one past a tile, a padded request (0), and long ones whose
+# splits start and end inside pages and tiles; with 16-position tiles (the kernel's 128 shrunk, so a request takes
+# as many tiles as a K3 context) and pages of 1, 8 (two per tile), 16 and 32 (two tiles per page).
+MLA_LENS = [1, 16, 17, 0, 200, 33, 129]
+
+
+@interpreted
+@pytest.mark.parametrize(
+    ("page_size", "num_splits", "block_h"),
+    [(8, 1, 16), (8, 3, 16), (32, 5, 16), (16, 2, 2), (1, 64, 16)],
+)
+def test_interpreted_mla_split_kv_partials_and_merge(monkeypatch, page_size: int, num_splits: int, block_h: int):
+    """Every split's partial (out, lse) against the oracle over the split's own positions, the split ranges
+    taken from the torch mirror's rule (so kernel and mirror cannot drift apart), empty splits exactly (0, -inf),
+    and the merged latent against the oracle; block_h 2 runs the TP=2 heads in two head blocks."""
+    from k3_decode.stock import mla as sm
+    from k3_decode.stock.triton_kernels import mla_attention as ka
+
+    monkeypatch.setattr(ka, "BLOCK_N", 16)
+    monkeypatch.setattr(ka, "BLOCK_H", block_h)
+    monkeypatch.setattr(sm, "POSITIONS_PER_TILE", 16)
+    gen = torch.Generator().manual_seed(3 + page_size + num_splits)
+    mla = K3_MINI.mla
+    heads = K3_MINI.shard(TP).mla_heads
+    lens = [page_size if n == 33 else n for n in MLA_LENS]  # one request of exactly one page
+    paged = random_paged_cache(K3_MINI, lens, page_size, gen, "cpu", k_scale=0.5, q_scale=0.25).paged
+    query = rm.quantize_e4m3(torch.randn(len(lens), heads, mla.cache_row, generator=gen) * 2, 0.25)
+    part_out, part_lse = _split_kv(query, paged, num_splits, heads)
     dequant = rm.dequantize_e4m3(query, 0.25)
-    ref, ref_lse = rm.attend(dequant, paged.cache, paged.block_table, paged.seq_lens, 0.5, scale, mla.kv_lora_rank)
+    scale = rm.softmax_scale(mla)
+    starts, ends = sm._split_ranges(paged.seq_lens, num_splits)  # [B, S]
+    got, want, got_lse, want_lse = [], [], [], []
+    for j in range(num_splits):
+        bounds = torch.stack([starts[:, j], ends[:, j]], dim=-1)
+        out_j, lse_j = rm.attend_partial(
+            dequant, paged.cache, paged.block_table, paged.seq_lens, 0.5, scale, mla.kv_lora_rank, bounds
+        )
+        live = ends[:, j] > starts[:, j]
+        assert torch.equal(part_out[~live, j], torch.zeros_like(part_out[~live, j])), f"empty split {j}: out != 0"
+        assert torch.isneginf(part_lse[~live, j]).all(), f"empty split {j}: lse != -inf"
+        got.append(part_out[live, j])
+        want.append(out_j[live])
+        got_lse.append(part_lse[live, j])
+        want_lse.append(lse_j[live])
+    assert_close(torch.cat(got), torch.cat(want), TOL["mla_core"], f"split partials, {num_splits} splits")
+    torch.testing.assert_close(torch.cat(got_lse), torch.cat(want_lse), rtol=1e-5, atol=1e-5)
+    assert int(sum(len(g) for g in got)) >= min(num_splits, 13) * 2, "the cells must have several live splits"
+
+    merged = torch.empty(heads, len(lens), mla.kv_lora_rank, dtype=torch.bfloat16)
+    ka.launch_merge(part_out, part_lse, merged)
+    ref, _ = rm.attend(dequant, paged.cache, paged.block_table, paged.seq_lens, 0.5, scale, mla.kv_lora_rank)
+    live = paged.seq_lens > 0
+    got_merged = merged.transpose(0, 1)
+    assert_close(got_merged[live], ref[live], TOLI["mla_core"], f"interpreted split-KV, {num_splits} splits")
+    assert not got_merged[~live].any()
+
+
+@interpreted
+def test_interpreted_mla_merge_is_a_fixed_order_lse_merge(monkeypatch):
+    """The merge on synthetic partials: 37 splits read in chunks of 8 (a partial last chunk) and a 256-wide latent
+    in 64-wide programs; empty splits (-inf) anywhere, one request with every split empty (exactly 0), LSEs near
+    800 (exp without the max subtracted overflows FP32), the winning split last; bit-identical on a rerun."""
+    from k3_decode.stock.triton_kernels import mla_attention as ka
+
+    monkeypatch.setattr(ka, "MERGE_ELEMENTS", 512)
+    gen = torch.Generator().manual_seed(6)
+    batch, splits, heads, latent = 3, 37, 4, 256
+    assert ka.merge_blocks(batch, heads, splits, latent) == (64, 8)
+    outs = torch.randn(batch, splits, heads, latent, generator=gen)
+    lses = torch.randn(batch, splits, heads, generator=gen) * 3
+    lses[0] += 800.0
+    lses[0, -1] += 6.0  # the last split dominates request 0
+    empty = torch.rand(batch, splits, heads, generator=gen) < 0.3
+    empty[2] = True  # request 2: nothing to attend to
+    lses[empty] = float("-inf")
+    outs[empty] = 0.0  # what the split kernel writes for an empty split
+    merged = torch.empty(heads, batch, latent, dtype=torch.bfloat16)
+    ka.launch_merge(outs, lses, merged)
+    ref, _ = rm.merge_partials(outs.double().permute(1, 0, 2, 3), lses.double().transpose(0, 1))
     got = merged.transpose(0, 1)
-    assert_close(got[[0, 2, 3]], ref[[0, 2, 3]], TOLI["mla_core"], f"interpreted split-KV, {num_splits} splits")
-    assert not got[1].any()
-    lse = torch.logsumexp(part_lse, dim=1)
-    assert torch.allclose(lse[[0, 2, 3]], ref_lse[[0, 2, 3]], rtol=1e-5, atol=1e-5)
-    assert torch.isneginf(part_lse[1]).all()
+    assert_close(got[:2], ref[:2], TOLI["bf16_elementwise"], "merge")
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+    again = torch.empty_like(merged)
+    ka.launch_merge(outs, lses, again)
+    assert torch.equal(again, merged)
 
 
 @interpreted

@@ -80,13 +80,34 @@ def test_split_counts_agree():
 
 
 def test_choose_num_splits():
-    heads = K3.shard(8).mla_heads
-    assert sm.choose_num_splits(1, heads, 100_000) == 64  # B1: fill the GPU, capped
-    assert sm.choose_num_splits(1, heads, 1000) == 8  # short context: >= 128 positions per split
-    assert sm.choose_num_splits(64, heads, 100_000) == 5  # ceil(264 / 64)
-    assert sm.choose_num_splits(64, heads, 10) == 1
+    """One wave of one-CTA-per-SM programs (the split kernel's occupancy, checked by the sm_90 compile test),
+    whole 128-position tiles, at most MAX_SPLITS."""
+    tp8, tp16 = K3.shard(8).mla_heads, K3.shard(16).mla_heads
+    assert sm.choose_num_splits(1, tp8, 4096) == 32  # B1: one tile per split
+    assert sm.choose_num_splits(1, tp8, 100_000) == 64  # capped
+    assert sm.choose_num_splits(1, tp8, 1000) == 8  # 8 tiles
+    assert sm.choose_num_splits(8, tp8, 4096) == 16  # 128 CTAs of 2 tiles
+    assert sm.choose_num_splits(64, tp16, 4096) == 2  # 128 CTAs of 16 tiles
+    assert sm.choose_num_splits(64, tp8, 10) == 1
+    assert sm.choose_num_splits(67, tp8, 4096) == 1  # 134 programs already fill the SMs
+    assert sm.choose_num_splits(2, 96, 4096) == 11  # 6 head blocks per request
+    for batch in range(1, 140):
+        splits = sm.choose_num_splits(batch, tp8, 131_072)
+        assert batch * splits <= max(batch, sm.H200_SMS), f"B{batch}: {splits} splits overfill one wave"
     with pytest.raises(ValueError, match="must be"):
-        sm.choose_num_splits(0, heads, 10)
+        sm.choose_num_splits(0, tp8, 10)
+
+
+def test_merge_grid_fills_the_gpu_and_bounds_its_registers():
+    from k3_decode.stock.triton_kernels.mla_attention import MERGE_ELEMENTS, merge_blocks
+
+    assert merge_blocks(1, 12, 32, 512) == (64, 32)  # 96 programs, all 32 splits in one load
+    assert merge_blocks(8, 12, 16, 512) == (128, 16)
+    assert merge_blocks(64, 12, 2, 512) == (512, 2)
+    assert merge_blocks(4, 4, 3, 64) == (64, 4)  # k3-mini: never below 64 columns
+    for batch, heads, splits in [(1, 6, 64), (3, 12, 64), (64, 6, 2), (200, 12, 1)]:
+        block_l, block_s = merge_blocks(batch, heads, splits, 512)
+        assert block_l * block_s <= MERGE_ELEMENTS and block_s >= 2 and 512 % block_l == 0
 
 
 def test_bad_input_is_rejected_with_the_reason():
