@@ -217,21 +217,27 @@ def _mla(module) -> None:
 
 
 def _mla_attention(module) -> None:
-    mla, heads = K3.mla, TP8.mla_heads
-    part_out = meta(64, 64, heads, mla.kv_lora_rank, dtype=torch.float32)
-    part_lse = meta(64, 64, heads, dtype=torch.float32)
-    module.launch_split_kv(
-        meta(64, heads, mla.cache_row, dtype=torch.uint8),
-        meta(4096, 64, mla.cache_row, dtype=torch.uint8),
-        meta(64, 64, dtype=torch.int32),
-        meta(64, dtype=torch.int32),
-        part_out,
-        part_lse,
-        kv_lora_rank=mla.kv_lora_rank,
-        score_scale=0.1,
-        value_scale=1.0,
-    )
-    module.launch_merge(part_out, part_lse, meta(heads, 64, mla.kv_lora_rank))
+    """The split kernel at TP8 and TP16 with pages of 64 (vLLM's FlashMLA block size, two per tile) and 16 (eight
+    per tile), and the merge at the B1, B8 and B64 grids of the split policy."""
+    mla = K3.mla
+    for tp, page_size in ((8, 64), (16, 64), (8, 16)):
+        heads = K3.shard(tp).mla_heads
+        part_out = meta(64, 2, heads, mla.kv_lora_rank, dtype=torch.float32)
+        module.launch_split_kv(
+            meta(64, heads, mla.cache_row, dtype=torch.uint8),
+            meta(4096, page_size, mla.cache_row, dtype=torch.uint8),
+            meta(64, 64, dtype=torch.int32),
+            meta(64, dtype=torch.int32),
+            part_out,
+            meta(64, 2, heads, dtype=torch.float32),
+            kv_lora_rank=mla.kv_lora_rank,
+            score_scale=0.1,
+            value_scale=1.0,
+        )
+    for batch, splits in ((1, 32), (8, 16), (64, 2)):
+        part_out = meta(batch, splits, TP8.mla_heads, mla.kv_lora_rank, dtype=torch.float32)
+        part_lse = meta(batch, splits, TP8.mla_heads, dtype=torch.float32)
+        module.launch_merge(part_out, part_lse, meta(TP8.mla_heads, batch, mla.kv_lora_rank))
 
 
 CASES = {
@@ -275,3 +281,108 @@ def test_the_butterfly_lint_finds_the_race_racecheck_found(monkeypatch):
     assert kwargs.pop("enable_fp_fusion") is False
     contracted = contracted_butterflies(compile_recorded(recorder.kernel, args, kwargs).asm["ptx"])
     assert contracted, "the lint misses the contracted sum of squares racecheck reported"
+
+
+# --- MLA split-KV: the SASS the H200 runs -------------------------------------------------------------------------
+
+SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);", re.M)
+H100_SHARED_PER_SM = 228 * 1024  # bytes of shared memory per SM (sm_90), 1 KiB of it reserved per CTA
+H100_REGISTERS_PER_SM = 65536
+
+
+def sass_instructions(compiled) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of every SASS instruction of the cubin (Triton's bundled cuobjdump)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("Triton's bundled cuobjdump is missing")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        out = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return [(int(a, 16), op, rest) for a, op, rest in SASS_LINE.findall(out)]
+
+
+def innermost_loop_with(instructions: list[tuple[int, str, str]], opcode: str) -> list[tuple[int, str, str]]:
+    """The body of the smallest backward-branch loop that contains `opcode`."""
+    loops = []
+    for addr, op, rest in instructions:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            body = [i for i in instructions if int(target.group(1), 16) <= i[0] <= addr]
+            if any(op_.startswith(opcode) for _, op_, _ in body):
+                loops.append(body)
+    assert loops, f"no loop contains {opcode}"
+    return min(loops, key=len)
+
+
+def _recorded_mla_attention(monkeypatch, name: str) -> Recorder:
+    from k3_decode.stock.triton_kernels import mla_attention as module
+
+    recorders = {kernel: Recorder(getattr(module, kernel)) for kernel in ("split_kv_kernel", "merge_kernel")}
+    for kernel, recorder in recorders.items():
+        monkeypatch.setattr(module, kernel, recorder)
+    _mla_attention(module)
+    assert recorders[name].calls, f"{name} was never launched"
+    return recorders[name]
+
+
+def test_mla_split_kv_streams_rows_into_wgmma_with_one_conversion_per_byte(monkeypatch):
+    """At every K3 build (TP8/TP16, pages of 64 and 16): at most a few spilled registers and no more than 8
+    local-memory accesses per tile (Triton 3.6, the H200's: none; 3.9: 24-32 bytes, 6-7 accesses per 128
+    positions); one CTA per SM, as choose_num_splits assumes;
+    in the tile loop, 16-byte row loads, each cache byte converted FP8 -> FP16 exactly once, 16-byte stores of
+    the converted tile, both dots as wgmma m64n16k16 over shared memory (the value dot on the transposed tile),
+    no byte-gathered operand loads (what a dot on the FP8 tile in registers compiles to), and at most 1600 SASS
+    instructions per warp per 128-position tile (~1250 on Triton 3.6: about half of the tile's HBM time)."""
+    from k3_decode.stock import mla as sm
+    from k3_decode.stock.triton_kernels import mla_attention as ka
+
+    recorder = _recorded_mla_attention(monkeypatch, "split_kv_kernel")
+    threads = 32 * ka.NUM_WARPS
+    row = K3.mla.cache_row
+    for args, kwargs in recorder.calls:
+        what = f"split_kv_kernel PAGE={kwargs['PAGE']} heads={args[7]}"
+        compiled = compile_recorded(recorder.kernel, args, kwargs)
+        registers, spilled = resource_usage(compiled)
+        assert spilled <= MAX_SPILL_BYTES, f"{what}: {spilled} bytes spilled ({registers} registers)"
+        per_sm = min(
+            H100_SHARED_PER_SM // (compiled.metadata.shared + 1024),
+            H100_REGISTERS_PER_SM // (-(-registers // 8) * 8 * threads),
+        )
+        assert per_sm == 1, f"{what}: {per_sm} CTAs per SM; choose_num_splits sizes one wave of one CTA per SM"
+        assert kwargs["BLOCK_N"] == sm.POSITIONS_PER_TILE and kwargs["BLOCK_H"] == sm.HEADS_PER_PROGRAM
+        loop = innermost_loop_with(sass_instructions(compiled), "HGMMA")
+        ops = [op for _, op, _ in loop]
+        count = {key: sum(1 for op in ops if op.startswith(key)) for key in ("LDG.E.128", "F2FP.F16.E4M3", "STS.128")}
+        vectors = ka.BLOCK_N * row // (16 * threads)  # 16-byte pieces of one tile per thread
+        assert count["LDG.E.128"] == vectors, f"{what}: {count['LDG.E.128']} 16-byte row loads, expected {vectors}"
+        assert count["F2FP.F16.E4M3"] == ka.BLOCK_N * row // (2 * threads), f"{what}: {count} conversions"
+        assert 2 * vectors <= count["STS.128"] <= 2 * vectors + 4, f"{what}: {count['STS.128']} 16-byte stores"
+        local = [op for op in ops if op.startswith(("LDL", "STL"))]
+        assert len(local) <= 8, f"{what}: {len(local)} local-memory accesses per tile (spills in the loop)"
+        wgmma = [(op, rest) for _, op, rest in loop if op.startswith("HGMMA")]
+        assert all(op == "HGMMA.64x16x16.F32" and "gdesc" in rest for op, rest in wgmma), f"{what}: {set(wgmma)}"
+        # per warpgroup: the score dot's K steps, then the value dot's 64-row blocks of its share of the latent
+        k_steps = row // 16 + K3.mla.kv_lora_rank // 64 // (ka.NUM_WARPS // 4) * (ka.BLOCK_N // 16)
+        assert len(wgmma) == k_steps, f"{what}: {len(wgmma)} wgmma per warpgroup, expected {k_steps}"
+        assert sum("tnspA" in rest for _, rest in wgmma) > 0, f"{what}: the value dot must read the tile transposed"
+        gathers = [op for op in ops if op.startswith(("LDS.U8", "LDS.U16", "LDS.S8", "LDS.S16", "PRMT"))]
+        assert not gathers, f"{what}: byte-gathered operand loads in the tile loop: {sorted(set(gathers))}"
+        assert len(loop) <= 1600, f"{what}: {len(loop)} SASS instructions per warp per tile"
+        print(
+            f"{what}: {registers} registers, {spilled} B spilled ({len(local)} accesses per tile), "
+            f"{compiled.metadata.shared} B shared, {len(loop)} instructions per warp per tile"
+        )
+
+
+def test_mla_merge_loads_whole_vectors(monkeypatch):
+    recorder = _recorded_mla_attention(monkeypatch, "merge_kernel")
+    for args, kwargs in recorder.calls:
+        compiled = compile_recorded(recorder.kernel, args, kwargs)
+        registers, spilled = resource_usage(compiled)
+        assert spilled == 0 and registers <= 128, f"merge {kwargs}: {registers} registers, {spilled} B spilled"
+        ops = [op for _, op, _ in sass_instructions(compiled)]
+        assert any(op.startswith("LDG.E.128") for op in ops), f"merge {kwargs}: no 16-byte partial loads"
+        assert not any(op.startswith("ATOM") or op.startswith("RED") for op in ops), "the merge must not use atomics"
