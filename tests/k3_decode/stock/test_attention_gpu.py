@@ -214,6 +214,53 @@ def test_mla_decode(tp: int, batch: int):
     assert int((got_rows - ref_rows).abs().max()) <= 1
 
 
+# Contexts the split-KV core must handle besides the random ones: 1, one page, one tile (128), one past a tile, a
+# split boundary inside a page, and long contexts of many tiles per split (65537: 513 tiles, 64 splits at B1).
+EDGE_CONTEXTS = {1: [65537], 3: [1, 128, 129], 5: [64, 4097, 1, 0, 70000]}
+
+
+@pytest.mark.parametrize("lens", list(EDGE_CONTEXTS.values()), ids=[f"b{b}" for b in EDGE_CONTEXTS])
+def test_mla_split_kv_core_at_edge_and_long_contexts(lens: list[int]):
+    """The split kernel's partials and the merge at K3 TP8 shapes on contexts from 1 to 70000 tokens, pages of
+    64 shuffled: against the oracle, and bit-equal across two runs (the fixed-order merge, no atomics)."""
+    from k3_decode.stock.triton_kernels.mla_attention import launch_merge, launch_split_kv
+
+    gen = torch.Generator().manual_seed(len(lens))
+    mla, heads = K3.mla, K3.shard(8).mla_heads
+    setup = random_paged_cache(K3, lens, PAGE_SIZE, gen, DEV, k_scale=0.5, q_scale=0.25)
+    paged = setup.paged
+    query = rm.quantize_e4m3(torch.randn(len(lens), heads, mla.cache_row, generator=gen) * 2, 0.25).to(DEV)
+    scale = rm.softmax_scale(mla)
+    splits = sm.choose_num_splits(len(lens), heads, setup.max_context)
+    outs = []
+    for _ in range(2):
+        part_out = torch.empty(len(lens), splits, heads, mla.kv_lora_rank, device=DEV)
+        part_lse = torch.empty(len(lens), splits, heads, device=DEV)
+        launch_split_kv(
+            query,
+            paged.cache,
+            paged.block_table,
+            paged.seq_lens,
+            part_out,
+            part_lse,
+            kv_lora_rank=mla.kv_lora_rank,
+            score_scale=0.25 * 0.5 * scale,
+            value_scale=0.5,
+        )
+        merged = torch.empty(heads, len(lens), mla.kv_lora_rank, dtype=torch.bfloat16, device=DEV)
+        launch_merge(part_out, part_lse, merged)
+        outs.append(merged)
+    assert torch.equal(outs[0], outs[1]), "two runs of split-KV + merge differ"
+    ref, ref_lse = rm.attend(
+        rm.dequantize_e4m3(query, 0.25), paged.cache, paged.block_table, paged.seq_lens, 0.5, scale, mla.kv_lora_rank
+    )
+    live = paged.seq_lens > 0
+    check(outs[0].transpose(0, 1)[live], ref[live], TOL["mla_core"], f"MLA core {lens} ({splits} splits)")
+    assert not outs[0].transpose(0, 1)[~live].any()
+    lse = torch.logsumexp(part_lse, dim=1)
+    assert torch.allclose(lse[live], ref_lse[live], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("batch", BATCHES)
 def test_mla_core_and_query_insert_kernels(batch: int):
     from k3_decode.stock.triton_kernels.mla import launch_query_insert
