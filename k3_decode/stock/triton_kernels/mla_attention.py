@@ -23,15 +23,17 @@ tokens of context, measured in docs/stock-h200.md; SASS of that kernel compiled 
 
 - Grid and tiles. One program per (request, split) held all 12 (TP8) or 6 (TP16) heads as a 16-row block, so a
   cache row was read once for all heads (MQA-style) -- that part was right. But its tiles were 32 positions
-  (18 KB) at 8 warps, 171 registers and 88 KB of shared memory: one program per SM, 18 KB in flight per SM where
-  Little's law at ~4.15 TB/s and ~1-2 us of loaded latency asks for 40-60 KB. The split policy (two programs per
-  SM, >= 128 positions per split) gave B64 5 splits = 320 programs: 2.4 waves of one-per-SM programs.
+  (18 KB) at 8 warps, 171-175 registers and 88 KB of shared memory: one program per SM, 18 KB in flight per SM
+  where Little's law at ~4.15 TB/s and ~1-2 us of loaded latency asks for 40-60 KB. The split policy (two
+  programs per SM, >= 128 positions per split) gave B64 5 splits = 320 programs: 3 waves (132, 132, 56) of
+  one-per-SM programs, each 26 tiles long.
 - Compute per tile. With heads as the MMA's M (16) and 32 positions spread over 8 warps, each warp ran the score
   dot as one chain of 36 dependent mma.sync (K = 576 in steps of 16), some warps duplicating others' columns;
   the softmax reductions crossed warps through shared memory (7 barriers per tile); the value dot needed the FP8
   tile transposed, so Triton converted it twice (two FP8 -> FP16 conversions per byte, two shared-memory round
-  trips). About 980 SASS instructions per warp per 32 positions: ~3500 cycles per tile per SM, i.e. 5 B/cycle
-  where the HBM roofline is ~17 B/cycle per SM. The loop was latency- and issue-bound, not bandwidth-bound.
+  trips). About 980 SASS instructions per warp per tile (~2000 issue cycles per SM) in serial chains: the
+  measured 275 us for 3 x 26 tiles is ~3.5 us (~6500 cycles) per 18 KB tile, under 3 B/cycle per SM where the
+  roofline allows ~16. Latency, not bandwidth, bounded it.
 - B1. 4096 positions at >= 128 per split gave 32 programs for 132 SMs, each a serial chain of 4 such tiles
   (~14-28 us), then a merge whose one program per (request, head) walked the splits one 2 KB row at a time.
 
@@ -48,11 +50,13 @@ tensor cores over [tokens x heads], fixed split count, LSE merge):
   conversion inside each dot's operand load (it then loads 2-byte operand pairs from an FP8 shared copy and
   converts every byte twice). No Triton software pipelining (num_stages = 1): its cp.async copies would need a
   second 74 KB buffer on top of the 162 KB the FP16 tile, q and P take.
-- Per 128 positions per warp: 36 x 16-byte loads (rows and page ids), 144 conversions, 36 16-byte shared stores,
-  68 wgmma, ~1250 SASS instructions in all (Triton 3.6; ~2500 issue cycles per SM against ~4600 cycles of HBM
-  time for the tile), 255 registers, no spills, one CTA per SM. The shared-memory traffic per tile (store 147 KB,
-  score wgmma 147 KB + q, value wgmma 128 KB + P: ~490 KB, ~3800 cycles at 128 B/cycle) is the next limit; the
-  page size is a compile-time constant, so row addressing is shifts and masks.
+- Per 128 positions per thread (8 warps): 18 16-byte row loads and 18 page-id loads, 144 conversions (two bytes
+  each), 36 16-byte shared stores; per warp 68 wgmma and ~1250 SASS instructions in all (Triton 3.6, the H200's:
+  ~2500 issue cycles per SM against ~4600 cycles of HBM time for the 74 KB tile); 255 registers, no spills
+  (Triton 3.9: 24-32 bytes, 6-7 local accesses per tile); one CTA per SM. test_attention_kernels_compile.py
+  checks all of it. The shared-memory traffic per tile (store 147 KB, score wgmma 147 KB + q, value wgmma
+  128 KB + P: ~490 KB, ~3800 cycles at 128 B/cycle) is the next limit. The page size is a compile-time
+  constant, so row addressing is shifts and masks.
 - Split policy (k3_decode.stock.mla.choose_num_splits): one CTA per SM, so S = SMs // (B x head blocks) splits
   of whole tiles, capped by the tiles and by 64: B1 at 4096 tokens 32 CTAs of one tile, B8 16 splits (128
   CTAs of 2 tiles), B64 2 splits (128 CTAs of 16 tiles): one wave each.
