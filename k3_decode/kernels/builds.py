@@ -19,7 +19,7 @@ from k3_decode.kernels import cutedsl
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
-from k3_decode.kernels.kda_step_plan import ROWS_PER_WARP, KdaStepPlan
+from k3_decode.kernels.kda_step_plan import ROWS_PER_WARP, KdaStepPlan, KdaVerifyPlan
 
 PACKAGE = "k3_decode.kernels"
 
@@ -259,6 +259,63 @@ class KdaStepBuild:
 
 
 @dataclass(frozen=True)
+class KdaStepVerifyBuild:
+    """The fused KDA verify step (KdaStepKernel.verify) at one rank's heads, a number of requests and q tokens each."""
+
+    tp: int
+    plan: KdaVerifyPlan
+
+    kernel = "kda_step_verify"
+
+    @property
+    def name(self) -> str:
+        return f"kda_step_verify/tp{self.tp}/b{self.plan.batch}/q{self.plan.tokens}"
+
+    @property
+    def tags(self) -> dict[str, Any]:
+        """What the expectations select on, and the counts the verify kernel's code must show: its loops over the
+        q tokens are unrolled, so the decode kernel's per-token instructions appear q times."""
+        p, q, rows = self.plan, self.plan.tokens, ROWS_PER_WARP
+        return {
+            "tp": self.tp,
+            "batch": p.batch,
+            "tokens": q,
+            "heads": p.heads,
+            "cluster": p.cluster,
+            "threads": p.threads,
+            "ctas": p.ctas,
+            "ctas_per_sm": p.ctas_per_sm,
+            "resident_ctas": p.resident_ctas,
+            "smem_bytes": p.smem_bytes,
+            "columns": p.columns,
+            # Bulk copies: before the wait the weights (f_b rows, the conv weights of the three channel runs);
+            # after it every token's packed-row sections (three runs, f_a, the output gates), the conv row's
+            # columns of the three runs, the state rows of the accepted token's slot.
+            "weight_copies": 1 + 3,
+            "packed_copies": 5 * q,
+            "tap_copies": 3,
+            "state_copies": 1,
+            "prefetches": 1 + 3,
+            # Plain loads before the wait: A_log, dt_bias (two), o_norm, and the hints num_accepted, slot[b, 0],
+            # slot[b, a - 1]; after it: slot[b, 0], num_accepted, slot[b, a - 1], and one lane per token its beta
+            # and its slot.
+            "early_loads": 1 + 2 + 1 + 3,
+            "late_loads": 3 + 2,
+            "state_stores": rows * q,  # every token's state rows (each under its slot's test)
+            "tap_stores": p.columns,  # the rewritten conv row: T 16-byte vectors per 8 channels
+            "out_stores": 2 * q,  # every token's output of a live request and the zeros of a NULL one
+            "pushes": 3 * q,  # per token: the decay pairs of both f_b rows, the norm partial
+            "waits": 6 + 2,
+            "shuffles": q * (2 * 4 + 4 + rows * 2 * 5 + 5),
+        }
+
+    def compile(self, arch: str) -> KernelArtifacts:
+        from k3_decode.kernels.kda_step import KdaStepKernel, verify_compile_args  # imports CuTe DSL
+
+        return cutedsl.compile_artifacts(KdaStepKernel(self.plan).verify, verify_compile_args(self.plan), arch)
+
+
+@dataclass(frozen=True)
 class K3KernelBuilds:
     """The KernelBuildSet of the k3-hopper subject."""
 
@@ -286,8 +343,16 @@ class K3KernelBuilds:
     def expectations_text(self) -> str:
         return resources.files(PACKAGE).joinpath(self.expectations_file).read_text()
 
-    def builds(self, arch: str) -> list[AttnResBuild | KdaInProjBuild | KdaOProjBuild | KdaStepBuild]:
-        return [*self.attn_res_builds(), *self.kda_in_proj_builds(), *self.kda_o_proj_builds(), *self.kda_step_builds()]
+    def builds(
+        self, arch: str
+    ) -> list[AttnResBuild | KdaInProjBuild | KdaOProjBuild | KdaStepBuild | KdaStepVerifyBuild]:
+        return [
+            *self.attn_res_builds(),
+            *self.kda_in_proj_builds(),
+            *self.kda_o_proj_builds(),
+            *self.kda_step_builds(),
+            *self.kda_step_verify_builds(),
+        ]
 
     def attn_res_builds(self) -> list[AttnResBuild]:
         dims = load_dims(self.table["model"])
@@ -379,6 +444,27 @@ class K3KernelBuilds:
             for batch in spec["batches"]:
                 plan = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, spec["sm_count"])
                 builds.append(KdaStepBuild(tp, plan))
+        return builds
+
+    def kda_step_verify_builds(self) -> list[KdaStepVerifyBuild]:
+        """The fused KDA verify step at every TP, tokens per request and batch of builds.toml's [kda_step_verify]
+        whose tokens fit max_tokens."""
+        dims = load_dims(self.table["model"])
+        spec = self.table["kda_step_verify"]
+        builds = []
+        for tp in spec["tp"]:
+            try:
+                shard = dims.shard(tp)
+            except ShardError as exc:
+                raise ValueError(f"builds.toml kda_step_verify.tp: {exc}") from None
+            for q in spec["tokens"]:
+                for batch in spec["batches"]:
+                    if batch * q > spec["max_tokens"]:
+                        continue
+                    plan = KdaVerifyPlan.for_shape(
+                        shard.kda_heads, shard.kda_in_proj_rows, batch, spec["sm_count"], tokens=q
+                    )
+                    builds.append(KdaStepVerifyBuild(tp, plan))
         return builds
 
 

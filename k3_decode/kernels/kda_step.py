@@ -69,7 +69,26 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   (after it), none invariant (`.nc`, which may legally be hoisted above the wait; the build checks there are none).
   The stores are plain 16-byte stores from registers: the state rows, the taps, the BF16 outputs (8 bytes a warp).
 
-Verify steps (q > 1 tokens per request) are not implemented here; the stock verify pipeline serves them.
+Verify (`KdaStepKernel.verify`, a KdaVerifyPlan): one launch does what the stock verify pipeline does in five (the
+f_b GEMM, the conv, fla-core's recurrence, a state scatter, the gated norm), with the semantics of the oracle's
+`kda_verify_step` and the stock `kda_verify_step`. Per request b with q tokens, slots [B, q], a = num_accepted[b]:
+  slot[b, 0] <= 0 (NULL): out[b, :] = 0, nothing read or written;
+  the conv row lives in slot[b, 0], T = 2 + q columns c_0 .. c_T-1 (vLLM's conv state for q - 1 speculative
+        tokens); token t's conv runs over s[t .. t + 3] of the sequence s = [c_a-1, c_a, c_a+1, x_0 .. x_q-1], and
+        the row becomes s[1 ..] = [c_a, c_a+1, x_0 .. x_q-1];
+  the state is read from slot[b, a - 1]; the state after token t is written to slot[b, t] when that slot is > 0
+        (token t's output is computed either way); tokens run in order on the FP32 state kept in registers.
+a is clamped into 1..q and a NULL accepted slot reads slot 0, as stock's sanitized tables do (the oracle refuses
+both). The geometry is the decode kernel's, request by request (the cluster, the value rows per CTA, the conv lanes,
+the exchanges), and every per-token computation has its arithmetic in the same order, so a one-token verify that
+accepted one token should give the decode kernel's bits, and q tokens those of q chained decode steps (the GPU test
+compares both). Differences, all
+for registers (the decode kernel's budget of 64 holds, no spills): the conv runs channel by channel into shared
+memory and the L2 norms read it back; the tokens' q, k, v, beta, slots and readouts sit in shared memory; the
+per-token scalars (beta, the slot) are read by one lane per token; lane 0 of each warp, which stored the warp's
+readouts, applies the gated norm. The kernel's CUDA name contains `KdaStepKernel` and it adds to the decode kernel's
+device counter: for the ledger and the sanitizer, op kda launches one kernel named KdaStepKernel per call, decode or
+verify.
 """
 
 from __future__ import annotations
@@ -81,7 +100,14 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from k3_decode.kernels import cutedsl
-from k3_decode.kernels.kda_step_plan import CONV_WIDTH, GATE_RANK, HEAD_DIM, ROWS_PER_WARP, KdaStepPlan
+from k3_decode.kernels.kda_step_plan import (
+    CONV_WIDTH,
+    GATE_RANK,
+    HEAD_DIM,
+    ROWS_PER_WARP,
+    KdaStepPlan,
+    KdaVerifyPlan,
+)
 
 TAPS = CONV_WIDTH - 1
 VECTOR = 8  # BF16 elements in one 16-byte access
@@ -111,6 +137,37 @@ def compile_args(plan: KdaStepPlan) -> tuple[Any, ...]:
         cutedsl.fake_tensor(slot_type, (plan.batch,)),  # slots
         cutedsl.fake_tensor(BFloat16, (plan.batch, p)),  # out
         cutedsl.fake_tensor(Int32, (1,)),  # launches: the device-side execution counter
+        Float32(-5.0),  # gate lower bound
+        Float32(1e-6),  # L2 eps
+        Float32(1e-5),  # norm eps
+        cutedsl.fake_stream(),
+    )
+
+
+def verify_compile_args(plan: KdaVerifyPlan) -> tuple[Any, ...]:
+    """Fake arguments of one verify compile: compile_args' but packed [B, q, rows], the conv state [slots, 3P * T]
+    (T = 2 + q columns), slots [B, q], num_accepted [B] after them, out [B, q, P]."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    def dynamic(dtype: Any, shape: tuple[Any, ...]) -> Any:
+        order = tuple(range(len(shape)))[::-1]
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=16)
+
+    index = {"int32": Int32, "int64": Int64}
+    p, batch, q = plan.proj, plan.batch, plan.tokens
+    return (
+        cutedsl.fake_tensor(BFloat16, (batch, q, plan.rows)),  # packed
+        cutedsl.fake_tensor(BFloat16, (p, GATE_RANK)),  # f_b
+        cutedsl.fake_tensor(BFloat16, (plan.conv_channels * CONV_WIDTH,)),  # conv weight, flat
+        cutedsl.fake_tensor(Float32, (plan.heads,)),  # A_log
+        cutedsl.fake_tensor(Float32, (p,)),  # dt_bias
+        cutedsl.fake_tensor(BFloat16, (HEAD_DIM,)),  # o_norm
+        dynamic(BFloat16, (cute.sym_int(), plan.conv_channels * plan.columns)),  # conv state
+        dynamic(Float32, (cute.sym_int(), plan.heads, HEAD_DIM, HEAD_DIM)),  # recurrent state
+        cutedsl.fake_tensor(index[plan.slot_dtype], (batch, q)),  # slots
+        cutedsl.fake_tensor(index[plan.accepted_dtype], (batch,)),  # num_accepted
+        cutedsl.fake_tensor(BFloat16, (batch, q, p)),  # out
+        cutedsl.fake_tensor(Int32, (1,)),  # launches: the device-side execution counter (the decode kernel's)
         Float32(-5.0),  # gate lower bound
         Float32(1e-6),  # L2 eps
         Float32(1e-5),  # norm eps
@@ -420,6 +477,332 @@ class KdaStepKernel:
         ):
             first = cute.local_tile(taps, (TAPS * VECTOR,), (start // VECTOR,))
             _bulk_prefetch(first.iterator, count * TAPS * 2)
+
+    # --- verify: q tokens per request (KdaVerifyPlan) ------------------------------------------------------------
+
+    @cute.jit
+    def verify(
+        self,
+        packed: cute.Tensor,
+        f_b: cute.Tensor,
+        conv_w: cute.Tensor,
+        a_log: cute.Tensor,
+        dt_bias: cute.Tensor,
+        o_norm: cute.Tensor,
+        conv_state: cute.Tensor,
+        state: cute.Tensor,
+        slots: cute.Tensor,
+        num_accepted: cute.Tensor,
+        out: cute.Tensor,
+        launches: cute.Tensor,
+        lower_bound: Float32,
+        l2_eps: Float32,
+        norm_eps: Float32,
+        stream: Any,
+    ):
+        """One verify step (module docstring, "Verify"); the plan must be a KdaVerifyPlan. Arguments as `__call__`'s
+        but packed [B, q, rows], conv state [slots, 3P * (2 + q)], slots [B, q], num_accepted [B] (Int32 or Int64)
+        after slots, out [B, q, P]."""
+        plan = self.plan
+        self.verify_kernel(
+            packed,
+            f_b,
+            conv_w,
+            a_log,
+            dt_bias,
+            o_norm,
+            conv_state,
+            state,
+            slots,
+            num_accepted,
+            out,
+            launches,
+            lower_bound,
+            l2_eps,
+            norm_eps,
+        ).launch(
+            grid=[plan.cluster, plan.heads, plan.batch],
+            block=[plan.threads, 1, 1],
+            cluster=[plan.cluster, 1, 1],
+            smem=plan.smem_bytes,
+            min_blocks_per_mp=plan.ctas_per_sm,  # the decode kernel's register budget: 64 per thread
+            preferred_smem_carveout=100,
+            stream=stream,
+            use_pdl=True,
+        )
+
+    @cute.kernel
+    def verify_kernel(
+        self,
+        packed: cute.Tensor,
+        f_b: cute.Tensor,
+        conv_w: cute.Tensor,
+        a_log: cute.Tensor,
+        dt_bias: cute.Tensor,
+        o_norm: cute.Tensor,
+        conv_state: cute.Tensor,
+        state: cute.Tensor,
+        slots: cute.Tensor,
+        num_accepted: cute.Tensor,
+        out: cute.Tensor,
+        launches: cute.Tensor,
+        lower_bound: Float32,
+        l2_eps: Float32,
+        norm_eps: Float32,
+    ):
+        plan = self.plan
+        rows, q, cols = plan.rows_per_cta, plan.tokens, plan.columns
+        sec = plan.sections
+        tidx, _, _ = cute.arch.thread_idx()
+        rank, head, b = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        first = head * HEAD_DIM + rank * rows
+        col = lane % 16
+        fb_rows = [2 * warp + lane // 16 + j * (rows // 2) for j in range(2)]
+        # The conv lanes, as the decode kernel's: warp 0 the head's q and k, warp 1 the CTA's v; the rest discard.
+        is_qk = warp == 0
+        is_conv = is_qk or (warp == 1 and lane < plan.v_lanes)
+        cl = VECTOR * lane
+        chan = (lane // 16) * sec["k"] + head * HEAD_DIM + VECTOR * col
+        if warp != 0:
+            cl = 2 * HEAD_DIM
+            chan = sec["v"] + first
+            if is_conv:
+                cl = cl + VECTOR * lane
+                chan = chan + VECTOR * lane
+
+        smem = cutlass.utils.SmemAllocator()
+        # mbarriers as the decode kernel's: 0 the decays, 1 the norm partials (both: every token's), 2 the weights,
+        # 3 every token's packed-row sections, 4 the conv row's columns, 5 the state rows.
+        bars = smem.allocate_array(Int64, 6, byte_alignment=128)
+        state_s = smem.allocate_tensor(Float32, cute.make_layout((rows, HEAD_DIM), stride=(HEAD_DIM, 1)), 128)
+        fb_s = smem.allocate_tensor(BFloat16, cute.make_layout((rows, GATE_RANK), stride=(GATE_RANK, 1)), 128)
+        cw_s = smem.allocate_tensor(BFloat16, cute.make_layout(plan.conv_local * CONV_WIDTH), 128)
+        x_s = smem.allocate_tensor(BFloat16, cute.make_layout(plan.packed_bytes // 2), 128)  # token t at t * tok
+        taps_s = smem.allocate_tensor(BFloat16, cute.make_layout(plan.conv_local * cols), 128)
+        decay_s = smem.allocate_tensor(Float32, cute.make_layout(q * HEAD_DIM), 128)
+        qk_s = smem.allocate_tensor(Float32, cute.make_layout(q * 2 * HEAD_DIM), 128)  # per token: q, then k
+        v_s = smem.allocate_tensor(Float32, cute.make_layout(q * rows), 128)
+        o_s = smem.allocate_tensor(Float32, cute.make_layout(q * rows), 128)
+        norm_s = smem.allocate_tensor(Float32, cute.make_layout(q * plan.slots), 128)
+        beta_s = smem.allocate_tensor(Float32, cute.make_layout(q), 128)
+        slot_s = smem.allocate_tensor(Int32, cute.make_layout(q), 128)
+        tok = plan.token_bytes // 2  # a token's elements in x_s: conv inputs (local channels), f_a, output gates
+        fa_at = plan.conv_local
+        gate_at = fa_at + GATE_RANK
+        if tidx == 0:
+            for i in cutlass.range_constexpr(6):
+                cute.arch.mbarrier_init(bars + i, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.fence_proxy("async.shared", space="cta")
+            sizes = (plan.decay_bytes, plan.norm_bytes, plan.weight_bytes, plan.packed_bytes, plan.tap_bytes)
+            for i in cutlass.range_constexpr(5):
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + i, sizes[i])
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + 5, plan.state_bytes)
+            _bulk_copy(fb_s.iterator, f_b[first, None].iterator, rows * GATE_RANK * 2, bars + 2)
+            for start, local, count in plan.conv_runs(head, rank):
+                src = conv_w.iterator + CONV_WIDTH * start
+                _bulk_copy(cw_s.iterator + CONV_WIDTH * local, src, count * CONV_WIDTH * 2, bars + 2)
+            hint = _clamp(Int32(num_accepted[b]), 1, q)
+            self._prefetch_verify(conv_state, state, slots[b, 0], slots[b, hint - 1], head, rank)
+        cute.arch.cluster_arrive_relaxed()
+        dt = [dt_bias[first + fb_rows[j]] for j in range(2)]
+        decay_rate = cute.math.exp(a_log[head])
+        w_norm = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
+        _copy(o_norm, ROWS_PER_WARP, rank * (rows // ROWS_PER_WARP) + warp, w_norm)
+
+        cute.arch.cluster_wait()
+        cute.arch.griddepcontrol_wait()
+        if tidx == 0:
+            for t in cutlass.range_constexpr(q):  # every token's sections, token t at t * tok
+                x = packed[b, t, None]
+                for start, local, count in plan.conv_runs(head, rank):
+                    _bulk_copy(x_s.iterator + (t * tok + local), x.iterator + start, count * 2, bars + 3)
+                _bulk_copy(x_s.iterator + (t * tok + fa_at), x.iterator + sec["f_a"], GATE_RANK * 2, bars + 3)
+                _bulk_copy(x_s.iterator + (t * tok + gate_at), x.iterator + (sec["g"] + first), rows * 2, bars + 3)
+            if rank + head + b == 0:
+                cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
+
+        slot0 = Int32(slots[b, 0])  # the request's conv row, and NULL (<= 0) for the whole request
+        if slot0 > 0:
+            accepted = _clamp(Int32(num_accepted[b]), 1, q)  # stock clamps it too; the oracle refuses outside 1..q
+            read = cutlass.max(Int32(slots[b, accepted - 1]), 0)  # the accepted token's state (NULL: slot 0)
+            conv_row = conv_state[Int64(slot0), None]
+            if tidx == 0:
+                _bulk_copy(
+                    state_s.iterator, state[Int64(read), head, rank * rows, None].iterator, plan.state_bytes, bars + 5
+                )
+                for start, local, count in plan.conv_runs(head, rank):
+                    _bulk_copy(
+                        taps_s.iterator + cols * local, conv_row.iterator + cols * start, count * cols * 2, bars + 4
+                    )
+            if warp == 2 and lane < q:  # the per-token scalars (every plan has at least 4 warps)
+                beta_s[lane] = _sigmoid(packed[b, lane, sec["beta"] + head].to(Float32))
+                slot_s[lane] = Int32(slots[b, lane])
+
+            cute.arch.mbarrier_wait(bars + 2, 0)
+            cute.arch.mbarrier_wait(bars + 3, 0)
+            cute.arch.mbarrier_wait(bars + 4, 0)
+            # The conv, channel by channel (a lane's 8 channels x q tokens of outputs would not fit its registers),
+            # each output with the decode kernel's arithmetic (_conv_silu's order), into shared memory; the conv
+            # warps are 0 and 1 (warp-uniform), and warp 1's lanes past its v channels repeat its first ones.
+            if warp < 2:
+                for c in cutlass.range_constexpr(VECTOR):
+                    w = cute.make_rmem_tensor((CONV_WIDTH,), BFloat16)
+                    _copy(cw_s, CONV_WIDTH, cl + c, w)
+                    # The input sequence: columns a - 1 .. a + 1 of the row, then the q new inputs.
+                    seq = [taps_s[(cl + c) * cols + (accepted - 1 + j)] for j in range(TAPS)]
+                    for t in cutlass.range_constexpr(q):
+                        seq.append(x_s[t * tok + cl + c])
+                        y = w[TAPS].to(Float32) * seq[t + TAPS].to(Float32)
+                        for j in cutlass.range_constexpr(TAPS):
+                            y = y + w[j].to(Float32) * seq[t + j].to(Float32)
+                        act = y * _sigmoid(y)
+                        if is_qk:
+                            qk_s[t * 2 * HEAD_DIM + cl + c] = act
+                        elif is_conv:
+                            v_s[t * rows + cl - 2 * HEAD_DIM + c] = act
+            if is_qk:  # the L2 norms of q and k, token by token: 16 lanes of 8 channels each, as in decode
+                for t in cutlass.range_constexpr(q):
+                    act = cute.make_rmem_tensor((VECTOR,), Float32)
+                    for half in cutlass.range_constexpr(2):
+                        _copy(qk_s, 4, (t * 2 * HEAD_DIM + cl) // 4 + half, _part(act, 4, half))
+                    squares = _dot(act, act, VECTOR)
+                    for i in cutlass.range_constexpr(4):
+                        squares = squares + cute.arch.shuffle_sync_bfly(squares, offset=1 << i)
+                    scale = cute.math.rsqrt(squares + l2_eps)
+                    if lane < 16:
+                        scale = scale * (HEAD_DIM**-0.5)
+                    _store_f32(act, scale, qk_s, t * 2 * HEAD_DIM + VECTOR * lane)
+
+            # The decays of the CTA's channels for every token, pushed to every CTA (decay_s[t * 128 + c]).
+            fb = [cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(2)]
+            for j in cutlass.range_constexpr(2):
+                _copy(fb_s[fb_rows[j], None], VECTOR, col, fb[j])
+            for t in cutlass.range_constexpr(q):
+                fa = cute.make_rmem_tensor((VECTOR,), BFloat16)
+                _copy(x_s, VECTOR, (t * tok + fa_at) // VECTOR + col, fa)
+                for j in cutlass.range_constexpr(2):
+                    dot = _dot(fb[j], fa, VECTOR)
+                    for i in cutlass.range_constexpr(4):
+                        dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << i)
+                    decay = cute.math.exp(lower_bound * _sigmoid(decay_rate * (dot + dt[j])))
+                    odd = cute.arch.shuffle_sync_down(decay, offset=16)
+                    if lane < plan.cluster:
+                        at = t * HEAD_DIM + rank * rows + 2 * warp + j * (rows // 2)
+                        dst = decay_s.iterator + cute.assume(at, divby=2)
+                        cute.arch.store_async_dsmem(dst, (decay.bitcast(Int32), odd.bitcast(Int32)), bars, lane)
+            cute.arch.sync_threads()  # q, k, v, beta and the slots are in shared memory
+            cute.arch.cluster_arrive()  # this CTA's tap reads are complete (release)
+            cute.arch.griddepcontrol_launch_dependents()
+
+            cute.arch.mbarrier_wait(bars, 0)  # every token's decays
+            cute.arch.mbarrier_wait(bars + 5, 0)  # the state rows
+            s = [cute.make_rmem_tensor((4,), Float32) for _ in range(ROWS_PER_WARP)]
+            for i in cutlass.range_constexpr(ROWS_PER_WARP):
+                _copy(state_s[ROWS_PER_WARP * warp + i, None], 4, lane, s[i])
+            for t in cutlass.range_constexpr(q):
+                qv = cute.make_rmem_tensor((4,), Float32)
+                k = cute.make_rmem_tensor((4,), Float32)
+                v = cute.make_rmem_tensor((4,), Float32)
+                g = cute.make_rmem_tensor((4,), Float32)
+                _copy(qk_s, 4, t * (2 * HEAD_DIM // 4) + lane, qv)
+                _copy(qk_s, 4, t * (2 * HEAD_DIM // 4) + HEAD_DIM // 4 + lane, k)
+                _copy(v_s, 4, t * (rows // 4) + warp, v)
+                _copy(decay_s, 4, t * (HEAD_DIM // 4) + lane, g)
+                beta = beta_s[t]
+                dst = slot_s[t]
+                o = [Float32(0.0)] * ROWS_PER_WARP
+                for i in cutlass.range_constexpr(ROWS_PER_WARP):
+                    for e in cutlass.range_constexpr(4):
+                        s[i][e] = s[i][e] * g[e]
+                    predicted = _dot(s[i], k, 4)
+                    for m in cutlass.range_constexpr(5):
+                        predicted = predicted + cute.arch.shuffle_sync_bfly(predicted, offset=1 << m)
+                    u = beta * (v[i] - predicted)
+                    for e in cutlass.range_constexpr(4):
+                        s[i][e] = s[i][e] + u * k[e]
+                    if dst > 0:  # the state after token t goes to slot[b, t] when that slot is real
+                        _copy(s[i], 4, lane, state[Int64(dst), head, rank * rows + ROWS_PER_WARP * warp + i, None])
+                    readout = _dot(s[i], qv, 4)
+                    for m in cutlass.range_constexpr(5):
+                        readout = readout + cute.arch.shuffle_sync_bfly(readout, offset=1 << m)
+                    o[i] = readout
+                partial = o[0] * o[0]
+                for i in cutlass.range_constexpr(1, ROWS_PER_WARP):
+                    partial = partial + o[i] * o[i]
+                if lane < plan.cluster:
+                    at = norm_s.iterator + (t * plan.slots + rank * plan.warps + warp)
+                    cute.arch.store_async_dsmem(at, partial.bitcast(Int32), bars + 1, lane)
+                if lane == 0:
+                    readouts = cute.make_rmem_tensor((ROWS_PER_WARP,), Float32)
+                    for i in cutlass.range_constexpr(ROWS_PER_WARP):
+                        readouts[i] = o[i]
+                    _copy(readouts, ROWS_PER_WARP, t * (rows // ROWS_PER_WARP) + warp, o_s)
+
+            # The gated RMSNorm of every token, once every CTA's partials of every token have arrived.
+            cute.arch.mbarrier_wait(bars + 1, 0)
+            for t in cutlass.range_constexpr(q):
+                total = norm_s[t * plan.slots + lane]
+                for m in cutlass.range_constexpr(5):
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << m)
+                rstd = cute.math.rsqrt(total * (1.0 / HEAD_DIM) + norm_eps)
+                if lane == 0:  # the lane that wrote the warp's readouts to o_s: it reads back only its own stores
+                    readouts = cute.make_rmem_tensor((ROWS_PER_WARP,), Float32)
+                    _copy(o_s, ROWS_PER_WARP, t * (rows // ROWS_PER_WARP) + warp, readouts)
+                    gate = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
+                    _copy(x_s, ROWS_PER_WARP, (t * tok + gate_at) // ROWS_PER_WARP + warp, gate)
+                    y = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
+                    for i in cutlass.range_constexpr(ROWS_PER_WARP):
+                        gated = readouts[i] * rstd * w_norm[i].to(Float32) * _sigmoid(gate[i].to(Float32))
+                        y[i] = gated.to(BFloat16)
+                    _copy(y, ROWS_PER_WARP, first // ROWS_PER_WARP + warp, out[b, t, None])
+
+            # The conv row this CTA owns: [c_a, c_a+1, x_0 .. x_q-1] per channel (the step's input sequence from
+            # its second entry), once every CTA has copied the old columns.
+            cute.arch.cluster_wait()
+            owner = warp == 1 or col // plan.qk_lanes_per_cta == rank
+            if is_conv and owner:
+                for i in cutlass.range_constexpr(cols):  # 16-byte vector i of the channels' 8 x T columns
+                    vec = cute.make_rmem_tensor((VECTOR,), BFloat16)
+                    for e in cutlass.range_constexpr(VECTOR):
+                        c, column = divmod(VECTOR * i + e, cols)
+                        if const_expr(column < 2):  # the old row's columns a and a + 1
+                            vec[e] = taps_s[(cl + c) * cols + (accepted + column)]
+                        else:  # token column - 2's input
+                            vec[e] = x_s[(column - 2) * tok + cl + c]
+                    _copy(vec, VECTOR, cols * (chan // VECTOR) + i, conv_row)
+        else:  # NULL request: zero output for every token, no state touched; its copies land before it exits
+            cute.arch.mbarrier_wait(bars + 2, 0)
+            cute.arch.mbarrier_wait(bars + 3, 0)
+            y = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
+            y.fill(0.0)
+            if lane == 0:
+                for t in cutlass.range_constexpr(q):
+                    _copy(y, ROWS_PER_WARP, first // ROWS_PER_WARP + warp, out[b, t, None])
+
+    @cute.jit
+    def _prefetch_verify(
+        self, conv_state: cute.Tensor, state: cute.Tensor, conv_hint: Any, state_hint: Any, head: Int32, rank: Int32
+    ):
+        """L2 prefetches of a verify CTA's reads: its state rows of the accepted token's slot and the conv row's
+        columns of its channels, from hints read before the wait and clamped into the tables."""
+        plan = self.plan
+        rows, cols = plan.rows_per_cta, plan.columns
+        s = cutlass.max(cutlass.min(Int32(state_hint), state.shape[0] - 1), 0)
+        _bulk_prefetch(state[Int64(s), head, rank * rows, None].iterator, plan.state_bytes)
+        c = cutlass.max(cutlass.min(Int32(conv_hint), conv_state.shape[0] - 1), 0)
+        taps = conv_state[c, None]
+        for start, _, count in plan.conv_runs(head, rank):
+            run = cute.local_tile(taps, (cols * VECTOR,), (start // VECTOR,))
+            _bulk_prefetch(run.iterator, count * cols * 2)
+
+
+@cute.jit
+def _clamp(x: Int32, low: cutlass.Constexpr[int], high: cutlass.Constexpr[int]) -> Int32:
+    """x clamped into [low, high]."""
+    return cutlass.max(cutlass.min(x, high), low)
 
 
 @cute.jit

@@ -10,8 +10,15 @@ BF16 [B, P]. One launch does what the stock op does in two (the f_b GEMM and the
 compiled once per plan (heads, packed width, batch, the device's SM count, the slot dtype), from the same fake-tensor
 signature that `k3gate kernels build` checks; the cache's slot count is a run-time value of that compile.
 
+`verify_step(spec, weights, packed, cache, slots, num_accepted)` has the contract of the stock
+`k3_decode.stock.kda.kda_verify_step`: packed [B, q, rows], slots [B, q], num_accepted [B] (int32 or int64, each
+1..q), the conv state holding the q - 1 speculative columns (2 + q in all); returns BF16 [B, q, P]. One launch of the
+same kernel class (KdaStepKernel.verify) in place of stock's five, counted by the same device counter.
+
 Slot contents are not checked here (that would need a device sync, and CUDA-graph capture forbids one): as for the
-stock kernel, every live slot must be in range and distinct (the oracle's `decode_write_set` says why).
+stock kernel, every live slot must be in range and distinct (the oracle's `decode_write_set` and `verify_write_set`
+say why), and a verify step's accepted counts in 1..q with a real slot (the kernel clamps a count, and reads slot 0
+for a NULL accepted slot, as stock's sanitized tables do).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import torch
 from torch import Tensor
 
 from k3_decode.kernels.counters import device_counter
-from k3_decode.kernels.kda_step_plan import CONV_WIDTH, GATE_RANK, HEAD_DIM, KdaStepPlan
+from k3_decode.kernels.kda_step_plan import CONV_WIDTH, GATE_RANK, HEAD_DIM, MAX_TOKENS, KdaStepPlan, KdaVerifyPlan
 from k3_decode.reference.kda import KdaCache, KdaSpec
 
 _COUNTERS: dict[int, Tensor] = {}
@@ -38,6 +45,15 @@ def _compiled(plan: KdaStepPlan) -> Any:
     from k3_decode.kernels.kda_step import KdaStepKernel, compile_args
 
     return cute.compile(KdaStepKernel(plan), *compile_args(plan))
+
+
+@cache
+def _compiled_verify(plan: KdaVerifyPlan) -> Any:
+    import cutlass.cute as cute
+
+    from k3_decode.kernels.kda_step import KdaStepKernel, verify_compile_args
+
+    return cute.compile(KdaStepKernel(plan).verify, *verify_compile_args(plan))
 
 
 def _check_tensor(name: str, t: Tensor, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
@@ -119,8 +135,83 @@ def decode_step(
     return out
 
 
+def verify_plan_for(spec: KdaSpec, packed: Tensor, slots: Tensor, num_accepted: Tensor) -> KdaVerifyPlan:
+    """The plan that runs this verify step on packed's device; raises for what the kernel cannot take."""
+    if slots.dim() != 2 or slots.dtype not in SLOT_DTYPES or not 1 <= slots.shape[1] <= MAX_TOKENS:
+        raise ValueError(
+            f"verify slots must be a [B, q] int32 or int64 tensor with q in 1..{MAX_TOKENS}, got "
+            f"{tuple(slots.shape)} {slots.dtype}"
+        )
+    if num_accepted.dim() != 1 or num_accepted.dtype not in SLOT_DTYPES:
+        raise ValueError(
+            f"num_accepted must be a 1-d int32 or int64 tensor, got {num_accepted.dim()}-d {num_accepted.dtype}"
+        )
+    step = plan_for(spec, packed, slots[:, 0])  # the device, the spec and the sections, as for decode
+    return KdaVerifyPlan(
+        step.heads,
+        step.rows,
+        step.batch,
+        step.cluster,
+        step.slot_dtype,
+        tokens=slots.shape[1],
+        accepted_dtype=SLOT_DTYPES[num_accepted.dtype],
+    )
+
+
+def verify_step(
+    spec: KdaSpec,
+    weights: Any,
+    packed: Tensor,
+    cache: KdaCache,
+    slots: Tensor,
+    num_accepted: Tensor,
+    out: Tensor | None = None,
+) -> Tensor:
+    """One verify step (q tokens per request) on the current stream of packed's device; returns BF16 [B, q, P].
+
+    `weights` as for `decode_step`. The conv state must have exactly 2 + q columns (vLLM's for q - 1 speculative
+    tokens; the stock op also takes wider rows, whose extra columns it leaves alone)."""
+    plan = verify_plan_for(spec, packed, slots, num_accepted)
+    dev, p, (batch, q) = packed.device, spec.proj, slots.shape
+    bf16, fp32 = torch.bfloat16, torch.float32
+    _check_tensor("packed", packed, bf16, (batch, q, spec.in_proj_rows), dev)
+    _check_tensor("slots", slots, slots.dtype, (batch, q), dev)
+    _check_tensor("num_accepted", num_accepted, num_accepted.dtype, (batch,), dev)
+    _check_tensor("f_b", weights.f_b, bf16, (p, GATE_RANK), dev)
+    _check_tensor("conv weight", weights.conv, bf16, (spec.conv_channels, CONV_WIDTH), dev)
+    _check_tensor("a_log", weights.a_log, fp32, (spec.heads,), dev)
+    _check_tensor("dt_bias", weights.dt_bias, fp32, (p,), dev)
+    _check_tensor("o_norm", weights.o_norm, bf16, (HEAD_DIM,), dev)
+    num_slots = cache.conv.shape[0]
+    _check_tensor("conv state", cache.conv, bf16, (num_slots, spec.conv_channels, plan.columns), dev)
+    _check_tensor("recurrent state", cache.recurrent, fp32, (num_slots, spec.heads, HEAD_DIM, HEAD_DIM), dev)
+    if out is None:
+        out = torch.empty(batch, q, p, dtype=bf16, device=dev)
+    _check_tensor("out", out, bf16, (batch, q, p), dev)
+    launch(
+        _compiled_verify(plan),
+        (
+            packed,
+            weights.f_b,
+            weights.conv.view(-1),
+            weights.a_log,
+            weights.dt_bias,
+            weights.o_norm,
+            cache.conv.view(num_slots, -1),
+            cache.recurrent,
+            slots,
+            num_accepted,
+            out,
+            launch_counter(dev),
+        ),
+        (spec.gate_lower_bound, spec.l2_eps, spec.norm_eps),
+        torch.cuda.current_stream(dev).cuda_stream,
+    )
+    return out
+
+
 def launch_counter(device: torch.device) -> Tensor:
-    """The device's launch counter: every launch of the kernel on `device` adds one to it, on the device."""
+    """The device's launch counter: every launch of the kernel on `device`, decode or verify, adds one to it."""
     return device_counter(_COUNTERS, device)
 
 
@@ -131,8 +222,8 @@ def launch_count() -> int:
 
 def launch(compiled: Any, tensors: tuple[Tensor, ...], scalars: tuple[float, float, float], stream: int) -> None:
     """Call a compiled kernel: tensors in the kernel's order (packed, f_b, conv weight flat, A_log, dt_bias, o_norm,
-    conv state [slots, 3P * 3], recurrent state, slots, out, launches), then (lower bound, L2 eps, norm eps), on the
-    CUDA stream with handle `stream`. No checks: see `decode_step`."""
+    conv state [slots, 3P * T], recurrent state, slots, [num_accepted for a verify step,] out, launches), then (lower
+    bound, L2 eps, norm eps), on the CUDA stream with handle `stream`. No checks: see `decode_step`, `verify_step`."""
     import cuda.bindings.driver as cuda
     from cutlass import Float32
     from cutlass.cute.runtime import from_dlpack

@@ -10,11 +10,15 @@ instructions from these numbers.
 The packed row is the in_proj output [q | k | v | g_out | f_a | beta | pad] (k3_decode.config.RankShapes
 .in_proj_sections); the plan recomputes the section offsets from (proj, gate_rank, heads) and the op checks them
 against the spec's, so the kernel and the model cannot disagree silently.
+
+A verify step (`KdaVerifyPlan`, q = `tokens` per request) splits the work the same way, request by request: each
+CTA copies the q packed rows' sections of its channels, the conv row's 2 + q columns (the row vLLM keeps for q
+tokens) and its state rows once, and exchanges q times the decays and the norm partials.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 WARP = 32
@@ -25,6 +29,9 @@ ROWS_PER_WARP = 4  # value rows of S per warp: 4 independent butterflies in flig
 RESIDENT_THREADS = 1024  # per SM: 32 warps, a 64-register budget per thread
 CLUSTERS = (8, 4, 2)  # CTAs per head, most first; 8 is the portable cluster size on Hopper
 H200_SMS = 132
+MAX_TOKENS = 8  # a verify step's tokens per request: 1 + up to 7 speculative ones (vLLM's KdaSplit takes 1..8)
+SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory
+SMEM_PER_CTA_RESERVED = 2 * 1024  # the driver's 1 KiB per CTA and the 1 KiB of static shared memory every build has
 
 SlotDtype = Literal["int32", "int64"]
 
@@ -181,3 +188,89 @@ class KdaStepPlan:
     @property
     def tag(self) -> str:
         return f"h{self.heads}/b{self.batch}/c{self.cluster}"
+
+
+@dataclass(frozen=True)
+class KdaVerifyPlan(KdaStepPlan):
+    """One compile of the verify kernel (KdaStepKernel.verify): a decode plan's geometry (heads, packed width,
+    requests as `batch`, cluster, slot dtype) for `tokens` tokens per request, with the dtype of num_accepted.
+
+    The geometry is the decode plan's, request by request: the same cluster per (request, head), rows per CTA and
+    warps, so every per-token computation is the decode kernel's. What grows with q: the packed-row copies (one set
+    per token), the conv row (2 + q columns: vLLM's conv state for q - 1 speculative tokens), the exchanges (one
+    per token), the per-token q, k, v and outputs kept in shared memory."""
+
+    tokens: int = field(kw_only=True)
+    accepted_dtype: SlotDtype = field(default="int32", kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.tokens <= MAX_TOKENS:
+            raise ValueError(f"a verify step takes 1..{MAX_TOKENS} tokens per request, got {self.tokens}")
+        if self.accepted_dtype not in ("int32", "int64"):
+            raise ValueError(f"num_accepted is int32 or int64, not {self.accepted_dtype!r}")
+
+    @classmethod
+    def for_shape(  # type: ignore[override]
+        cls,
+        heads: int,
+        rows: int,
+        batch: int,
+        sm_count: int = H200_SMS,
+        slot_dtype: SlotDtype = "int32",
+        *,
+        tokens: int,
+        accepted_dtype: SlotDtype = "int32",
+    ) -> KdaVerifyPlan:
+        """The decode plan's cluster for `batch` requests (KdaStepPlan.for_shape: every SM gets a CTA, else 8)."""
+        step = KdaStepPlan.for_shape(heads, rows, batch, sm_count, slot_dtype)
+        return cls(heads, rows, batch, step.cluster, slot_dtype, tokens=tokens, accepted_dtype=accepted_dtype)
+
+    @property
+    def columns(self) -> int:
+        """T: the conv state's columns per channel, 2 + q (CONV_WIDTH - 1 taps + q - 1 speculative columns)."""
+        return CONV_WIDTH - 2 + self.tokens
+
+    @property
+    def token_bytes(self) -> int:
+        """What one token's packed row gives the CTA: the conv inputs of its channels, f_a, its output gates."""
+        return self.conv_local * 2 + GATE_RANK * 2 + self.rows_per_cta * 2
+
+    @property
+    def packed_bytes(self) -> int:
+        """The packed-row barrier's bytes: every token's sections."""
+        return self.tokens * self.token_bytes
+
+    @property
+    def tap_bytes(self) -> int:
+        """The conv row's T columns of the CTA's conv channels."""
+        return self.conv_local * self.columns * 2
+
+    @property
+    def decay_bytes(self) -> int:
+        """The decay exchange's bytes per CTA: the head's 128 decays of every token."""
+        return self.tokens * HEAD_DIM * 4
+
+    @property
+    def norm_bytes(self) -> int:
+        """The norm exchange's bytes per CTA: 32 partials per token."""
+        return self.tokens * self.slots * 4
+
+    @property
+    def smem_bytes(self) -> int:
+        """The copies above, the exchanges, and per token q and k (FP32, the head's), v and o (the CTA's rows),
+        beta and the token's state slot; six mbarriers; each buffer 128-byte aligned."""
+        r, q = self.rows_per_cta, self.tokens
+        parts = [6 * 8, self.state_bytes, self.weight_bytes, self.packed_bytes, self.tap_bytes]
+        parts += [self.decay_bytes, q * 2 * HEAD_DIM * 4, q * r * 4, q * r * 4, self.norm_bytes, q * 4, q * 4]
+        return sum(-(-n // 128) * 128 for n in parts)
+
+    @property
+    def resident_ctas(self) -> int:
+        """CTAs of this plan one SM holds at once: ctas_per_sm (the register budget) unless shared memory is short
+        (only clusters of 8 at q = 8 are: 5 CTAs, 20 warps)."""
+        return min(self.ctas_per_sm, SMEM_PER_SM // (self.smem_bytes + SMEM_PER_CTA_RESERVED))
+
+    @property
+    def tag(self) -> str:
+        return f"h{self.heads}/b{self.batch}/q{self.tokens}/c{self.cluster}"

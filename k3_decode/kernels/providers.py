@@ -219,19 +219,27 @@ class CuteKdaOProjProvider(_CuteProvider):
 
 @dataclass(frozen=True)
 class CuteKdaStepProvider(_CuteProvider):
-    """The KDA decode step (q = 1) as one kernel (kda_step.py) in place of the stock f_b GEMM + Triton kernel: f_b,
-    conv, norms, gates, the delta rule on the recurrent state in place, the gated RMSNorm; NULL slots (<= 0) give
-    zeros and touch no state, as stock.
+    """The KDA step as one kernel (kda_step.py): the decode step (q = 1) in place of the stock f_b GEMM + Triton
+    kernel, and the verify step (q <= 8 tokens per request, KdaStepKernel.verify) in place of the stock f_b GEMM +
+    conv + fla-core recurrence + state scatter + gated norm: f_b, conv, norms, gates, the delta rule on the recurrent
+    state in place, the gated RMSNorm; NULL slots (<= 0) give zeros and touch no state, as stock. Both launch one
+    kernel named KdaStepKernel, counted by one device counter, so `launches` holds for either call.
+
+    It binds the calls of op kda that the layer runner makes (executor RUNNER_CALLS, with the stock methods'
+    signatures): today only `kda_decode`, as the runner (executor/forward.py) runs q = 1 steps only; `kda_verify`
+    (StockAttentionOps.kda_verify: packed [B, q, rows], weights, cache, slots [B, q], num_accepted [B]) is bound as
+    soon as RUNNER_CALLS lists it. A call of op kda it has no kernel for is a bind error.
 
     PENDING, not registered: compiled and PTX/SASS-checked on the CPU (k3gate kernels build), not yet run on a GPU;
-    tests/k3_decode/kernels/test_kda_step_gpu.py must pass on an H200 first. It joins PROVIDERS, and `kda` the op
-    table's specialized KDA ops, once it does."""
+    tests/k3_decode/kernels/test_kda_step_gpu.py and test_kda_step_verify_gpu.py must pass on an H200 first. It
+    joins PROVIDERS, and `kda` the op table's specialized KDA ops, once they do."""
 
     op: str = "kda"
     name: str = "cute-kda-step"
     launches: Mapping[str, int] = field(default_factory=lambda: {"KdaStepKernel": 1})
 
     def bind(self, target: Any) -> Mapping[str, Callable[..., Any]]:
+        from k3_decode.executor.executor import RUNNER_CALLS
         from k3_decode.kernels import kda_step_op
         from k3_decode.reference.kda import KdaCache, KdaSpec
 
@@ -241,7 +249,22 @@ class CuteKdaStepProvider(_CuteProvider):
         def kda_decode(packed: Tensor, weights: KdaWeights, cache: KdaCache, slots: Tensor) -> Tensor:
             return kda_step_op.decode_step(spec, weights, packed.contiguous(), cache, slots.contiguous())
 
-        return {"kda_decode": kda_decode}
+        def kda_verify(
+            packed: Tensor, weights: KdaWeights, cache: KdaCache, slots: Tensor, num_accepted: Tensor
+        ) -> Tensor:
+            return kda_step_op.verify_step(
+                spec, weights, packed.contiguous(), cache, slots.contiguous(), num_accepted.contiguous()
+            )
+
+        served = {"kda_decode": kda_decode, "kda_verify": kda_verify}
+        calls = [call for call, ops in RUNNER_CALLS["kda"][1].items() if self.op in ops]
+        unknown = [call for call in calls if call not in served]
+        if unknown:
+            raise ProviderBindError(
+                f"the layer runner makes op kda's call(s) {unknown}, which {self.name} has no kernel for; it serves "
+                f"{sorted(served)}"
+            )
+        return {call: served[call] for call in calls}
 
 
 PROVIDERS = (CuteAttnResProvider(), CuteKdaInProjProvider())
