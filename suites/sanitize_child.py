@@ -138,18 +138,24 @@ def kda_in_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
     return 1
 
 
-def _kda_step_inputs(cell: Cell, plan: Plan, device: torch.device) -> tuple[Any, Any, Any, Any, Any]:
-    """(spec, weights, packed, cache, slots) of a KDA step cell: the rank's shapes for `tp`, the cell's slot table
-    (`slots`, one entry per request, <= 0 NULL) into a cache of `cache_slots` slots, every tensor in its own
-    allocation, values of the magnitudes the model keeps."""
+def _kda_step_inputs(
+    cell: Cell, plan: Plan, device: torch.device, tokens: int = 0
+) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """(spec, weights, packed, cache, slots, num_accepted) of a KDA step cell at the rank's shapes for `tp`: the
+    decode step's (`slots`, one entry per request, into `cache_slots`; num_accepted None) or, with `tokens`, the
+    verify step's (`verify_slots` [B, q] flattened, `accepted`, into `verify_cache_slots` slots of 2 + q conv
+    columns). Every tensor in its own allocation, values of the magnitudes the model keeps."""
     from k3_decode.config import load_dims
     from k3_decode.reference.kda import KdaCache, KdaSpec, KdaWeights
 
     axes = dict(cell.axes)
     spec = KdaSpec.for_rank(load_dims(plan.model), int(axes["tp"]))
-    batch, rows, num_slots = int(axes["batches"]), list(axes["slots"]), int(axes["cache_slots"])
-    if len(rows) != batch or not all(s < num_slots for s in rows):
-        raise ValueError(f"cell {cell.op}: slots {rows} must list {batch} slots below cache_slots {num_slots}")
+    batch = int(axes["batches"])
+    q = max(tokens, 1)
+    rows = list(axes["verify_slots"] if tokens else axes["slots"])
+    num_slots = int(axes["verify_cache_slots"] if tokens else axes["cache_slots"])
+    if len(rows) != batch * q or not all(s < num_slots for s in rows):
+        raise ValueError(f"cell {cell.op}: slots {rows} must list {batch} x {q} slots below {num_slots}")
     gen = _generator(plan, cell)
     p = spec.proj
     weights = KdaWeights(
@@ -159,21 +165,25 @@ def _kda_step_inputs(cell: Cell, plan: Plan, device: torch.device) -> tuple[Any,
         dt_bias=(torch.randn(p, generator=gen) * 0.5).to(device),
         o_norm=_bf16(gen, device, spec.head_dim, scale=0.1, shift=1.0),
     )
-    packed = _bf16(gen, device, batch, spec.in_proj_rows)
+    packed = _bf16(gen, device, *((batch, q) if tokens else (batch,)), spec.in_proj_rows)
     cache = KdaCache(
-        _bf16(gen, device, num_slots, spec.conv_channels, spec.conv_taps(1)),
+        _bf16(gen, device, num_slots, spec.conv_channels, spec.conv_taps(q)),
         (torch.randn(num_slots, spec.heads, spec.head_dim, spec.head_dim, generator=gen) * 0.05).to(device),
     )
-    slots = torch.tensor(rows, dtype=torch.int32).to(device)
-    return spec, weights, packed, cache, slots
+    slots = torch.tensor(rows, dtype=torch.int32).view(batch, q) if tokens else torch.tensor(rows, dtype=torch.int32)
+    accepted = torch.tensor(list(axes["accepted"]), dtype=torch.int32).to(device) if tokens else None
+    return spec, weights, packed, cache, slots.to(device), accepted
 
 
 def kda_step_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
-    """One fused KDA decode step (q = 1) on the cell's slot table. Returns the launches made."""
+    """One fused KDA decode step (q = 1) and one verify step (`tokens` per request), each on its own cache and slot
+    table. Returns the launches made."""
     from k3_decode.kernels import kda_step_op
 
-    kda_step_op.decode_step(*_kda_step_inputs(cell, plan, device))
-    return 1
+    spec, weights, packed, cache, slots, _ = _kda_step_inputs(cell, plan, device)
+    kda_step_op.decode_step(spec, weights, packed, cache, slots)
+    kda_step_op.verify_step(*_kda_step_inputs(cell, plan, device, int(dict(cell.axes)["tokens"])))
+    return 2
 
 
 @dataclass(frozen=True)

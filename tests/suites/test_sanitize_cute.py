@@ -58,7 +58,7 @@ def judged(log, report, exit_code=0, tool="memcheck"):
 def test_the_plan_has_a_cell_per_cute_dsl_kernel_named_by_pattern():
     from k3_decode.config import K3, RankShapes
     from k3_decode.kernels.attn_res_plan import AttnResKind, site_kinds
-    from k3_decode.kernels.kda_step_plan import KdaStepPlan
+    from k3_decode.kernels.kda_step_plan import KdaStepPlan, KdaVerifyPlan
     from k3_decode.kernels.providers import PENDING, PROVIDERS
 
     cute = cells_of("cute")
@@ -84,6 +84,28 @@ def test_the_plan_has_a_cell_per_cute_dsl_kernel_named_by_pattern():
     assert all(s < step["cache_slots"] for s in step["slots"]) and step["cache_slots"] > max(step["slots"]) + 1
     plan = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, step["batches"])  # an H200's 132 SMs
     assert plan.cluster == 8  # DSMEM pushes into 7 peers, both cluster barrier phases
+    verify = KdaVerifyPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, step["batches"], tokens=step["tokens"])
+    assert verify.cluster == 8 and 2 <= verify.tokens <= 8
+
+
+def test_the_kda_step_cells_verify_table_is_one_the_oracle_accepts():
+    """A NULL request whose other slots must stay untouched, a live request without a slot for one token, one that
+    accepted every token, canary slots (slot 0 among them)."""
+    torch = pytest.importorskip("torch")
+    from k3_decode.reference.kda import verify_write_set
+
+    step = dict(cells_of("cute")["cute_kda_step"].axes)
+    q, batch = step["tokens"], step["batches"]
+    table = torch.tensor(step["verify_slots"]).view(batch, q)
+    writes = verify_write_set(table)  # raises on a duplicate write
+    accepted = list(step["accepted"])
+    live = [b for b in range(batch) if table[b, 0] > 0]
+    assert len(live) == batch - 1 and (table[live] <= 0).any()  # one NULL request, a NULL token slot
+    assert all(1 <= accepted[b] <= q and table[b, accepted[b] - 1] > 0 for b in live) and q in accepted
+    assert all(0 <= s < step["verify_cache_slots"] for s in table.flatten().clamp(min=0).tolist())
+    untouched = set(range(step["verify_cache_slots"])) - {w.slot for w in writes}
+    (null,) = (b for b in range(batch) if b not in live)
+    assert 0 in untouched and {int(s) for s in table[null, 1:]} <= untouched and len(untouched) >= 4
 
 
 def test_every_cute_cell_has_its_runner_in_the_child():
@@ -161,7 +183,18 @@ def test_the_child_builds_inputs_the_ops_take_each_in_its_own_allocation(monkeyp
 
     monkeypatch.setattr(attn_res_op, "apply", attn_res)
     monkeypatch.setattr(kda_in_proj_op, "linear", linear)
+
+    def verify_step(spec, weights, packed, cache, slots, num_accepted):
+        tensors = [packed, cache.conv, cache.recurrent, slots, num_accepted]
+        tensors += [getattr(weights, name) for name in ("f_b", "conv", "a_log", "dt_bias", "o_norm")]
+        assert all(own_allocation(t) for t in tensors)
+        start = (cache.conv.clone(), cache.recurrent.clone())
+        out = stock_kda.kda_verify_step(spec, weights, packed, cache, slots, num_accepted)  # validates the tables
+        calls.append((spec, slots.tolist(), out, start, cache))
+        return out
+
     monkeypatch.setattr(kda_step_op, "decode_step", decode_step)
+    monkeypatch.setattr(kda_step_op, "verify_step", verify_step)
     cute, cpu = cells_of("cute"), torch.device("cpu")
     assert sanitize_child.attn_res_cell(cute["cute_attn_res"], PLAN, cpu) == len(calls) == 2
     saves = [site for site, batch, capacity in calls if site.save_index is not None]
@@ -171,14 +204,23 @@ def test_the_child_builds_inputs_the_ops_take_each_in_its_own_allocation(monkeyp
     assert sanitize_child.kda_in_proj_cell(cute["cute_kda_in_proj"], PLAN, cpu) == len(calls) == 1
     assert (calls[0].rows, calls[0].k, calls[0].batch) == (3216, K3.hidden_size, 3)
     calls.clear()
-    assert sanitize_child.kda_step_cell(cute["cute_kda_step"], PLAN, cpu) == len(calls) == 1
-    ((spec, slots, out, (conv, recurrent), cache),) = calls
+    assert sanitize_child.kda_step_cell(cute["cute_kda_step"], PLAN, cpu) == len(calls) == 2
+    (spec, slots, out, (conv, recurrent), cache), verify = calls
     assert (spec.heads, spec.in_proj_rows, len(slots)) == (6, 3216, 3) and cache.conv.shape[2] == 3  # TP16, q = 1
     null = [b for b, s in enumerate(slots) if s <= 0]
     assert null and not out[null].any() and out[[b for b in range(3) if b not in null]].abs().amax() > 0
     changed = sorted({i for i in range(conv.shape[0]) if not torch.equal(conv[i], cache.conv[i])})
     assert changed == sorted(s for s in slots if s > 0)  # the live requests' rows, nothing else
     assert torch.equal(recurrent[0], cache.recurrent[0])  # slot 0, the NULL row's, untouched
+    spec, table, out, (conv, recurrent), cache = verify
+    q = len(table[0])
+    assert (spec.heads, len(table), out.shape) == (6, 3, (3, q, spec.proj)) and cache.conv.shape[2] == 2 + q
+    null = [b for b, row in enumerate(table) if row[0] <= 0]
+    assert null and not out[null].any()
+    changed = {i for i in range(conv.shape[0]) if not torch.equal(conv[i], cache.conv[i])}
+    assert changed == {row[0] for row in table if row[0] > 0}  # the live requests' conv rows
+    changed = {i for i in range(recurrent.shape[0]) if not torch.equal(recurrent[i], cache.recurrent[i])}
+    assert changed == {s for row in table if row[0] > 0 for s in row if s > 0}  # every real token slot, no other
 
 
 # --- the kernel filter -------------------------------------------------------------------------------------------
