@@ -268,7 +268,7 @@ class KdaVerifyPlan(KdaStepPlan):
     @property
     def resident_ctas(self) -> int:
         """CTAs of this plan one SM holds at once: ctas_per_sm (the register budget) unless shared memory is short
-        (only clusters of 8 at q = 8 are: 5 CTAs, 20 warps)."""
+        (only clusters of 8 from q = 4 are: 7 CTAs at q = 4, 5 at q = 8, of 4 warps each)."""
         return min(self.ctas_per_sm, SMEM_PER_SM // (self.smem_bytes + SMEM_PER_CTA_RESERVED))
 
     @property
