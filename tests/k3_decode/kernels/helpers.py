@@ -29,3 +29,15 @@ def assert_launch_reaches_the_driver(script: str, tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RAISED DSLCudaRuntimeError True" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+def build_command(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
+    """`k3gate kernels build --arch sm_90a --builds ...` in a fresh process (CuTe DSL reads its arch on import);
+    `prelude` runs first (e.g. to hide a module)."""
+    argv = ["build", "--arch", "sm_90a", "--builds", BUILDS, *args]
+    code = f"{prelude}\nimport sys\nfrom harness.kernels_cmd import main\nsys.exit(main({argv!r}))\n"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    env.pop("CUTE_DSL_ARCH", None)  # the command must set it itself
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200
+    )

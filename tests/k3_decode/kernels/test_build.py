@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,24 +20,12 @@ from k3_decode.config import K3, K3_MINI
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS
 from tests.k3_decode.kernels.helpers import (
-    BUILDS,
-    REPO,
     assert_launch_reaches_the_driver,
+    build_command,
     needs_cutedsl,
 )
 
 BROKEN = Path(__file__).with_name("broken_expectations.toml")
-
-
-def command(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
-    """`k3gate kernels build --arch sm_90a --builds ...` in a fresh process (CuTe DSL reads its arch on import)."""
-    argv = ["build", "--arch", "sm_90a", "--builds", BUILDS, *args]
-    code = f"{prelude}\nimport sys\nfrom harness.kernels_cmd import main\nsys.exit(main({argv!r}))\n"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
-    env.pop("CUTE_DSL_ARCH", None)  # the command must set it itself
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200
-    )
 
 
 # --- what is built ----------------------------------------------------------------------------------------------
@@ -132,7 +118,7 @@ def test_the_k3_hopper_subject_declares_these_builds():
 
 
 def test_without_cutedsl_the_command_exits_2_naming_the_extra(tmp_path):
-    proc = command(tmp_path, "--out", str(tmp_path / "out"), prelude="import sys\nsys.modules['cutlass'] = None")
+    proc = build_command(tmp_path, "--out", str(tmp_path / "out"), prelude="import sys\nsys.modules['cutlass'] = None")
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("k3gate: error: CuTe DSL is not installed") and "pip install 'k3gate[cutedsl]'" in line
@@ -150,7 +136,7 @@ def _artifact(out: Path, build: str, suffix: str) -> str:
 @needs_cutedsl
 def test_every_kernel_compiles_for_sm90a_and_meets_its_expectations(tmp_path):
     out = tmp_path / "out"
-    proc = command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "attn_res/*")
+    proc = build_command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "attn_res/*")
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)["subjects"]["K3_KERNEL_BUILDS"]
     assert report["ok"] and len(report["builds"]) == 81
@@ -207,7 +193,7 @@ def _cuobjdump() -> str | None:
 def test_a_violated_expectation_fails_the_build(tmp_path):
     out = tmp_path / "out"
     build = "attn_res/b1/n8-add-norm"
-    proc = command(tmp_path, "--out", str(out), "--expectations", str(BROKEN), "--match", build)
+    proc = build_command(tmp_path, "--out", str(out), "--expectations", str(BROKEN), "--match", build)
     assert proc.returncode == 1, proc.stderr
     (result,) = json.loads((out / "report.json").read_text())["builds"]
     failed = sorted(c["name"] for c in result["checks"] if not c["passed"])

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,9 +14,8 @@ from k3_decode.config import K3
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds, KdaInProjBuild
 from k3_decode.kernels.kda_in_proj_plan import MAX_CHUNK, STEP, InProjPlan
 from tests.k3_decode.kernels.helpers import (
-    BUILDS,
-    REPO,
     assert_launch_reaches_the_driver,
+    build_command,
     needs_cutedsl,
 )
 
@@ -123,22 +118,11 @@ def test_a_tp_the_model_cannot_shard_is_a_build_table_error(tmp_path, monkeypatc
 # --- the real builds (CuTe DSL, no GPU) ---------------------------------------------------------------------------
 
 
-def command(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """`k3gate kernels build --arch sm_90a --builds ...` in a fresh process (CuTe DSL reads its arch on import)."""
-    argv = ["build", "--arch", "sm_90a", "--builds", BUILDS, *args]
-    code = f"import sys\nfrom harness.kernels_cmd import main\nsys.exit(main({argv!r}))\n"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
-    env.pop("CUTE_DSL_ARCH", None)  # the command must set it itself
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200
-    )
-
-
 @pytest.mark.slow
 @needs_cutedsl
 def test_every_in_proj_build_compiles_and_meets_its_expectations(tmp_path):
     out = tmp_path / "out"
-    proc = command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "kda_in_proj*")
+    proc = build_command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "kda_in_proj*")
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)["subjects"]["K3_KERNEL_BUILDS"]
     assert report["ok"] and len(report["builds"]) == 12
@@ -181,7 +165,7 @@ def test_a_violated_expectation_fails_the_build(tmp_path):
     broken = tmp_path / "broken.toml"
     broken.write_text(_broken(K3_KERNEL_BUILDS.expectations_text()))
     out = tmp_path / "out"
-    proc = command(tmp_path, "--out", str(out), "--expectations", str(broken), "--match", "kda_in_proj/tp16/b4")
+    proc = build_command(tmp_path, "--out", str(out), "--expectations", str(broken), "--match", "kda_in_proj/tp16/b4")
     assert proc.returncode == 1, proc.stderr
     (result,) = json.loads((out / "report.json").read_text())["builds"]
     failed = sorted(c["name"] for c in result["checks"] if not c["passed"])

@@ -11,7 +11,6 @@ import random
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,7 @@ from k3_decode.config import K3
 from k3_decode.kernels.attn_res_plan import AttnResKind, site_kinds
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds, KdaOProjBuild
 from k3_decode.kernels.kda_o_proj_plan import ARRIVAL_TOP, MAX_BATCH, STEP, OProjPlan
-from tests.k3_decode.kernels.helpers import BUILDS, REPO, assert_launch_reaches_the_driver, needs_cutedsl
+from tests.k3_decode.kernels.helpers import REPO, assert_launch_reaches_the_driver, build_command, needs_cutedsl
 
 SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory; the driver reserves 1 KiB per CTA
 H200_SMS = 132
@@ -164,22 +163,13 @@ def test_a_kind_no_after_attention_site_uses_is_a_build_table_error(monkeypatch)
 # --- the real builds (CuTe DSL, no GPU) ---------------------------------------------------------------------------
 
 
-def command(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """`k3gate kernels build --arch sm_90a --builds ...` in a fresh process (CuTe DSL reads its arch on import)."""
-    argv = ["build", "--arch", "sm_90a", "--builds", BUILDS, *args]
-    code = f"import sys\nfrom harness.kernels_cmd import main\nsys.exit(main({argv!r}))\n"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
-    env.pop("CUTE_DSL_ARCH", None)  # the command must set it itself
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200
-    )
-
-
 @pytest.mark.slow
 @needs_cutedsl
 def test_a_few_o_proj_builds_compile_and_meet_their_expectations(tmp_path):
     out = tmp_path / "out"
-    proc = command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "kda_o_proj/tp*/b[14]/n*-add-norm")
+    proc = build_command(
+        tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "kda_o_proj/tp*/b[14]/n*-add-norm"
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)["subjects"]["K3_KERNEL_BUILDS"]
     assert report["ok"] and len(report["builds"]) == 8

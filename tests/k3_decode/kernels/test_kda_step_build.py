@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +16,7 @@ from k3_decode.config import K3
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds, KdaStepBuild
 from k3_decode.kernels.kda_step_plan import CLUSTERS, CONV_WIDTH, GATE_RANK, HEAD_DIM, RESIDENT_THREADS, KdaStepPlan
 from k3_decode.reference.kda import KdaSpec
-from tests.k3_decode.kernels.helpers import BUILDS, REPO, assert_launch_reaches_the_driver, needs_cutedsl
+from tests.k3_decode.kernels.helpers import assert_launch_reaches_the_driver, build_command, needs_cutedsl
 
 SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory; the driver reserves 1 KiB per CTA
 STATIC_SMEM = 1024  # the static shared memory every build's cubin records beside the plan's dynamic bytes
@@ -202,22 +198,11 @@ def test_the_pending_kda_step_provider_is_not_registered_and_binds_its_call_only
 # --- the real builds (CuTe DSL, no GPU) ---------------------------------------------------------------------------
 
 
-def command(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
-    """`k3gate kernels build --arch sm_90a --builds ...` in a fresh process (CuTe DSL reads its arch on import)."""
-    argv = ["build", "--arch", "sm_90a", "--builds", BUILDS, *args]
-    code = f"{prelude}\nimport sys\nfrom harness.kernels_cmd import main\nsys.exit(main({argv!r}))\n"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
-    env.pop("CUTE_DSL_ARCH", None)  # the command must set it itself
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200
-    )
-
-
 @pytest.mark.slow
 @needs_cutedsl
 def test_one_build_per_cluster_compiles_and_meets_its_expectations(tmp_path):
     out = tmp_path / "out"
-    proc = command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "kda_step/tp8/b[148]")
+    proc = build_command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "kda_step/tp8/b[148]")
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)["subjects"]["K3_KERNEL_BUILDS"]
     assert report["ok"] and sorted(b["tags"]["cluster"] for b in report["builds"]) == [2, 4, 8]
@@ -263,7 +248,7 @@ def test_a_violated_expectation_fails_the_build(tmp_path):
     broken = tmp_path / "broken.toml"
     broken.write_text(_broken(K3_KERNEL_BUILDS.expectations_text()))
     out = tmp_path / "out"
-    proc = command(tmp_path, "--out", str(out), "--expectations", str(broken), "--match", "kda_step/tp16/b2")
+    proc = build_command(tmp_path, "--out", str(out), "--expectations", str(broken), "--match", "kda_step/tp16/b2")
     assert proc.returncode == 1, proc.stderr
     (result,) = json.loads((out / "report.json").read_text())["builds"]
     failed = sorted(c["name"] for c in result["checks"] if not c["passed"])
@@ -291,7 +276,7 @@ def test_a_kernel_without_its_synchronization_fails_its_build(tmp_path, removed)
     patch = f"cute.arch.{removed} = lambda *args, **kwargs: None"
     prelude = f"import os\nos.environ['CUTE_DSL_ARCH'] = 'sm_90a'\nimport cutlass.cute as cute\n{patch}"
     out = tmp_path / "out"
-    proc = command(tmp_path, "--out", str(out), "--match", "kda_step/tp16/b2", prelude=prelude)
+    proc = build_command(tmp_path, "--out", str(out), "--match", "kda_step/tp16/b2", prelude=prelude)
     assert proc.returncode == 1, proc.stderr
     (result,) = json.loads((out / "report.json").read_text())["builds"]
     failed = {c["name"] for c in result["checks"] if not c["passed"]}

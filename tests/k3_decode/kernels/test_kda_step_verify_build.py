@@ -25,8 +25,8 @@ from k3_decode.kernels.kda_step_plan import (
     KdaVerifyPlan,
 )
 from k3_decode.reference.kda import KdaSpec
-from tests.k3_decode.kernels.helpers import assert_launch_reaches_the_driver, needs_cutedsl
-from tests.k3_decode.kernels.test_kda_step_build import STATIC_SMEM, command
+from tests.k3_decode.kernels.helpers import assert_launch_reaches_the_driver, build_command, needs_cutedsl
+from tests.k3_decode.kernels.test_kda_step_build import STATIC_SMEM
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory; the driver reserves 1 KiB per CTA
@@ -239,7 +239,7 @@ def test_the_stock_verify_method_has_the_signature_the_provider_binds():
 def test_one_verify_build_per_cluster_compiles_and_meets_its_expectations(tmp_path):
     out = tmp_path / "out"
     match = "kda_step_verify/tp8/b[148]/q8"
-    proc = command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", match)
+    proc = build_command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", match)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)["subjects"]["K3_KERNEL_BUILDS"]
     assert report["ok"] and sorted(b["tags"]["cluster"] for b in report["builds"]) == [2, 4, 8]
@@ -273,7 +273,7 @@ def test_a_verify_kernel_without_its_synchronization_fails_its_build(tmp_path, r
     patch = f"cute.arch.{removed} = lambda *args, **kwargs: None"
     prelude = f"import os\nos.environ['CUTE_DSL_ARCH'] = 'sm_90a'\nimport cutlass.cute as cute\n{patch}"
     out = tmp_path / "out"
-    proc = command(tmp_path, "--out", str(out), "--match", "kda_step_verify/tp16/b4/q2", prelude=prelude)
+    proc = build_command(tmp_path, "--out", str(out), "--match", "kda_step_verify/tp16/b4/q2", prelude=prelude)
     assert proc.returncode == 1, proc.stderr
     (result,) = json.loads((out / "report.json").read_text())["builds"]
     failed = {c["name"] for c in result["checks"] if not c["passed"]}
