@@ -35,6 +35,7 @@ from k3_decode.kernels.providers import not_built_reason
 from k3_decode.reference import kda as rk
 from k3_decode.stock import kda as sk
 from k3_decode.weights import KdaWeights
+from tests.k3_decode.kernels.test_kda_in_proj_gpu import _graph_seconds_per_call
 from tests.k3_decode.stock.attention_helpers import (
     assert_close,
     clone_cache,
@@ -278,27 +279,6 @@ def weight_copy(weights: KdaWeights) -> KdaWeights:
     """The step's own weights in new memory (the projections shared: the step does not read them)."""
     small = {name: getattr(weights, name).clone() for name in ("f_b", "conv", "a_log", "dt_bias", "o_norm")}
     return dataclasses.replace(weights, **small)
-
-
-def _graph_seconds_per_call(fn, calls: int, replays: int = 7) -> float:
-    """`calls` launches captured back to back in one CUDA graph, as decode runs them; median over replays."""
-    fn(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def time_batch(tp: int, batch: int) -> tuple[float, float, int, int, float]:
