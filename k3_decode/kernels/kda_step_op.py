@@ -99,23 +99,39 @@ def decode_step(
     """
     plan = plan_for(spec, packed, slots)
     dev, p, batch = packed.device, spec.proj, slots.shape[0]
-    bf16, fp32 = torch.bfloat16, torch.float32
+    bf16 = torch.bfloat16
     _check_tensor("packed", packed, bf16, (batch, spec.in_proj_rows), dev)
     _check_tensor("slots", slots, slots.dtype, (batch,), dev)
+    _check_state(spec, weights, cache, spec.conv_taps(1), dev)
+    if out is None:
+        out = torch.empty(batch, p, dtype=bf16, device=dev)
+    _check_tensor("out", out, bf16, (batch, p), dev)
+    _launch(_compiled(plan), spec, weights, packed, cache, (slots, out))
+    return out
+
+
+def _check_state(spec: KdaSpec, weights: Any, cache: KdaCache, columns: int, dev: torch.device) -> None:
+    """The weights and the cache (`columns` conv columns) both steps read, as the kernel assumes them."""
+    bf16, fp32, p = torch.bfloat16, torch.float32, spec.proj
     _check_tensor("f_b", weights.f_b, bf16, (p, GATE_RANK), dev)
     _check_tensor("conv weight", weights.conv, bf16, (spec.conv_channels, CONV_WIDTH), dev)
     _check_tensor("a_log", weights.a_log, fp32, (spec.heads,), dev)
     _check_tensor("dt_bias", weights.dt_bias, fp32, (p,), dev)
     _check_tensor("o_norm", weights.o_norm, bf16, (HEAD_DIM,), dev)
     num_slots = cache.conv.shape[0]
-    taps = spec.conv_taps(1)
-    _check_tensor("conv state", cache.conv, bf16, (num_slots, spec.conv_channels, taps), dev)
-    _check_tensor("recurrent state", cache.recurrent, fp32, (num_slots, spec.heads, HEAD_DIM, HEAD_DIM), dev)
-    if out is None:
-        out = torch.empty(batch, p, dtype=bf16, device=dev)
-    _check_tensor("out", out, bf16, (batch, p), dev)
+    _check_tensor("conv state", cache.conv, bf16, (num_slots, spec.conv_channels, columns), dev)
+    shape = (num_slots, spec.heads, HEAD_DIM, HEAD_DIM)
+    _check_tensor("recurrent state", cache.recurrent, fp32, shape, dev)
+
+
+def _launch(
+    compiled: Any, spec: KdaSpec, weights: Any, packed: Tensor, cache: KdaCache, tables: tuple[Tensor, ...]
+) -> None:
+    """One launch of a compiled decode or verify step: the operands both take, in their order, with `tables` (the
+    slot table, verify's accepted counts, the output) between the state and the launch counter."""
+    dev = packed.device
     launch(
-        _compiled(plan),
+        compiled,
         (
             packed,
             weights.f_b,
@@ -123,16 +139,14 @@ def decode_step(
             weights.a_log,
             weights.dt_bias,
             weights.o_norm,
-            cache.conv.view(num_slots, -1),
+            cache.conv.view(cache.conv.shape[0], -1),
             cache.recurrent,
-            slots,
-            out,
+            *tables,
             launch_counter(dev),
         ),
         (spec.gate_lower_bound, spec.l2_eps, spec.norm_eps),
         torch.cuda.current_stream(dev).cuda_stream,
     )
-    return out
 
 
 def verify_plan_for(spec: KdaSpec, packed: Tensor, slots: Tensor, num_accepted: Tensor) -> KdaVerifyPlan:
@@ -173,40 +187,15 @@ def verify_step(
     tokens; the stock op also takes wider rows, whose extra columns it leaves alone)."""
     plan = verify_plan_for(spec, packed, slots, num_accepted)
     dev, p, (batch, q) = packed.device, spec.proj, slots.shape
-    bf16, fp32 = torch.bfloat16, torch.float32
+    bf16 = torch.bfloat16
     _check_tensor("packed", packed, bf16, (batch, q, spec.in_proj_rows), dev)
     _check_tensor("slots", slots, slots.dtype, (batch, q), dev)
     _check_tensor("num_accepted", num_accepted, num_accepted.dtype, (batch,), dev)
-    _check_tensor("f_b", weights.f_b, bf16, (p, GATE_RANK), dev)
-    _check_tensor("conv weight", weights.conv, bf16, (spec.conv_channels, CONV_WIDTH), dev)
-    _check_tensor("a_log", weights.a_log, fp32, (spec.heads,), dev)
-    _check_tensor("dt_bias", weights.dt_bias, fp32, (p,), dev)
-    _check_tensor("o_norm", weights.o_norm, bf16, (HEAD_DIM,), dev)
-    num_slots = cache.conv.shape[0]
-    _check_tensor("conv state", cache.conv, bf16, (num_slots, spec.conv_channels, plan.columns), dev)
-    _check_tensor("recurrent state", cache.recurrent, fp32, (num_slots, spec.heads, HEAD_DIM, HEAD_DIM), dev)
+    _check_state(spec, weights, cache, plan.columns, dev)
     if out is None:
         out = torch.empty(batch, q, p, dtype=bf16, device=dev)
     _check_tensor("out", out, bf16, (batch, q, p), dev)
-    launch(
-        _compiled_verify(plan),
-        (
-            packed,
-            weights.f_b,
-            weights.conv.view(-1),
-            weights.a_log,
-            weights.dt_bias,
-            weights.o_norm,
-            cache.conv.view(num_slots, -1),
-            cache.recurrent,
-            slots,
-            num_accepted,
-            out,
-            launch_counter(dev),
-        ),
-        (spec.gate_lower_bound, spec.l2_eps, spec.norm_eps),
-        torch.cuda.current_stream(dev).cuda_stream,
-    )
+    _launch(_compiled_verify(plan), spec, weights, packed, cache, (slots, num_accepted, out))
     return out
 
 
