@@ -171,12 +171,17 @@ class K3Arm:
             self.requests.append(StepRequest(cell.batch, chunk, prefill=True))
         self.contexts = {r.request: ex.state.context_lens[r.request] for r in self.requests}
         # The executor serves several cells: each arm judges only what ran after this point (its ledger window and
-        # the device counters' launches since).
+        # the device counters' launches during its own work, see _own_launches).
         self._since = ex.ledger.mark()
-        self._counts_at_start = ex.device_counts()
+        self._device_counts: dict[str, int] | None = None
         self.graph: str | None = None
         self.layer_graphs: dict[int, str] = {}
         self._launches: dict[int, float] | None = None
+        with self._own_launches():
+            self._capture(graph, cell, decode, seed)
+
+    def _capture(self, graph: bool, cell: Cell, decode: list[int], seed: int) -> None:
+        ex = self.ex
         if graph:
             self.graph = ex.capture(cell.batch)
             ex.load_graph_inputs(self.graph, self.requests)
@@ -262,16 +267,31 @@ class K3Arm:
     # -- the Arm protocol -----------------------------------------------------------------------------------
 
     def run(self, steps: int = 1, lead_in: int = 0) -> float:
-        if self.graph is not None:
-            return self._time_graph(self.graph, steps, lead_in)
-        return self._time_eager(steps, lead_in)
+        with self._own_launches():
+            if self.graph is not None:
+                return self._time_graph(self.graph, steps, lead_in)
+            return self._time_eager(steps, lead_in)
 
     def profile(self) -> StepProfile:
-        if self.graph is not None:
-            return self._profile_graphs()
-        if self.device.type == "cuda":
-            return self._profile_eager_cuda()
-        return self._profile_eager_host()
+        with self._own_launches():
+            if self.graph is not None:
+                return self._profile_graphs()
+            if self.device.type == "cuda":
+                return self._profile_eager_cuda()
+            return self._profile_eager_host()
+
+    @contextlib.contextmanager
+    def _own_launches(self) -> Iterator[None]:
+        """Add the device counters' launches during this block to the arm's own. The providers' counters are per
+        kernel and process, and the two arms of a cell are interleaved, so a reading since the arm began would also
+        hold the other arm's launches (the first H200 run judged every stock arm on the candidate's kernels)."""
+        before = self.ex.device_counts()
+        try:
+            yield
+        finally:
+            if (delta := count_delta(before, self.ex.device_counts())) is not None:
+                own = self._device_counts or {}
+                self._device_counts = {k: own.get(k, 0) + delta.get(k, 0) for k in own.keys() | delta.keys()}
 
     def path(self) -> PathReport:
         by = f"perf {self.name} arm, cell {self.cell.id}"
@@ -284,8 +304,8 @@ class K3Arm:
         mismatches = window.check(expected)
         if self.kernels:
             window.report_profiler_kernels(self.kernels)
-        if (counts := count_delta(self._counts_at_start, self.ex.device_counts())) is not None:
-            window.report_device_counts(counts)
+        if self._device_counts is not None:
+            window.report_device_counts(self._device_counts)
         mismatches += window.check_execution(self.ex.kernel_catalog())
         return PathReport(exp, tuple(mismatches))
 

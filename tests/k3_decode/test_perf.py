@@ -228,6 +228,8 @@ def _specialized_cells(provider: _CountingKdaProvider) -> dict[str, list[str]]:
             prepared = suite.prepare(c, settings)
             result = measure_cell(prepared, c, LOOSE, settings, lambda: {})
             out[c.id] = list(result.paths["candidate"].mismatches)
+            baseline = list(result.paths["baseline"].mismatches)
+            assert baseline == [], f"{c.id}: the stock arm was judged on launches it did not make: {baseline}"
     finally:
         suite.close()
     return out
@@ -235,7 +237,9 @@ def _specialized_cells(provider: _CountingKdaProvider) -> dict[str, list[str]]:
 
 def test_each_cell_is_judged_on_its_own_dispatches_and_the_device_counters():
     """The first H200 A/B with every provider registered failed 9 honest cells: a verify cell expecting stock was
-    judged on an earlier cell's specialized steps, and no cell read the providers' device counters."""
+    judged on an earlier cell's specialized steps, and no cell read the providers' device counters. The second
+    failed 6 stock arms: the counters are per kernel and process (both arms' registries hold the provider, as here),
+    and the interleaved candidate's launches were counted against the baseline."""
     provider = _CountingKdaProvider()
     mismatches = _specialized_cells(provider)
     assert len(mismatches) == 3 and all(m == [] for m in mismatches.values()), mismatches
