@@ -91,36 +91,62 @@ def _bf16(gen: torch.Generator, device: torch.device, *shape: int, scale: float 
 def attn_res_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
     """One AttnRes application per kind of the cell (`kinds`: AttnResKind tags of the model's own sites), each on
     fresh buffers of exactly `batches` rows and the model's bank capacity. Returns the launches made."""
-    from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
     from k3_decode.config import load_dims
     from k3_decode.kernels import attn_res_op
-    from k3_decode.kernels.attn_res_plan import AttnResKind, site_kinds
-    from k3_decode.reference.attn_res import MixWeights
 
     axes = dict(cell.axes)
     dims, batch = load_dims(plan.model), int(axes["batches"])
-    hidden, capacity = dims.hidden_size, dims.num_attn_res_blocks
-    known = site_kinds(dims)
     gen = _generator(plan, cell)
     for tag in axes["kinds"]:
-        kind = AttnResKind.from_tag(tag)
-        if kind not in known:
-            raise ValueError(f"AttnRes kind {tag} is not a site of {dims.name}; pick one of its sites' kinds")
-        # The model's sites read the whole bank they find and save into the next block (as in the kernel's test).
-        site = AttnResSite(kind.delta, kind.num_blocks if kind.save else None, kind.num_blocks, kind.num_blocks)
-        buffers = AttnResBuffers(
-            _bf16(gen, device, batch, hidden), _bf16(gen, device, batch, capacity, hidden), kind.num_blocks
-        )
+        kind, site, buffers, weights = _attn_res_site(dims, tag, batch, gen, device)
         delta = None
         if kind.delta != "none":
             dtype = torch.float32 if kind.delta_dtype == "float32" else torch.bfloat16
-            delta = torch.randn(batch, hidden, generator=gen).to(dtype).to(device)
-        weights = MixWeights(
-            _bf16(gen, device, hidden, scale=0.1, shift=1.0),
-            _bf16(gen, device, 1, hidden, scale=0.02),
-            _bf16(gen, device, hidden, scale=0.1, shift=1.0) if kind.out_norm else None,
-        )
+            delta = torch.randn(batch, dims.hidden_size, generator=gen).to(dtype).to(device)
         attn_res_op.apply(buffers, site, delta, weights, dims.rms_norm_eps)
+    return len(axes["kinds"])
+
+
+def _attn_res_site(dims: Any, tag: str, batch: int, gen: torch.Generator, device: torch.device) -> tuple[Any, ...]:
+    """(kind, site, buffers, weights) of the model's AttnRes kind `tag` on fresh buffers of exactly `batch` rows and
+    the model's bank capacity: the site reads the whole bank it finds and saves into the next block (as in the
+    kernel's test)."""
+    from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
+    from k3_decode.kernels.attn_res_plan import AttnResKind, site_kinds
+    from k3_decode.reference.attn_res import MixWeights
+
+    kind = AttnResKind.from_tag(tag)
+    if kind not in site_kinds(dims):
+        raise ValueError(f"AttnRes kind {tag} is not a site of {dims.name}; pick one of its sites' kinds")
+    hidden, capacity = dims.hidden_size, dims.num_attn_res_blocks
+    site = AttnResSite(kind.delta, kind.num_blocks if kind.save else None, kind.num_blocks, kind.num_blocks)
+    buffers = AttnResBuffers(
+        _bf16(gen, device, batch, hidden), _bf16(gen, device, batch, capacity, hidden), kind.num_blocks
+    )
+    weights = MixWeights(
+        _bf16(gen, device, hidden, scale=0.1, shift=1.0),
+        _bf16(gen, device, 1, hidden, scale=0.02),
+        _bf16(gen, device, hidden, scale=0.1, shift=1.0) if kind.out_norm else None,
+    )
+    return kind, site, buffers, weights
+
+
+def kda_o_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
+    """o_proj at the rank's shard for `tp` with the AttnRes after attention of each of `kinds` (its delta is o_proj's
+    output, so the kinds must take a BF16 delta), one fused launch per kind. Returns the launches made."""
+    from k3_decode.config import load_dims
+    from k3_decode.kernels import kda_o_proj_op
+
+    axes = dict(cell.axes)
+    dims, batch = load_dims(plan.model), int(axes["batches"])
+    hidden, proj = dims.shard(int(axes["tp"])).kda_o_proj
+    gen = _generator(plan, cell)
+    for tag in axes["kinds"]:
+        kind, site, buffers, weights = _attn_res_site(dims, tag, batch, gen, device)
+        if kind.delta == "none" or kind.delta_dtype != "bfloat16":
+            raise ValueError(f"cell {cell.op}: kind {tag} takes no BF16 delta; o_proj's output is its delta")
+        o = _bf16(gen, device, batch, proj)
+        kda_o_proj_op.apply(o, _bf16(gen, device, hidden, proj, scale=0.02), buffers, site, weights, dims.rms_norm_eps)
     return len(axes["kinds"])
 
 
@@ -197,6 +223,7 @@ CUTE_OPS: dict[str, CuteOp] = {
     "cute_attn_res": CuteOp(attn_res_cell, "k3_decode.kernels.attn_res_op", "AttnResKernel"),
     "cute_kda_in_proj": CuteOp(kda_in_proj_cell, "k3_decode.kernels.kda_in_proj_op", "KdaInProjKernel"),
     "cute_kda_step": CuteOp(kda_step_cell, "k3_decode.kernels.kda_step_op", "KdaStepKernel"),
+    "cute_kda_o_proj": CuteOp(kda_o_proj_cell, "k3_decode.kernels.kda_o_proj_op", "KdaOProjKernel"),
 }
 
 

@@ -1,8 +1,8 @@
 """o_proj with the AttnRes after attention for Hopper (sm_90a) in CuTe DSL, in one launch.
 
-Compiled for sm_90a on the CPU with its PTX and SASS checked by `k3gate kernels build`; it has not run on a GPU yet:
-its GPU test (tests/k3_decode/kernels/test_kda_o_proj_gpu.py) must pass on an H200 before its provider registers
-(providers.py, CuteKdaOProjProvider, PENDING).
+Compiled for sm_90a on the CPU with its PTX and SASS checked by `k3gate kernels build`; its GPU test
+(tests/k3_decode/kernels/test_kda_o_proj_gpu.py) passed on an H200 at a3ad2f6, and its provider is registered
+(providers.py, CuteKdaOProjProvider).
 
 Semantics, per decode step of B <= 4 rows: attn_out = o @ W^T with W = o_proj [H = 7168, K] (K = 1536 at TP8, 768
 at TP16), every output an FP32 sum of the K products rounded once to BF16, as the input projection's weight stream

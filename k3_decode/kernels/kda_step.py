@@ -1,9 +1,9 @@
 """The fused KDA decode step (q = 1) for Hopper (sm_90a) in CuTe DSL: f_b, conv, norms, gates, delta rule, readout
 and gated RMSNorm in one launch.
 
-Compiled for sm_90a on the CPU with its PTX and SASS checked by `k3gate kernels build`. Not yet run on a GPU: the
-GPU test (tests/k3_decode/kernels/test_kda_step_gpu.py) checks it against the FP64 oracle and the stock step; its
-provider (providers.py, CuteKdaStepProvider) waits in PENDING until that test passes on an H200.
+Compiled for sm_90a on the CPU with its PTX and SASS checked by `k3gate kernels build`. The GPU test
+(tests/k3_decode/kernels/test_kda_step_gpu.py) checks it against the FP64 oracle and the stock step on an H200; it
+passed at a3ad2f6, and its provider (providers.py, CuteKdaStepProvider) is registered.
 
 Semantics are those of the oracle's `kda_decode_step` (k3_decode/reference/kda.py) and of the stock step
 (k3_decode/stock/kda.py: the cuBLAS f_b GEMM, then the Triton `kda_decode_kernel`). Per request b with slot s =

@@ -183,9 +183,8 @@ class CuteKdaOProjProvider(_CuteProvider):
     partials would have to be combined inside the kernel, which is not built yet (kda_o_proj.py says where it goes),
     so the o_proj call refuses such a stack rather than run either half apart.
 
-    PENDING, not registered: the kernel is compiled and PTX/SASS-checked on the CPU (k3gate kernels build), not yet
-    run on a GPU; tests/k3_decode/kernels/test_kda_o_proj_gpu.py must pass on an H200 first. It joins PROVIDERS,
-    and `o_proj` the op table's specialized KDA ops, once it does."""
+    Registered after tests/k3_decode/kernels/test_kda_o_proj_gpu.py passed on an H200 (TP8 B1: 8.5 us against
+    14.5 us for cuBLAS + the AttnRes kernel)."""
 
     op: str = "o_proj"
     name: str = "cute-kda-o-proj"
@@ -230,9 +229,8 @@ class CuteKdaStepProvider(_CuteProvider):
     (StockAttentionOps.kda_verify: packed [B, q, rows], weights, cache, slots [B, q], num_accepted [B]) is bound as
     soon as RUNNER_CALLS lists it. A call of op kda it has no kernel for is a bind error.
 
-    PENDING, not registered: compiled and PTX/SASS-checked on the CPU (k3gate kernels build), not yet run on a GPU;
-    tests/k3_decode/kernels/test_kda_step_gpu.py and test_kda_step_verify_gpu.py must pass on an H200 first. It
-    joins PROVIDERS, and `kda` the op table's specialized KDA ops, once they do."""
+    Registered after tests/k3_decode/kernels/test_kda_step_gpu.py and test_kda_step_verify_gpu.py passed on an H200
+    (TP8 B1 decode 3.5 us against 11.3 us for the stock f_b GEMM + Triton kernel)."""
 
     op: str = "kda"
     name: str = "cute-kda-step"
@@ -267,11 +265,9 @@ class CuteKdaStepProvider(_CuteProvider):
         return {call: served[call] for call in calls}
 
 
-PROVIDERS = (CuteAttnResProvider(), CuteKdaInProjProvider())
-PENDING = (
-    CuteKdaOProjProvider(),
-    CuteKdaStepProvider(),
-)  # written and compiled, waiting for their GPU run (see each class)
+PROVIDERS = (CuteAttnResProvider(), CuteKdaInProjProvider(), CuteKdaStepProvider(), CuteKdaOProjProvider())
+# Written and compiled, waiting for their GPU run: a provider stays here, unregistered, until its GPU tests pass.
+PENDING: tuple[_CuteProvider, ...] = ()
 
 
 def not_built_reason() -> str | None:

@@ -101,8 +101,9 @@ def test_slots_follow_the_op_map_and_collapse_a_provider_into_one_step() -> None
     catalog = {**CATALOG, ("o_proj", "specialized"): {"OprojKernel": 1}}
     fused = bench.layer_slots(PAIRS, {**STOCK_PATHS, "o_proj": "specialized"}, catalog, INFO)
     assert [s.op for s in fused].count("o_proj") == 1
+    unnamed = {k: v for k, v in CATALOG.items() if k != ("kda", "specialized")}
     with pytest.raises(ValueError, match="names none of its provider"):
-        bench.layer_slots(PAIRS, {**STOCK_PATHS, "kda": "specialized"}, CATALOG, INFO)
+        bench.layer_slots(PAIRS, {**STOCK_PATHS, "kda": "specialized"}, unnamed, INFO)
     with pytest.raises(ValueError, match="no path recorded"):
         bench.layer_slots(PAIRS, {"attn_res": "stock"}, CATALOG, INFO)
 
@@ -135,6 +136,23 @@ def test_only_the_declared_entry_copies_are_left_out_of_the_ops() -> None:
         )[2]
         == "kda"
     )
+
+
+def test_the_fused_attention_side_is_four_steps_of_one_kernel_each() -> None:
+    """The registered providers' whole KDA attention side: the KDA step replaces f_b + the Triton step, the fused
+    o_proj the GEMM and the AttnRes after (one kernel for two stock ops)."""
+    fused_paths = {**STOCK_PATHS, **dict.fromkeys(("attn_res", "in_proj", "kda", "o_proj"), "specialized")}
+    fused = slots(fused_paths)
+    assert [(s.op, s.names) for s in fused[:4]] == [
+        ("attn_res", ("AttnResKernel",)),
+        ("in_proj", ("KdaInProjKernel",)),
+        ("kda", ("KdaStepKernel",)),
+        ("o_proj", ("KdaOProjKernel",)),
+    ]
+    cute = [CUTE_ATTN_RES, CUTE_IN_PROJ, CUTE_IN_PROJ.replace("kda_in_projKdaInProj", "kda_stepKdaStep")]
+    cute.append(CUTE_IN_PROJ.replace("kda_in_projKdaInProj", "kda_o_projKdaOProj"))
+    labels = bench.attribute_events(events(["Memcpy DtoD (Device -> Device)", *cute, *MOE_TAIL]), fused, 1)
+    assert labels[:5] == ["entry", "attn_res", "in_proj", "kda", "o_proj"] and set(labels[5:]) == {"moe"}
 
 
 def test_cublas_kernels_that_cannot_be_told_apart_are_joined_not_guessed() -> None:

@@ -41,7 +41,7 @@ def test_backends_resolve_and_the_unbuilt_specialized_path_says_so():
     cand = resolve_backend("perf.candidate_backend", "latency_specialized")
     assert (cand.started, cand.expected) == ("auto", "stock") and "not built" in cand.note
     # The kernels package was asked (as start-up asks it), and its reason is in the note.
-    assert f"no provider for attn_res, in_proj: {not_built_reason()}" in cand.note
+    assert f"no provider for attn_res, in_proj, kda, o_proj: {not_built_reason()}" in cand.note
     with pytest.raises(PerfConfigError, match=r"perf.candidate_backend: 'fast' is not a decode backend — use one of"):
         resolve_backend("perf.candidate_backend", "fast")
 

@@ -56,14 +56,16 @@ def judged(log, report, exit_code=0, tool="memcheck"):
 
 
 def test_the_plan_has_a_cell_per_cute_dsl_kernel_named_by_pattern():
+    from k3_decode.attn_res_state import AttnResSite
     from k3_decode.config import K3, RankShapes
     from k3_decode.kernels.attn_res_plan import AttnResKind, site_kinds
     from k3_decode.kernels.kda_step_plan import KdaStepPlan, KdaVerifyPlan
     from k3_decode.kernels.providers import PENDING, PROVIDERS
 
     cute = cells_of("cute")
-    assert set(cute) == {"cute_attn_res", "cute_kda_in_proj", "cute_kda_step"}
-    assert PLAN.patterns == PLAN.cute_kernels == {"AttnResKernel", "KdaInProjKernel", "KdaStepKernel"}
+    assert set(cute) == {"cute_attn_res", "cute_kda_in_proj", "cute_kda_step", "cute_kda_o_proj"}
+    kernels = {"AttnResKernel", "KdaInProjKernel", "KdaStepKernel", "KdaOProjKernel"}
+    assert PLAN.patterns == PLAN.cute_kernels == kernels
     # The patterns are the names the providers declare for the ledger: one kernel, one name, everywhere. Every
     # registered provider's kernel has a cell; a pending provider's kernel may have one before its GPU run.
     registered = {k for p in PROVIDERS for k in p.launches}
@@ -86,6 +88,12 @@ def test_the_plan_has_a_cell_per_cute_dsl_kernel_named_by_pattern():
     assert plan.cluster == 8  # DSMEM pushes into 7 peers, both cluster barrier phases
     verify = KdaVerifyPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, step["batches"], tokens=step["tokens"])
     assert verify.cluster == 8 and 2 <= verify.tokens <= 8
+    o_proj = dict(cute["cute_kda_o_proj"].axes)
+    assert K3.shard(o_proj["tp"]).kda_o_proj == (K3.hidden_size, 768) and o_proj["batches"] == 3
+    kinds = [AttnResKind.from_tag(t) for t in o_proj["kinds"]]
+    after = {AttnResSite.after_attention(layer, K3.attn_res_block_size).delta for layer in range(K3.num_layers)}
+    assert all(k in site_kinds(K3) and k.delta in after and k.delta_dtype == "bfloat16" for k in kinds)
+    assert {k.delta for k in kinds} == {"add", "restart"} and max(k.num_blocks for k in kinds) == 8  # the full bank
 
 
 def test_the_kda_step_cells_verify_table_is_one_the_oracle_accepts():
@@ -381,7 +389,7 @@ def test_not_run_cute_cells_make_the_tool_and_the_run_not_run_never_passed():
     assert result.kernels["AttnResKernel"].not_run == REASON and not result.kernels["AttnResKernel"].launched
     assert result.kernels["kda_decode_kernel"].not_run == "" and result.kernels["kda_decode_kernel"].launched
     assert f"{len(STOCK)} kernel(s) launched" in result.reason
-    assert f"AttnResKernel, KdaInProjKernel, KdaStepKernel ({REASON})" in result.reason
+    assert f"AttnResKernel, KdaInProjKernel, KdaStepKernel, KdaOProjKernel ({REASON})" in result.reason
 
     tools = [judged(CLEAN, child(set(STOCK), not_run), tool=t) for t in sanitize.TOOLS]
     run = summarize(PLAN, tools)

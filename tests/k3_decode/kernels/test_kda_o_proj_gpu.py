@@ -1,6 +1,6 @@
 """GPU: o_proj with the AttnRes after attention in one CuTe DSL launch (k3_decode/kernels/kda_o_proj.py) on an H200.
 
-This must pass before the o_proj provider (providers.py, CuteKdaOProjProvider, PENDING) may be registered. Every
+The o_proj provider (providers.py, CuteKdaOProjProvider) was registered after this passed on an H200. Every
 test prints what it measured (METRIC lines), so a run's log says how close each case came.
 
 - The fused launch against the FP64 oracle (exact o_proj, then the AttnRes after attention) at TP8 and TP16,
@@ -15,7 +15,7 @@ test prints what it measured (METRIC lines), so a run's log says how close each 
   between them, and a CUDA graph of three launches replayed 20 times: each launch must see all of its own grid's
   o_proj output (o_proj buffers start as NaN) and leave the arrival word's low 31 bits at zero; the launch counter
   counts every launch.
-- The pending provider inside the stack executor (its two runner calls as one launch), against the teacher-forced
+- The provider inside the stack executor (its two runner calls as one launch), against the teacher-forced
   oracle, eagerly and in graph replays the device counters confirm.
 - Timing in CUDA-graph replays against the stock pair (cuBLAS + the Triton AttnRes) and the two-launch path (the
   weight-stream kernel, then the CuTe AttnRes kernel), printed; asserted only loosely (not 1.5x slower than the
@@ -276,17 +276,17 @@ def test_inputs_the_kernel_cannot_take_are_refused():
         kda_o_proj_op.apply(o(2), w, bank(2), site_of(EDGE[1]), weights, EPS)
 
 
-# --- the pending provider inside the stack executor -------------------------------------------------------------
+# --- the provider inside the stack executor -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("tp", [8, 16])
-def test_the_pending_provider_serves_o_proj_and_its_attn_res_in_one_launch_in_the_executor(tp: int):
+def test_the_provider_serves_o_proj_and_its_attn_res_in_one_launch_in_the_executor(tp: int):
     """The executor with the o_proj provider registered and o_proj specialized in a private op table: one step of
     3 rows against the teacher-forced oracle layer by layer, the op log showing the provider on both runner calls
     and one launch, and graph replays whose device counters match the ledger's claims."""
     from k3_decode.executor import StackExecutor, load_stack
     from k3_decode.executor.audit import op_log_mismatches
-    from k3_decode.kernels.providers import PENDING, PROVIDERS
+    from k3_decode.kernels.providers import PROVIDERS
     from k3_decode.runtime.backend import ProviderRegistry
     from k3_decode.runtime.ledger import count_delta
     from k3_decode.runtime.optable import OpTable, load_op_table
@@ -296,7 +296,7 @@ def test_the_pending_provider_serves_o_proj_and_its_attn_res_in_one_launch_in_th
     table = load_op_table()
     kda = dataclasses.replace(table.parts["kda"], specialized=table.parts["kda"].specialized | {"o_proj"})
     registry = ProviderRegistry()
-    for provider in (*PROVIDERS, *(p for p in PENDING if p.op == "o_proj")):
+    for provider in PROVIDERS:
         registry.register(provider)
     config = load_stack("k3-kda-mla", tp, max_requests=8, max_context=1024, graph_batches=(3,))
     ex = StackExecutor.start(

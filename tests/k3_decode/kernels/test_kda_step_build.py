@@ -175,18 +175,18 @@ def test_the_launcher_refuses_a_step_off_a_cuda_device():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
-def test_the_pending_kda_step_provider_is_not_registered_and_binds_its_call_only_on_a_gpu():
-    """It waits for its GPU run: never in PROVIDERS (so latency_specialized cannot route op kda to it) and the op
-    table keeps kda stock; it binds exactly the runner call that carries op kda; off a GPU it refuses to bind."""
+def test_the_kda_step_provider_is_registered_and_binds_its_call_only_on_a_gpu():
+    """It passed its GPU run: in PROVIDERS and the op table specializes op kda; it binds exactly the runner call that
+    carries op kda; off a GPU it refuses to bind."""
     import torch
 
     from k3_decode.executor.executor import RUNNER_CALLS, ProviderTarget
     from k3_decode.kernels import providers
     from k3_decode.runtime.optable import load_op_table
 
-    pending = next(p for p in providers.PENDING if p.op == "kda")
+    pending = next(p for p in providers.PROVIDERS if p.op == "kda")
     assert isinstance(pending, providers.CuteKdaStepProvider) and pending.name == "cute-kda-step"
-    assert "kda" not in {p.op for p in providers.PROVIDERS} and "kda" not in load_op_table().specialized_ops()
+    assert "kda" in load_op_table().specialized_ops()
     assert dict(pending.launches) == {"KdaStepKernel": 1}  # a substring of the kernel's CUDA name
     assert "KdaStepKernel" in providers._launch_counts()  # its device counter can be read
     assert pending.max_rows(8) is None and pending.max_rows(16) is None  # not measured yet: not limited

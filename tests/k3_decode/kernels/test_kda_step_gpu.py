@@ -2,7 +2,7 @@
 12 heads, TP16: 6), against the FP64 oracle (k3_decode/reference/kda.py) and the stock step (cuBLAS f_b GEMM +
 the Triton kernel, k3_decode/stock/kda.py).
 
-This must pass on a GPU before its provider (providers.py, CuteKdaStepProvider, now in PENDING) may be registered.
+Its provider (providers.py, CuteKdaStepProvider) was registered after this passed on an H200.
 
 Tolerances, the two styles the repo uses, both applied and printed:
 - suites/tolerances.toml `kda_decode.bfloat16` (output) and `kda_decode.state.bfloat16` (recurrent state): element-wise

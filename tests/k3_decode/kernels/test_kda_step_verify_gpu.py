@@ -4,8 +4,8 @@ per-rank shapes (TP8: 12 heads, TP16: 6) with q = 1..8 tokens per request, again
 recurrence + scatter + gated norm, k3_decode/stock/kda.py; skipped where fla-core is absent) and the fused decode
 kernel it shares its arithmetic with.
 
-This must pass on a GPU, with test_kda_step_gpu.py, before the provider (providers.py, CuteKdaStepProvider, now in
-PENDING) may be registered.
+The provider (providers.py, CuteKdaStepProvider) was registered after this passed on an H200, with
+test_kda_step_gpu.py.
 
 Tolerances, both styles applied and printed: suites/tolerances.toml `kda_verify.bfloat16` / `kda_verify.state.bfloat16`
 (element-wise, matched fraction, max_abs, a non-trivial reference) and tests/k3_decode/stock/attention_tolerances.toml

@@ -57,7 +57,7 @@ def test_without_a_hopper_gpu_the_specialized_kernels_are_not_built():
     msg = str(err.value)
     assert PROVIDERS.ops() == frozenset()
     assert "specialized kernels are not built" in msg and "\n" not in msg
-    assert f"no provider for attn_res, in_proj: {not_built_reason()}" in msg
+    assert f"no provider for attn_res, in_proj, kda, o_proj: {not_built_reason()}" in msg
     assert isinstance(err.value, StartupError) and isinstance(err.value, ValueError)
 
 
@@ -67,8 +67,8 @@ def test_the_kernels_register_where_they_can_run_and_only_once(monkeypatch):
     assert providers.register_built(reg) == "no CUDA device (test)" and reg.ops() == frozenset()
     monkeypatch.setattr(providers, "not_built_reason", lambda: None)
     assert providers.register_built(reg) is None and providers.register_built(reg) is None
-    assert reg.ops() == TABLE.specialized_ops() == {"attn_res", "in_proj"}
-    assert {p.name for p in reg} == {"cute-attn-res", "cute-kda-in-proj"}
+    assert reg.ops() == TABLE.specialized_ops() == {"attn_res", "in_proj", "kda", "o_proj"}
+    assert {p.name for p in reg} == {"cute-attn-res", "cute-kda-in-proj", "cute-kda-step", "cute-kda-o-proj"}
     assert select_backend(SPECIALIZED, TABLE, reg) == "latency_specialized"
 
 
@@ -86,7 +86,8 @@ def test_auto_starts_without_kernels():
 def test_missing_providers_are_named():
     reg = ProviderRegistry()
     reg.register(FakeProvider("in_proj", "InProj", {"InProj": 1}))
-    with pytest.raises(BackendError, match=r"no provider for attn_res\)"):
+    reg.register(FakeProvider("kda", "Kda", {"Kda": 1}))
+    with pytest.raises(BackendError, match=r"no provider for attn_res, o_proj\)"):
         select_backend(SPECIALIZED, TABLE, reg)
 
 
@@ -112,12 +113,12 @@ def test_registry_rejects_duplicates_and_empty_launches():
         reg.register(FakeProvider("o_proj", "C", {"Oproj": 0}))
 
 
-def test_the_pending_o_proj_provider_is_not_registered_and_binds_both_of_its_calls_only_on_a_gpu():
-    """It waits for its GPU run: never in PROVIDERS (so latency_specialized cannot route o_proj to it) and the op
-    table keeps o_proj stock; off a GPU it refuses to bind, naming why."""
-    pending = next(p for p in providers.PENDING if p.op == "o_proj")
-    assert pending.op == "o_proj" and pending.op not in {p.op for p in providers.PROVIDERS}
-    assert "o_proj" not in TABLE.specialized_ops()
+def test_the_o_proj_provider_is_registered_and_binds_both_of_its_calls_only_on_a_gpu():
+    """It passed its GPU run: in PROVIDERS and the op table specializes o_proj; off a GPU it refuses to bind, naming
+    why."""
+    pending = next(p for p in providers.PROVIDERS if p.op == "o_proj")
+    assert isinstance(pending, providers.CuteKdaOProjProvider) and not providers.PENDING
+    assert "o_proj" in TABLE.specialized_ops()
     assert dict(pending.launches) == {"KdaOProjKernel": 1}  # o_proj and the AttnRes after attention: one launch
     assert pending.max_rows(8)[0] == pending.max_rows(16)[0] == 4
     with pytest.raises(providers.ProviderBindError, match="runs on a CUDA device"):
@@ -142,10 +143,10 @@ def test_one_launch_hands_the_deferred_o_proj_output_to_the_attn_res_call_only()
     one.defer(o, weight)  # a refused order leaves nothing behind
 
 
-def test_the_pending_o_proj_provider_defers_o_proj_to_its_attn_res_call_and_refuses_combined_partials(monkeypatch):
+def test_the_o_proj_provider_defers_o_proj_to_its_attn_res_call_and_refuses_combined_partials(monkeypatch):
     """Its two calls as the executor makes them (off a GPU, so nothing launches): o_proj hands back a buffer, the
     AttnRes call refuses any other tensor, and a stack that all-reduces the partials is refused at the o_proj call."""
-    pending = next(p for p in providers.PENDING if p.op == "o_proj")
+    pending = next(p for p in providers.PROVIDERS if p.op == "o_proj")
     monkeypatch.setattr(providers, "_check_target", lambda target, what: None)
     combined = {"now": False}
     fns = pending.bind(ProviderTarget(K3, 8, 0, torch.device("cpu"), lambda: combined["now"]))

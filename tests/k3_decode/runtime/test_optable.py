@@ -21,8 +21,8 @@ def _raw() -> dict:
 
 
 def test_shipped_table_routes_the_built_kda_ops_and_keeps_the_rest_stock():
-    assert TABLE.specialized_ops() == {"attn_res", "in_proj"}
-    assert "fused KDA step" in TABLE.parts["kda"].stock_reason
+    assert TABLE.specialized_ops() == {"attn_res", "in_proj", "kda", "o_proj"}
+    assert TABLE.parts["kda"].specialized == frozenset(TABLE.parts["kda"].ops)  # the whole KDA attention side
     assert TABLE.parts["mla"].specialized == frozenset()
     assert TABLE.parts["moe"].specialized == frozenset()
 
@@ -64,7 +64,7 @@ def test_missing_file_is_an_error(tmp_path):
 def test_the_expected_path_on_a_specialized_step_follows_the_table_and_the_row_limits():
     kda = TABLE.parts["kda"]
     assert kda.path_on_specialized_step("in_proj") == "specialized"
-    assert kda.path_on_specialized_step("kda") == "stock"  # the table keeps it stock
+    assert TABLE.parts["mla"].path_on_specialized_step("mla") == "stock"  # the table keeps it stock
     limits = {"in_proj": (4, "why")}
     assert kda.path_on_specialized_step("in_proj", 4, limits) == "specialized"
     assert kda.path_on_specialized_step("in_proj", 5, limits) == "stock"

@@ -9,14 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3_decode.config import K3
-from k3_decode.runtime.optable import load_op_table
 from k3_decode.runtime.plan import Planner, PreparedSizes, StepInput
 from k3_decode.runtime.scopefile import load_scope
 from k3_decode.runtime.startup import start
 
 from .helpers import CAPTURE_SIZES, SPECIALIZED, built_registry, deployment
-
-TABLE_KDA_REASON = load_op_table().parts["kda"].stock_reason
 
 SCOPE = load_scope("k3-hopper")
 BASE = {1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64}
@@ -158,16 +155,14 @@ def test_specialized_step_keeps_mla_and_mlp_ops_stock_per_the_op_table():
     plan = DECODE.plan(decode(4))
     paths = {(d.layer, d.op): (d.path, d.reason) for d in plan.decisions}
     for layer in (0, 1, 2):
-        for op in ("attn_res", "in_proj"):
+        for op in ("attn_res", "in_proj", "kda", "o_proj"):
             assert paths[(layer, op)] == ("specialized", "pure decode, batch 4 prepared")
-        for op in ("kda", "o_proj"):
-            assert paths[(layer, op)] == ("stock", TABLE_KDA_REASON)
     for op in ("attn_res", "in_proj", "mla", "o_proj"):
         assert paths[(3, op)] == ("stock", "MLA layers stay stock until their specialized kernels are built")
     assert paths[(0, "dense_mlp")][0] == "stock"
     assert paths[(1, "moe")] == ("stock", "the MoE stays stock until its specialized kernels are built")
     assert len(plan.decisions) == 4 * 4 + 4
-    assert plan.path_of(2, "in_proj") == "specialized" and plan.path_of(2, "kda") == "stock"
+    assert plan.path_of(2, "in_proj") == "specialized" and plan.path_of(2, "kda") == "specialized"
     assert plan.path_of(3, "mla") == "stock"
     with pytest.raises(KeyError):
         plan.path_of(3, "kda")
