@@ -1,13 +1,13 @@
 """Stock latent MoE of Kimi K3 decode: the op provider the executor and the numerics suites call.
 
-Launch structure on an H200, one MoE layer, one rank at per-rank shapes: 12 launches (moe_ops.toml beside this file
+Launch structure on an H200, one MoE layer, one rank at per-rank shapes: 13 launches (moe_ops.toml beside this file
 lists them op by op with their vLLM 0.33.0 counterparts): route 2 (router GEMM with FP32 logits, top-k), latent_down
-1, experts 4 (align, FC1 + SiTU, FC2, slot sum; MXFP4 W4A16 in Triton), shared 3, latent_tail 2 (RMSNorm, up GEMM
+1, experts 5 (align, FC1, SiTU, FC2, slot sum; MXFP4 W4A16 in Triton), shared 3, latent_tail 2 (RMSNorm, up GEMM
 with the shared add). vLLM's stock path on an H200 (tail tier 1, Marlin/Humming MXFP4 experts; k3_facts section 2.F)
 runs about 14 plus the TP all-reduces.
 
-Two launches fewer than vLLM (SiTU in FC1's epilogue, the shared add in the up GEMM's epilogue) make the baseline
-slightly stronger than vLLM's, never weaker. vLLM overlaps the latent down-projection and the shared experts on an
+One launch fewer than vLLM (the shared add in the up GEMM's epilogue) makes the baseline slightly stronger than
+vLLM's, never weaker. vLLM overlaps the latent down-projection and the shared experts on an
 aux stream; here everything runs on one stream. Both are memory-bound GEMMs that share the same HBM bandwidth, so
 the overlap can hide launch gaps but not bytes (docs/stock-path.md, "MoE", gives the measured per-op times).
 
@@ -312,7 +312,7 @@ class StockMoeOps:
         return out
 
     def moe(self, hidden: Tensor, weights: MoeWeights) -> StockMoeOutput:
-        """The whole latent MoE of one rank, all-reduces elided (12 launches on "triton")."""
+        """The whole latent MoE of one rank, all-reduces elided (13 launches on "triton")."""
         routing = self.route(hidden, weights)
         latent = self.latent_down(hidden, weights)
         routed = self.experts(latent, routing, weights)

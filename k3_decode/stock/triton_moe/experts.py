@@ -141,7 +141,9 @@ def _mx_gemm_t(
     w_rows,
     w_ok,
     s_rows,
+    k_lo,
     K,
+    STEPS: tl.constexpr,
     BM: tl.constexpr,
     R: tl.constexpr,
     BK: tl.constexpr,
@@ -149,10 +151,13 @@ def _mx_gemm_t(
     EVEN_K: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """acc [R, BM] FP32 = 2^-SHIFT * W[R, K] @ x[BM, K]^T for MXFP4 W (row pointers w_rows to the packed codes,
-    s_rows to the scale bytes) and BF16 x (row pointers x_rows); rows past w_ok / x_ok read as zero."""
+    """acc [R, BM] FP32 = 2^-SHIFT * W[R, k] @ x[BM, k]^T over the STEPS K steps from k_lo, for MXFP4 W (row
+    pointers w_rows to the packed codes, s_rows to the scale bytes) and BF16 x (row pointers x_rows); rows past
+    w_ok / x_ok and columns past K read as zero. A compile-time trip count: with a run-time bound (k_lo + a split's
+    length) the BK = 512 FC1 loop spilled registers."""
     acc = tl.zeros([R, BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for i in range(STEPS):
+        k0 = k_lo + i * BK
         packed, scale, x = _load_step(w_rows, w_ok, s_rows, x_rows, x_ok, k0, K, BK, EVEN_K)
         even, odd = _decode(packed, scale, SHIFT, ASM)
         x_even, x_odd = tl.split(tl.reshape(x, (BM, BK // 2, 2)))  # columns j: elements 2j and 2j + 1 of the step
@@ -166,13 +171,13 @@ def _mx_gemm_t(
 
 
 @triton.jit
-def k3_moe_fc1_situ(
+def k3_moe_fc1(
     x_ptr,
     w_ptr,
     s_ptr,
     sorted_ptr,
     block_expert_ptr,
-    out_ptr,
+    part_ptr,
     num_pairs,
     inter,
     K,
@@ -181,24 +186,25 @@ def k3_moe_fc1_situ(
     stride_wn,
     stride_se,
     stride_sn,
-    stride_out,
-    beta,
-    beta_lin,
+    stride_part_split,
+    stride_part,
     TOP_K: tl.constexpr,
-    CLAMP_UP: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    STEPS: tl.constexpr,
     SHIFT: tl.constexpr,
     EVEN_K: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """out[pair, c] = bf16(SiTU(x[token] . gate_e[c], x[token] . up_e[c])) for one expert block and BN columns c.
+    """part[split, pair, c] = x[token] . gate_e[c] and part[split, pair, inter + c] = x[token] . up_e[c] in FP32,
+    over the split's STEPS K steps of BK from split * STEPS * BK, for one expert block and BN columns c.
 
     The program's 2 BN weight rows are the gate rows of its columns, then their up rows (w13 is [gate | up]).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e >= 0:
         r = tl.arange(0, 2 * BN)
@@ -210,13 +216,41 @@ def k3_moe_fc1_situ(
         pair = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
         ok = pair < num_pairs
         x_rows = x_ptr + (pair // TOP_K) * stride_x  # int32 offsets: B * L is far below 2^31
-        acc = _mx_gemm_t(x_rows, ok, w_rows, w_ok, s_rows, K, BM, 2 * BN, BK, SHIFT, EVEN_K, ASM)
+        k_lo = split * (STEPS * BK)
+        acc = _mx_gemm_t(x_rows, ok, w_rows, w_ok, s_rows, k_lo, K, STEPS, BM, 2 * BN, BK, SHIFT, EVEN_K, ASM)
         acc = acc * (2.0**SHIFT)  # exact: a power of two
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BN, BM)), (1, 2, 0)))  # [BN, BM] each
-        act = situ_f32(gate, up, beta, beta_lin, CLAMP_UP)
-        cols = pid_n * BN + tl.arange(0, BN)
-        mask = (cols < inter)[:, None] & ok[None, :]
-        tl.store(out_ptr + pair[None, :] * stride_out + cols[:, None], bf16_rne(act), mask=mask)
+        mask = w_ok[:, None] & ok[None, :]
+        out = part_ptr + split * stride_part_split + pair[None, :] * stride_part + rows[:, None]
+        tl.store(out, acc, mask=mask)
+
+
+@triton.jit
+def k3_moe_situ(
+    part_ptr,
+    out_ptr,
+    inter,
+    stride_part_split,
+    stride_part,
+    stride_out,
+    beta,
+    beta_lin,
+    SPLITS: tl.constexpr,
+    CLAMP_UP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out[pair, c] = bf16(SiTU(gate, up)), gate and up the sums over FC1's K splits, in split order, of its FP32
+    partials (one program per pair and BLOCK columns)."""
+    pair = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    gate = tl.zeros([BLOCK], dtype=tl.float32)
+    up = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        row = part_ptr + split * stride_part_split + pair * stride_part
+        gate += tl.load(row + cols, mask=ok, other=0.0)
+        up += tl.load(row + inter + cols, mask=ok, other=0.0)
+    act = situ_f32(gate, up, beta, beta_lin, CLAMP_UP)
+    tl.store(out_ptr + pair * stride_out + cols, bf16_rne(act), mask=ok)
 
 
 @triton.jit
@@ -240,6 +274,7 @@ def k3_moe_fc2(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    STEPS: tl.constexpr,
     SHIFT: tl.constexpr,
     EVEN_K: tl.constexpr,
     ASM: tl.constexpr,
@@ -256,7 +291,7 @@ def k3_moe_fc2(
         pair = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
         ok = pair < num_pairs
         a_rows = a_ptr + pair * stride_a
-        acc = _mx_gemm_t(a_rows, ok, w_rows, w_ok, s_rows, K, BM, BN, BK, SHIFT, EVEN_K, ASM)
+        acc = _mx_gemm_t(a_rows, ok, w_rows, w_ok, s_rows, 0, K, STEPS, BM, BN, BK, SHIFT, EVEN_K, ASM)
         route_w = tl.load(route_w_ptr + pair, mask=ok, other=0.0)
         out = acc * (route_w * (2.0**SHIFT))[None, :]
         mask = w_ok[:, None] & ok[None, :]
@@ -312,6 +347,12 @@ def experts(
     return out
 
 
+def fc1_splits(steps: int, wanted: int) -> int:
+    """The K splits FC1 runs: the most, up to `wanted`, that share its `steps` K steps evenly (a compile-time trip
+    count per split; K3's latent is 7 steps of 512 or 14 of 256)."""
+    return max(d for d in range(1, min(wanted, steps) + 1) if steps % d == 0)
+
+
 def _experts_chunk(
     latent: Tensor,
     ids: Tensor,
@@ -330,14 +371,15 @@ def _experts_chunk(
     group = align(ids.contiguous(), num_experts, tiles.block_m)
     dev = latent.device
     asm = dev.type != "cpu"  # CPU tensors: the kernels run under TRITON_INTERPRET=1, where inline PTX cannot
-    act = torch.empty(pairs, inter, dtype=torch.bfloat16, device=dev)
-    k3_moe_fc1_situ[(group.max_blocks, triton.cdiv(inter, tiles.fc1_block_n))](
+    splits = fc1_splits(triton.cdiv(lat, tiles.fc1_block_k), tiles.fc1_splits)
+    part = torch.empty(splits, pairs, 2 * inter, dtype=torch.float32, device=dev)
+    k3_moe_fc1[(group.max_blocks, triton.cdiv(inter, tiles.fc1_block_n), splits)](
         latent,
         w13.data,
         w13.scales,
         group.sorted_pairs,
         group.block_expert,
-        act,
+        part,
         pairs,
         inter,
         lat,
@@ -346,19 +388,33 @@ def _experts_chunk(
         w13.data.stride(1),
         w13.scales.stride(0),
         w13.scales.stride(1),
-        act.stride(0),
-        beta,
-        beta_lin if beta_lin is not None and beta_lin > 0 else 1.0,
+        part.stride(0),
+        part.stride(1),
         TOP_K=top_k,
-        CLAMP_UP=beta_lin is not None and beta_lin > 0,
         BM=tiles.block_m,
         BN=tiles.fc1_block_n,
         BK=tiles.fc1_block_k,
+        STEPS=triton.cdiv(lat, tiles.fc1_block_k) // splits,
         SHIFT=WEIGHT_SHIFT,
         EVEN_K=lat % tiles.fc1_block_k == 0,
         ASM=asm,
         num_warps=tiles.fc1_warps,
         num_stages=tiles.fc1_stages,
+    )
+    act = torch.empty(pairs, inter, dtype=torch.bfloat16, device=dev)
+    clamp = beta_lin is not None and beta_lin > 0
+    k3_moe_situ[(pairs, triton.cdiv(inter, tiles.situ_block_n))](
+        part,
+        act,
+        inter,
+        part.stride(0),
+        part.stride(1),
+        act.stride(0),
+        beta,
+        beta_lin if clamp else 1.0,
+        SPLITS=splits,
+        CLAMP_UP=clamp,
+        BLOCK=tiles.situ_block_n,
     )
     per_pair = torch.empty(pairs, lat, dtype=torch.float32, device=dev)
     k3_moe_fc2[(group.max_blocks, triton.cdiv(lat, tiles.fc2_block_n))](
@@ -381,6 +437,7 @@ def _experts_chunk(
         BM=tiles.block_m,
         BN=tiles.fc2_block_n,
         BK=tiles.fc2_block_k,
+        STEPS=triton.cdiv(inter, tiles.fc2_block_k),
         SHIFT=WEIGHT_SHIFT,
         EVEN_K=inter % tiles.fc2_block_k == 0,
         ASM=asm,

@@ -20,6 +20,10 @@ MIN_EXACT_SCALE_BYTE = 54
 MAX_PAIRS = 4096
 """Most (token, slot) pairs one align launch sorts in one program; `experts` splits larger batches."""
 
+PAIRWISE_MAX_PAIRS = 128
+"""Most pairs align places by pairwise comparisons ([P, P] in one program's registers: 128 per thread at 4 warps),
+B <= 8 at K3's top-16; above it sorts."""
+
 
 def check_expert_weights(w13: MxTensor, w2: MxTensor, latent_size: int) -> None:
     """Load-time checks (they read the scales, so call them once per layer, not per step)."""

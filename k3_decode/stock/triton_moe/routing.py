@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3_decode.stock.triton_moe.limits import MAX_PAIRS
+from k3_decode.stock.triton_moe.limits import MAX_PAIRS, PAIRWISE_MAX_PAIRS
 
 
 @triton.jit
@@ -77,36 +77,57 @@ def k3_moe_align(
     P_PAD: tl.constexpr,
     E_PAD: tl.constexpr,
     FILL: tl.constexpr,
+    PAIRWISE: tl.constexpr,
 ):
     """One program: lay the pairs out expert by expert, each expert's run padded to whole BLOCK_M blocks.
 
     Outputs: sorted_ptr[max_blocks * BLOCK_M] pair indices (num_pairs marks padding), block_expert_ptr[max_blocks]
     the expert of each block (-1: unused), num_blocks_ptr[0] the blocks in use. Within an expert, pairs keep
-    ascending pair order, so the layout is deterministic.
+    ascending pair order, so the layout is deterministic (both ways below give the same one).
+
+    PAIRWISE (small batches): each pair's destination from [P, P] comparisons held in registers, so the only
+    memory round trip is the load of the ids; a decode step's align is then latency, not work. Otherwise a
+    histogram over the experts, prefix sums stored to the scratch rows and read back by a sort of the pairs.
     """
     offs = tl.arange(0, P_PAD)
     valid = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=valid, other=E_PAD - 1)  # E_PAD > num_experts: a spare bin
-    bins = tl.arange(0, E_PAD)
-    counts = tl.where(bins < num_experts, tl.histogram(expert, E_PAD), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    tl.store(pad_start_ptr + bins, tl.cumsum(padded, axis=0) - padded)
-    tl.store(unpad_start_ptr + bins, tl.cumsum(counts, axis=0) - counts)
-    tl.store(num_blocks_ptr, tl.sum(padded, axis=0) // BLOCK_M)
-    for start in range(0, max_blocks * BLOCK_M, FILL):
-        f = start + tl.arange(0, FILL)
+    if PAIRWISE:
+        real = valid & (expert < num_experts)
+        real_q = real[None, :]
+        same = (expert[:, None] == expert[None, :]) & real_q
+        rank = tl.sum((same & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1)
+        count = tl.sum(same.to(tl.int32), axis=1)
+        # One pair per hit expert (its first) carries that expert's padded run; the runs of lower expert ids
+        # come first, so a pair's run starts at the sum of the lower experts' runs.
+        lead_padded = tl.where(real & (rank == 0), (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+        lower = (expert[None, :] < expert[:, None]) & real_q
+        dest = tl.sum(tl.where(lower, lead_padded[None, :], 0), axis=1) + rank
+        tl.store(num_blocks_ptr, tl.sum(lead_padded, axis=0) // BLOCK_M)
+        key_expert = expert
+        pair = offs
+    for start0 in range(0, max_blocks * BLOCK_M, FILL):
+        f = start0 + tl.arange(0, FILL)
         tl.store(sorted_ptr + f, num_pairs, mask=f < max_blocks * BLOCK_M)
-    for start in range(0, max_blocks, FILL):
-        f = start + tl.arange(0, FILL)
+    for start0 in range(0, max_blocks, FILL):
+        f = start0 + tl.arange(0, FILL)
         tl.store(block_expert_ptr + f, -1, mask=f < max_blocks)
-    # The scatter below reads the offsets stored above and overwrites the fill: order them within the program.
+    if not PAIRWISE:
+        bins = tl.arange(0, E_PAD)
+        counts = tl.where(bins < num_experts, tl.histogram(expert, E_PAD), 0)
+        padded_e = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        tl.store(pad_start_ptr + bins, tl.cumsum(padded_e, axis=0) - padded_e)
+        tl.store(unpad_start_ptr + bins, tl.cumsum(counts, axis=0) - counts)
+        tl.store(num_blocks_ptr, tl.sum(padded_e, axis=0) // BLOCK_M)
+    # The scatter below overwrites the fill (and, sorting, reads the offsets stored above): order them.
     tl.debug_barrier()
-    keys = tl.sort(tl.where(valid, expert * P_PAD + offs, E_PAD * P_PAD + offs))
-    key_expert = keys // P_PAD
-    pair = keys % P_PAD
-    real = key_expert < num_experts
-    rank = offs - tl.load(unpad_start_ptr + key_expert, mask=real, other=0)
-    dest = tl.load(pad_start_ptr + key_expert, mask=real, other=0) + rank
+    if not PAIRWISE:
+        keys = tl.sort(tl.where(valid, expert * P_PAD + offs, E_PAD * P_PAD + offs))
+        key_expert = keys // P_PAD
+        pair = keys % P_PAD
+        real = key_expert < num_experts
+        rank = offs - tl.load(unpad_start_ptr + key_expert, mask=real, other=0)
+        dest = tl.load(pad_start_ptr + key_expert, mask=real, other=0) + rank
     tl.store(sorted_ptr + dest, pair, mask=real)
     tl.store(block_expert_ptr + dest // BLOCK_M, key_expert, mask=real & (rank % BLOCK_M == 0))
 
@@ -154,8 +175,10 @@ def route(logits: Tensor, bias: Tensor, top_k: int, eps: float, scale: float) ->
     return ids, weights
 
 
-def align(ids: Tensor, num_experts: int, block_m: int) -> Grouping:
-    """Group the flattened (token, slot) pairs of ids [B, k] by expert into block_m-row blocks."""
+def align(ids: Tensor, num_experts: int, block_m: int, *, pairwise: bool | None = None) -> Grouping:
+    """Group the flattened (token, slot) pairs of ids [B, k] by expert into block_m-row blocks.
+
+    pairwise: the kernel's register-only way (default: up to PAIRWISE_MAX_PAIRS pairs) or its sort (above)."""
     num_pairs = ids.numel()
     if num_pairs > MAX_PAIRS:
         raise ValueError(
@@ -166,6 +189,8 @@ def align(ids: Tensor, num_experts: int, block_m: int) -> Grouping:
     if e_pad * (p_pad + 1) >= 2**31:
         raise ValueError(f"{num_experts} experts x {num_pairs} pairs overflow the int32 sort keys; split the batch")
     blocks = max_blocks(num_pairs, num_experts, block_m)
+    if pairwise is None:
+        pairwise = num_pairs <= PAIRWISE_MAX_PAIRS
     dev = ids.device
     grouping = Grouping(
         sorted_pairs=torch.empty(blocks * block_m, dtype=torch.int32, device=dev),
@@ -189,6 +214,7 @@ def align(ids: Tensor, num_experts: int, block_m: int) -> Grouping:
         P_PAD=p_pad,
         E_PAD=e_pad,
         FILL=1024,
-        num_warps=4,
+        PAIRWISE=pairwise,
+        num_warps=8 if pairwise and p_pad > 64 else 4,  # [P, P] temporaries: 64 elements per thread at P = 128
     )
     return grouping

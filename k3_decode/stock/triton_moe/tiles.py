@@ -16,10 +16,12 @@ class ExpertTiles:
     fc1_block_k: int
     fc1_warps: int
     fc1_stages: int
+    fc1_splits: int
     fc2_block_n: int
     fc2_block_k: int
     fc2_warps: int
     fc2_stages: int
+    situ_block_n: int
     sum_block_n: int
 
     def __post_init__(self) -> None:
@@ -38,8 +40,10 @@ class ExpertTiles:
             value = getattr(self, name)
             if value < 32 or value & (value - 1):
                 raise ValueError(f"tiles.toml: {name} = {value} must be a power of two >= 32 (one MXFP4 scale block)")
-        if self.sum_block_n & (self.sum_block_n - 1):
-            raise ValueError(f"tiles.toml: sum_block_n = {self.sum_block_n} must be a power of two")
+        for name in ("situ_block_n", "sum_block_n"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"tiles.toml: {name} = {value} must be a power of two")
 
 
 @dataclass(frozen=True)

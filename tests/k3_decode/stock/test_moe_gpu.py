@@ -156,7 +156,8 @@ def test_inline_ptx_decode_covers_every_code_and_scale_edge() -> None:
         experts.k3_moe_fc2[(group.max_blocks, 1)](
             a, w2.data, w2.scales, group.sorted_pairs, group.block_expert, route_w, out, 4, latent, inter,
             a.stride(0), w2.data.stride(0), w2.data.stride(1), w2.scales.stride(0), w2.scales.stride(1),
-            out.stride(0), BM=16, BN=64, BK=bk, SHIFT=WEIGHT_SHIFT, EVEN_K=True, ASM=True, num_warps=4,
+            out.stride(0), BM=16, BN=64, BK=bk, STEPS=inter // bk, SHIFT=WEIGHT_SHIFT, EVEN_K=True, ASM=True,
+            num_warps=4,
         )  # fmt: skip
         expected = (a.double() @ w2.dequantize(torch.float64)[0].T) * route_w.double()[:, None]
         for b in range(4):
@@ -351,13 +352,17 @@ def _kernel_names(op: str) -> tuple[str, ...]:
     return moe_op_info(op, "cuda").kernels
 
 
+# The first sweep (a3ad2f6, FC1 unsplit) measured BK 1024, 8-warp 128-row tiles and num_stages 2 slower at every
+# batch; this one times K splits, which are ordinary K steps of a shorter loop.
 FC1_VARIANTS = (
     {},
-    {"fc1_block_k": 256},
-    {"fc1_block_k": 512},
-    {"fc1_block_k": 1024},
-    {"fc1_block_n": 64, "fc1_warps": 8},
-    {"fc1_stages": 2},
+    {"fc1_block_k": 512, "fc1_splits": 1},
+    {"fc1_block_k": 512, "fc1_splits": 7},
+    {"fc1_block_k": 256, "fc1_splits": 1},
+    {"fc1_block_k": 256, "fc1_splits": 2},
+    {"fc1_block_k": 256, "fc1_splits": 7},
+    {"fc1_block_k": 256, "fc1_splits": 14},
+    {"fc1_block_k": 128, "fc1_splits": 28},
 )
 FC2_VARIANTS = (
     {"fc2_block_n": 64, "fc2_warps": 4},
@@ -368,12 +373,12 @@ FC2_VARIANTS = (
 
 
 def _sweep(rank, timer: Timer) -> TileTable:
-    """Time the expert op under a few tile shapes at B = 1 and 64 (one per tiles.toml row); FC1 first, then FC2 on
-    the best FC1. Every candidate's output must match the default's to within two BF16 steps of its peak (a K step
+    """Time the expert op under a few tile shapes at B = 1, 8 and 64 (one per tiles.toml row); FC1 first, then FC2
+    on the best FC1. Every candidate's output must match the default's to within two BF16 steps of its peak (a K step
     that does not divide K takes the kernels' masked path, also checked so)."""
     ops, w = rank.ops, rank.moe
     best_rows = []
-    for batch in (1, 64):
+    for batch in (1, 8, 64):
         x = hidden(batch, rank.dims, seed=batch, device="cuda")
         routing, latent = ops.route(x, w), ops.latent_down(x, w)
         base = ops.tiles.for_batch(batch)

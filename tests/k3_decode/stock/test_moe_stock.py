@@ -184,15 +184,15 @@ def test_every_call_is_a_ledger_record(tp1) -> None:
     assert {r.launches for r in ops.records} == {0} and {r.batch for r in ops.records} == {3}
 
 
-def test_launch_plan_is_twelve_per_moe_and_counts_expert_chunks() -> None:
+def test_launch_plan_is_thirteen_per_moe_and_counts_expert_chunks() -> None:
     ops = StockMoeOps(DIMS, 1)
-    assert ops.expected_launches(batch=1) == 12
-    assert sum(moe_op_info(op, "cuda").launches for op in MOE_OPS) == 12
+    assert ops.expected_launches(batch=1) == 13
+    assert sum(moe_op_info(op, "cuda").launches for op in MOE_OPS) == 13
     pairs_per_chunk = stock_moe.MAX_PAIRS // MOE.top_k
-    assert ops.expected_launches(batch=pairs_per_chunk) == 12
-    assert ops.expected_launches(batch=pairs_per_chunk + 1) == 16
+    assert ops.expected_launches(batch=pairs_per_chunk) == 13
+    assert ops.expected_launches(batch=pairs_per_chunk + 1) == 18
     info = moe_op_info("experts", "cuda")
-    assert info.kernels == ("k3_moe_align", "k3_moe_fc1_situ", "k3_moe_fc2", "k3_moe_sum")
+    assert info.kernels == ("k3_moe_align", "k3_moe_fc1", "k3_moe_situ", "k3_moe_fc2", "k3_moe_sum")
     assert moe_op_info("experts", "cpu").implementation == "torch-cpu"
     with pytest.raises(ValueError, match=r"unknown stock op 'router' in moe_ops\.toml"):
         moe_op_info("router", "cuda")
@@ -216,12 +216,14 @@ def test_moe_op_kernel_names_exist_in_the_triton_modules() -> None:
         ({"fc1_block_k": 48}, "fc1_block_k = 48 must be a power of two >= 32"),
         ({"fc2_block_k": 16}, "fc2_block_k = 16 must be a power of two >= 32"),
         ({"fc2_warps": 0}, "fc2_warps = 0 must be a positive integer"),
+        ({"fc1_splits": 0}, "fc1_splits = 0 must be a positive integer"),
+        ({"situ_block_n": 96}, "situ_block_n = 96 must be a power of two"),
     ],
 )
 def test_bad_tile_rows_are_rejected(row: dict, message: str) -> None:
     good = dict(
-        max_batch=8, block_m=16, fc1_block_n=32, fc1_block_k=512, fc1_warps=4, fc1_stages=1, fc2_block_n=64,
-        fc2_block_k=128, fc2_warps=4, fc2_stages=1, sum_block_n=512,
+        max_batch=8, block_m=16, fc1_block_n=32, fc1_block_k=512, fc1_warps=4, fc1_stages=1, fc1_splits=2,
+        fc2_block_n=64, fc2_block_k=128, fc2_warps=4, fc2_stages=1, situ_block_n=512, sum_block_n=512,
     )  # fmt: skip
     with pytest.raises(ValueError, match=message):
         parse_tiles({"experts": [{**good, **row}]})
@@ -235,16 +237,20 @@ def test_bad_tile_rows_are_rejected(row: dict, message: str) -> None:
 
 
 def test_the_shipped_tiles_pick_a_row_per_batch() -> None:
-    """B <= 8 takes the 512-wide FC1 K step (16 KB per program in flight for the few programs of small batches),
-    larger batches the 256-wide one; the boundary is inclusive, and every K3 shape divides the chosen steps (the
-    kernels' EVEN_K path: no K masks in the main loop at real shapes)."""
+    """Each row covers the batches from the previous row's bound + 1 to its own (inclusive), and every K3 shape
+    divides the chosen steps (the kernels' EVEN_K path: no K masks in the main loop at real shapes); small batches
+    split FC1's K loop, large ones do not (tiles.toml says why)."""
     table = default_tiles()
-    picks = {b: table.for_batch(b) for b in (1, 7, 8, 9, 64, 256)}
-    assert picks[1] == picks[7] == picks[8] and picks[9] == picks[64] == picks[256] and picks[8] != picks[9]
-    assert (picks[8].fc1_block_k, picks[64].fc1_block_k) == (512, 256)
+    low = 1
+    for row in table.rows[:-1]:
+        assert table.for_batch(low) == table.for_batch(row.max_batch) == row
+        assert table.for_batch(row.max_batch + 1) != row
+        low = row.max_batch + 1
+    assert table.for_batch(64) == table.for_batch(4096) == table.rows[-1]
+    assert table.for_batch(1).fc1_splits > 1 and table.for_batch(64).fc1_splits == 1
     for tp in (8, 16):
         rows, lat = K3.shard(tp).expert_w13
-        for t in (picks[1], picks[64]):
+        for t in table.rows:
             assert lat % t.fc1_block_k == 0 and (rows // 2) % t.fc2_block_k == 0, (tp, t)
             assert (rows // 2) % t.fc1_block_n == 0 and lat % t.fc2_block_n == 0, (tp, t)
 

@@ -37,7 +37,9 @@ DIMS = K3_MINI
 MOE = DIMS.moe
 # Wide tiles keep the interpreter's program count (and so its run time) low at k3-mini sizes; 64-wide K steps give
 # FC1 two steps over the 128-wide latent and FC2 a ragged step at TP8 (K = 32, the EVEN_K = False masks).
-FAST = dataclasses.replace(default_tiles().for_batch(1), fc1_block_n=32, fc1_block_k=64, fc2_block_n=64, fc2_block_k=64)
+FAST = dataclasses.replace(
+    default_tiles().for_batch(1), max_batch=10**6, fc1_block_n=32, fc1_block_k=64, fc2_block_n=64, fc2_block_k=64
+)
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +95,14 @@ def test_route_kernel_poisons_a_nan_token_but_keeps_ids_in_range(k) -> None:
     assert bool(weights[1].isnan().all()) and bool(weights[0].isfinite().all())
 
 
+@pytest.mark.parametrize("pairwise", [True, False])
 @pytest.mark.parametrize(("batch", "block_m"), [(1, 16), (5, 16), (13, 16), (13, 32)])
-def test_align_lays_out_every_pair_once_by_expert(k, batch: int, block_m: int) -> None:
+def test_align_lays_out_every_pair_once_by_expert(k, batch: int, block_m: int, pairwise: bool) -> None:
     g = torch.Generator().manual_seed(batch)
     ids = torch.stack([torch.randperm(MOE.num_experts, generator=g)[: MOE.top_k] for _ in range(batch)])
     ids[-1] = ids[0]  # a repeated expert set, so some experts get several pairs
     ids = ids.to(torch.int32)
-    group = k.routing.align(ids, MOE.num_experts, block_m)
+    group = k.routing.align(ids, MOE.num_experts, block_m, pairwise=pairwise)
     pairs = batch * MOE.top_k
     flat = ids.flatten().tolist()
     layout = group.sorted_pairs.view(-1, block_m).tolist()
@@ -119,6 +122,9 @@ def test_align_lays_out_every_pair_once_by_expert(k, batch: int, block_m: int) -
         mine = [p for p in seen if flat[p] == e]
         assert mine == sorted(mine)
     assert all(p == pairs for row in layout[used:] for p in row)
+    other = k.routing.align(ids, MOE.num_experts, block_m, pairwise=not pairwise)  # both ways, one layout
+    assert torch.equal(other.sorted_pairs, group.sorted_pairs) and torch.equal(other.block_expert, group.block_expert)
+    assert int(other.num_blocks[0]) == used
     with pytest.raises(ValueError, match="split the batch"):
         k.routing.align(torch.zeros(1025, 4, dtype=torch.int32), MOE.num_experts, 16)
 
@@ -194,6 +200,11 @@ def test_experts_kernel_masks_ragged_tiles(k) -> None:
     full = dataclasses.replace(tiles, fc1_block_n=128, fc1_block_k=128, fc2_block_n=128, fc2_block_k=128)
     again = k.experts.experts(latent, ids, route_w, w13, w2, beta=4.0, beta_lin=25.0, tiles=full)
     assert float((again.float() - mirror.float()).abs().max()) <= 2 * 2**-8 * peak  # one tile, one K step
+    for splits in (1, 2, 3, 7):  # FC1's K splits: 3 steps of 32 as 1, 2 + 1, 1 + 1 + 1 and (no empty split) 3
+        split = dataclasses.replace(tiles, fc1_block_k=32, fc1_splits=splits)
+        out = k.experts.experts(latent, ids, route_w, w13, w2, beta=4.0, beta_lin=25.0, tiles=split)
+        assert float((out.float() - mirror.float()).abs().max()) <= 2 * 2**-8 * peak, splits
+        assert float((out != mirror).float().mean()) < 0.02, splits
 
 
 def test_experts_split_a_batch_above_the_pair_limit(k, monkeypatch) -> None:
@@ -233,7 +244,7 @@ def test_fp4_decode_covers_every_code_and_scale_edge(k) -> None:
     k.experts.k3_moe_fc2[(group.max_blocks, 1)](
         a, w2.data, w2.scales, group.sorted_pairs, group.block_expert, route_w, out, 4, latent, inter, a.stride(0),
         w2.data.stride(0), w2.data.stride(1), w2.scales.stride(0), w2.scales.stride(1), out.stride(0),
-        BM=16, BN=64, BK=64, SHIFT=WEIGHT_SHIFT, EVEN_K=True, ASM=False,
+        BM=16, BN=64, BK=64, STEPS=2, SHIFT=WEIGHT_SHIFT, EVEN_K=True, ASM=False,
     )  # fmt: skip
     expected = (a.double() @ w2.dequantize(torch.float64)[0].T) * route_w.double()[:, None]
     for b in range(4):
@@ -283,4 +294,4 @@ def test_triton_provider_matches_the_oracle_and_records_its_kernels(k) -> None:
         "cublas+triton",
         "triton+cublas",
     ]
-    assert sum(r.launches for r in ops.records) == 12
+    assert sum(r.launches for r in ops.records) == 13
