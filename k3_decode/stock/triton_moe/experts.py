@@ -270,6 +270,7 @@ def k3_moe_fc2(
     stride_wn,
     stride_se,
     stride_sn,
+    stride_out_split,
     stride_out,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -279,9 +280,11 @@ def k3_moe_fc2(
     EVEN_K: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """out[pair, n] = routing_weight[pair] * (a[pair] . w2_e[n]) in FP32, for one expert block and BN rows n."""
+    """out[split, pair, n] = routing_weight[pair] * (a[pair] . w2_e[n]) in FP32 over the split's STEPS K steps of BK
+    from split * STEPS * BK, for one expert block and BN rows n."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e >= 0:
         rows = pid_n * BN + tl.arange(0, BN)
@@ -291,22 +294,39 @@ def k3_moe_fc2(
         pair = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
         ok = pair < num_pairs
         a_rows = a_ptr + pair * stride_a
-        acc = _mx_gemm_t(a_rows, ok, w_rows, w_ok, s_rows, 0, K, STEPS, BM, BN, BK, SHIFT, EVEN_K, ASM)
+        k_lo = split * (STEPS * BK)
+        acc = _mx_gemm_t(a_rows, ok, w_rows, w_ok, s_rows, k_lo, K, STEPS, BM, BN, BK, SHIFT, EVEN_K, ASM)
         route_w = tl.load(route_w_ptr + pair, mask=ok, other=0.0)
         out = acc * (route_w * (2.0**SHIFT))[None, :]
         mask = w_ok[:, None] & ok[None, :]
-        tl.store(out_ptr + pair[None, :] * stride_out + rows[:, None], out, mask=mask)
+        dest = out_ptr + split * stride_out_split + pair[None, :] * stride_out + rows[:, None]
+        tl.store(dest, out, mask=mask)
 
 
 @triton.jit
-def k3_moe_sum(pairs_ptr, out_ptr, latent, stride_pairs, stride_out, TOP_K: tl.constexpr, BN: tl.constexpr):
-    """out[b, n] = bf16(sum over slots 0..k-1, in slot order, of the weighted FP32 expert outputs)."""
+def k3_moe_sum(
+    pairs_ptr,
+    out_ptr,
+    latent,
+    stride_split,
+    stride_pairs,
+    stride_out,
+    TOP_K: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """out[b, n] = bf16(sum over slots 0..k-1, in slot order, of the weighted FP32 expert outputs), each slot's
+    output the sum of FC2's K-split partials in split order."""
     b = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     ok = n < latent
     acc = tl.zeros([BN], dtype=tl.float32)
     for slot in tl.static_range(TOP_K):
-        acc += tl.load(pairs_ptr + (b * TOP_K + slot) * stride_pairs + n, mask=ok, other=0.0)
+        expert_out = tl.zeros([BN], dtype=tl.float32)
+        for split in tl.static_range(SPLITS):
+            row = pairs_ptr + split * stride_split + (b * TOP_K + slot) * stride_pairs
+            expert_out += tl.load(row + n, mask=ok, other=0.0)
+        acc += expert_out
     tl.store(out_ptr + b * stride_out + n, bf16_rne(acc), mask=ok)
 
 
@@ -347,9 +367,10 @@ def experts(
     return out
 
 
-def fc1_splits(steps: int, wanted: int) -> int:
-    """The K splits FC1 runs: the most, up to `wanted`, that share its `steps` K steps evenly (a compile-time trip
-    count per split; K3's latent is 7 steps of 512 or 14 of 256)."""
+def k_splits(steps: int, wanted: int) -> int:
+    """The K splits a GEMM runs: the most, up to `wanted`, that share its `steps` K steps evenly (a compile-time
+    trip count per split; K3's latent is 7 steps of 512 or 14 of 256, its expert intermediate 3 (TP8) or 2 (TP16)
+    steps of 128)."""
     return max(d for d in range(1, min(wanted, steps) + 1) if steps % d == 0)
 
 
@@ -371,7 +392,7 @@ def _experts_chunk(
     group = align(ids.contiguous(), num_experts, tiles.block_m)
     dev = latent.device
     asm = dev.type != "cpu"  # CPU tensors: the kernels run under TRITON_INTERPRET=1, where inline PTX cannot
-    splits = fc1_splits(triton.cdiv(lat, tiles.fc1_block_k), tiles.fc1_splits)
+    splits = k_splits(triton.cdiv(lat, tiles.fc1_block_k), tiles.fc1_splits)
     part = torch.empty(splits, pairs, 2 * inter, dtype=torch.float32, device=dev)
     k3_moe_fc1[(group.max_blocks, triton.cdiv(inter, tiles.fc1_block_n), splits)](
         latent,
@@ -416,8 +437,10 @@ def _experts_chunk(
         CLAMP_UP=clamp,
         BLOCK=tiles.situ_block_n,
     )
-    per_pair = torch.empty(pairs, lat, dtype=torch.float32, device=dev)
-    k3_moe_fc2[(group.max_blocks, triton.cdiv(lat, tiles.fc2_block_n))](
+    fc2_steps = triton.cdiv(inter, tiles.fc2_block_k)
+    fc2_split = k_splits(fc2_steps, tiles.fc2_splits)
+    per_pair = torch.empty(fc2_split, pairs, lat, dtype=torch.float32, device=dev)
+    k3_moe_fc2[(group.max_blocks, triton.cdiv(lat, tiles.fc2_block_n), fc2_split)](
         act,
         w2.data,
         w2.scales,
@@ -434,10 +457,11 @@ def _experts_chunk(
         w2.scales.stride(0),
         w2.scales.stride(1),
         per_pair.stride(0),
+        per_pair.stride(1),
         BM=tiles.block_m,
         BN=tiles.fc2_block_n,
         BK=tiles.fc2_block_k,
-        STEPS=triton.cdiv(inter, tiles.fc2_block_k),
+        STEPS=fc2_steps // fc2_split,
         SHIFT=WEIGHT_SHIFT,
         EVEN_K=inter % tiles.fc2_block_k == 0,
         ASM=asm,
@@ -445,5 +469,13 @@ def _experts_chunk(
         num_stages=tiles.fc2_stages,
     )
     k3_moe_sum[(batch, triton.cdiv(lat, tiles.sum_block_n))](
-        per_pair, out, lat, per_pair.stride(0), out.stride(0), TOP_K=top_k, BN=tiles.sum_block_n
+        per_pair,
+        out,
+        lat,
+        per_pair.stride(0),
+        per_pair.stride(1),
+        out.stride(0),
+        TOP_K=top_k,
+        SPLITS=fc2_split,
+        BN=tiles.sum_block_n,
     )

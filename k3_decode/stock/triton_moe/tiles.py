@@ -21,6 +21,7 @@ class ExpertTiles:
     fc2_block_k: int
     fc2_warps: int
     fc2_stages: int
+    fc2_splits: int
     situ_block_n: int
     sum_block_n: int
 

@@ -223,7 +223,7 @@ def test_moe_op_kernel_names_exist_in_the_triton_modules() -> None:
 def test_bad_tile_rows_are_rejected(row: dict, message: str) -> None:
     good = dict(
         max_batch=8, block_m=16, fc1_block_n=32, fc1_block_k=512, fc1_warps=4, fc1_stages=1, fc1_splits=2,
-        fc2_block_n=64, fc2_block_k=128, fc2_warps=4, fc2_stages=1, situ_block_n=512, sum_block_n=512,
+        fc2_block_n=64, fc2_block_k=128, fc2_warps=4, fc2_stages=1, fc2_splits=1, situ_block_n=512, sum_block_n=512,
     )  # fmt: skip
     with pytest.raises(ValueError, match=message):
         parse_tiles({"experts": [{**good, **row}]})

@@ -200,8 +200,8 @@ def test_experts_kernel_masks_ragged_tiles(k) -> None:
     full = dataclasses.replace(tiles, fc1_block_n=128, fc1_block_k=128, fc2_block_n=128, fc2_block_k=128)
     again = k.experts.experts(latent, ids, route_w, w13, w2, beta=4.0, beta_lin=25.0, tiles=full)
     assert float((again.float() - mirror.float()).abs().max()) <= 2 * 2**-8 * peak  # one tile, one K step
-    for splits in (1, 2, 3, 7):  # FC1's K splits: 3 steps of 32 as 1, 2 + 1, 1 + 1 + 1 and (no empty split) 3
-        split = dataclasses.replace(tiles, fc1_block_k=32, fc1_splits=splits)
+    for splits in (1, 2, 3, 7):  # K splits of 3 steps of 32: 1 (3 steps), 2 and 3 (1 + 1 + 1), 7 (also 3: even only)
+        split = dataclasses.replace(tiles, fc1_block_k=32, fc1_splits=splits, fc2_block_k=32, fc2_splits=splits)
         out = k.experts.experts(latent, ids, route_w, w13, w2, beta=4.0, beta_lin=25.0, tiles=split)
         assert float((out.float() - mirror.float()).abs().max()) <= 2 * 2**-8 * peak, splits
         assert float((out != mirror).float().mean()) < 0.02, splits
@@ -243,7 +243,7 @@ def test_fp4_decode_covers_every_code_and_scale_edge(k) -> None:
     group = k.routing.align(torch.zeros(4, 1, dtype=torch.int32), 1, 16)
     k.experts.k3_moe_fc2[(group.max_blocks, 1)](
         a, w2.data, w2.scales, group.sorted_pairs, group.block_expert, route_w, out, 4, latent, inter, a.stride(0),
-        w2.data.stride(0), w2.data.stride(1), w2.scales.stride(0), w2.scales.stride(1), out.stride(0),
+        w2.data.stride(0), w2.data.stride(1), w2.scales.stride(0), w2.scales.stride(1), 0, out.stride(0),
         BM=16, BN=64, BK=64, STEPS=2, SHIFT=WEIGHT_SHIFT, EVEN_K=True, ASM=False,
     )  # fmt: skip
     expected = (a.double() @ w2.dequantize(torch.float64)[0].T) * route_w.double()[:, None]
