@@ -397,7 +397,10 @@ def _sweep(rank, timer: Timer) -> TileTable:
                     out = trial.experts(latent, routing, w).float()
                     peak = float(reference.abs().max())
                     entry["matches_default"] = float((out - reference).abs().max()) <= 2 * 2**-8 * peak
-                    entry.update(timer(lambda t=trial: t.experts(latent, routing, w)))  # noqa: B023
+                    # Replayed as a CUDA graph: eager, the host's five Triton launches (~200 us at B1) outran the
+                    # L2 flush the timer queues first, so B1 times were bimodal (15f4d41's sweep).
+                    graph, _ = _capture(lambda t=trial: t.experts(latent, routing, w))  # noqa: B023
+                    entry.update(timer(graph.replay))
                 except Exception as exc:  # a shape that fails to compile is a data point, not a test failure
                     entry["error"] = repr(exc)[:300]
                 RESULTS["sweep"].append(entry)
