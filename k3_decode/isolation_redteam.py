@@ -67,8 +67,9 @@ def _reference_weights(w: KdaWeights) -> reference_kda.KdaWeights:
 
 @dataclass(frozen=True)
 class RedTeamKdaProvider:
-    """A test-double specialized KDA decode with the stock call's signature (kda_decode: packed, weights, cache,
-    slots -> BF16 [B, P]) and one declared kernel."""
+    """A test-double specialized KDA core with the stock calls' signatures (kda_decode: packed, weights, cache,
+    slots -> BF16 [B, P]; kda_verify: packed [B, q, rows], weights, cache, slots [B, q], num_accepted [B] -> BF16
+    [B, q, P]) and one declared kernel; each variant breaks both calls the same way."""
 
     variant: Variant = "honest"
     op: str = OP
@@ -81,30 +82,57 @@ class RedTeamKdaProvider:
     def bind(self, target: ProviderTarget) -> Mapping[str, Callable[..., Any]]:
         spec = reference_kda.KdaSpec.for_rank(target.dims, target.tp)
 
-        def honest(packed: Tensor, weights: KdaWeights, cache: reference_kda.KdaCache, slots: Tensor) -> Tensor:
+        Cache = reference_kda.KdaCache
+
+        def honest(packed: Tensor, weights: KdaWeights, cache: Cache, slots: Tensor) -> Tensor:
             out = reference_kda.kda_decode_step(
                 spec, _reference_weights(weights), packed, cache, slots.long(), compute_dtype=torch.float32
             )
             return out.to(torch.bfloat16)
 
-        def writes_neighbour(
-            packed: Tensor, weights: KdaWeights, cache: reference_kda.KdaCache, slots: Tensor
-        ) -> Tensor:
-            out = honest(packed, weights, cache, slots)
-            live = [int(s) for s in slots.tolist() if s > 0]
+        def honest_verify(packed: Tensor, weights: KdaWeights, cache: Cache, slots: Tensor, accepted: Tensor) -> Tensor:
+            rw = _reference_weights(weights)
+            out = reference_kda.kda_verify_step(
+                spec, rw, packed, cache, slots.long(), accepted.long(), compute_dtype=torch.float32
+            )
+            return out.to(torch.bfloat16)
+
+        def clobber(cache: Cache, slots: Tensor) -> None:
+            live = [int(s) for s in slots.flatten().tolist() if s > 0]
             if live:
                 # The slot after the step's last one belongs to another request: give it this request's state.
                 victim = (max(live) + 1) % cache.num_slots or 1
                 cache.recurrent[victim].copy_(cache.recurrent[live[0]])
                 cache.conv[victim].copy_(cache.conv[live[0]])
+
+        def writes_neighbour(packed: Tensor, weights: KdaWeights, cache: Cache, slots: Tensor) -> Tensor:
+            out = honest(packed, weights, cache, slots)
+            clobber(cache, slots)
             return out
 
-        def stock_inside(packed: Tensor, weights: KdaWeights, cache: reference_kda.KdaCache, slots: Tensor) -> Tensor:
+        def writes_neighbour_verify(
+            packed: Tensor, weights: KdaWeights, cache: Cache, slots: Tensor, accepted: Tensor
+        ) -> Tensor:
+            out = honest_verify(packed, weights, cache, slots, accepted)
+            clobber(cache, slots)
+            return out
+
+        def stock_inside(packed: Tensor, weights: KdaWeights, cache: Cache, slots: Tensor) -> Tensor:
             # Claims its own kernel, runs the stock path's fused decode.
             return stock_kda.kda_decode_step(spec, weights, packed, cache, slots, validate=False)
 
-        chosen = {"honest": honest, "writes-neighbour": writes_neighbour, "stock-inside": stock_inside}
-        return {"kda_decode": chosen[self.variant]}
+        def stock_inside_verify(
+            packed: Tensor, weights: KdaWeights, cache: Cache, slots: Tensor, accepted: Tensor
+        ) -> Tensor:
+            return stock_kda.kda_verify_step(spec, weights, packed, cache, slots, accepted, validate=False)
+
+        chosen = {
+            "honest": (honest, honest_verify),
+            "writes-neighbour": (writes_neighbour, writes_neighbour_verify),
+            "stock-inside": (stock_inside, stock_inside_verify),
+        }
+        decode, verify = chosen[self.variant]
+        return {"kda_decode": decode, "kda_verify": verify}
 
 
 def suite_for(provider: RedTeamKdaProvider) -> K3IsolationSuite:

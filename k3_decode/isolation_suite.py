@@ -13,6 +13,10 @@ small real stack (k3-mini on the CPU, K3's real per-rank shapes on CUDA) runs th
   provider call for code of the stock packages. On CUDA the kernel names torch.profiler sees in the graph's replays
   must include every kernel its records claim, and specialized kernels' device-side counters (audit builds) must
   match the launches the ledger claims.
+- Verify steps. They reach the KDA verify kernels only on a speculative stack (q KDA slots per request, a conv row
+  with the speculative columns), so when the data file has a [speculative] table each (TP, backend) also runs the
+  same stack built with its speculative tokens ("<run> q<q>"), through its own cells: a prefill, then verify steps
+  with varied accepted counts, each under the same audit and proof of path.
 - What cannot run here is reported as not run, with the reason: the specialized path while no provider is
   registered (its kernels are not built) or outside its scope (the CPU), CUDA graphs and profiler kernel names on
   the CPU, device counters where no specialized kernel ran.
@@ -20,6 +24,7 @@ small real stack (k3-mini on the CPU, K3's real per-rank shapes on CUDA) runs th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import tomllib
@@ -56,8 +61,9 @@ from k3_decode.runtime.scopefile import RuntimeScope
 from k3_decode.runtime.writeset import WriteSet
 from k3_decode.weights import LayerWeights, SyntheticWeights
 
-CellKind = Literal["prefill", "decode", "mixed", "graph"]
-CELL_KINDS: tuple[CellKind, ...] = ("prefill", "decode", "mixed", "graph")
+CellKind = Literal["prefill", "decode", "mixed", "graph", "verify"]
+CELL_KINDS: tuple[CellKind, ...] = ("prefill", "decode", "mixed", "graph", "verify")
+SPECULATIVE_KINDS: tuple[CellKind, ...] = ("prefill", "verify")  # the steps a speculative stack runs
 EXPECTS = ("stock", "selected")
 DETAIL_ITEMS = 3  # mismatches named in a check's detail
 
@@ -74,6 +80,16 @@ class Cell:
     prefill: Mapping[int, int] = field(default_factory=dict)  # request -> context tokens
     decode: tuple[int, ...] = ()  # requests decoding one token
     replays: int = 1  # graph cells: audited replays
+    verify: tuple[int, ...] = ()  # verify cells: requests verifying q tokens each
+    accepted: tuple[int, ...] = ()  # verify cells: each one's num_accepted (tokens its previous verify accepted)
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """The speculative runs: the suite's stack with `num_speculative_tokens`, through its own cells."""
+
+    num_speculative_tokens: int
+    cells: tuple[Cell, ...]
 
 
 @dataclass(frozen=True)
@@ -84,18 +100,19 @@ class SuiteData:
     stock_packages: tuple[str, ...]
     backends: tuple[str, ...]
     cells: tuple[Cell, ...]
+    speculative: Speculative | None = None
 
 
-def _cell(raw: Any, i: int) -> Cell:
-    where = f"isolation_suite.toml cells[{i}]"
+def _cell(raw: Any, i: int, table: str = "cells", kinds: tuple[CellKind, ...] = CELL_KINDS) -> Cell:
+    where = f"isolation_suite.toml {table}[{i}]"
     if not isinstance(raw, dict):
-        raise SuiteDataError(f"{where} must be a table; write [[cells]] blocks")
-    known = {"name", "kind", "expect", "prefill", "decode", "replays"}
+        raise SuiteDataError(f"{where} must be a table; write [[{table}]] blocks")
+    known = {"name", "kind", "expect", "prefill", "decode", "replays", "verify", "accepted"}
     if extra := sorted(set(raw) - known):
         raise SuiteDataError(f"{where}: unknown keys {extra}; use {sorted(known)}")
     kind, expect = raw.get("kind"), raw.get("expect")
-    if kind not in CELL_KINDS:
-        raise SuiteDataError(f"{where}: kind {kind!r} is not one of {list(CELL_KINDS)}")
+    if kind not in kinds:
+        raise SuiteDataError(f"{where}: kind {kind!r} is not one of {list(kinds)}")
     if expect not in EXPECTS:
         raise SuiteDataError(f"{where}: expect {expect!r} is not one of {list(EXPECTS)}")
     try:
@@ -103,15 +120,41 @@ def _cell(raw: Any, i: int) -> Cell:
     except (AttributeError, ValueError):
         raise SuiteDataError(f'{where}: prefill must map request ids to token counts, e.g. {{ "0" = 3 }}') from None
     decode = tuple(raw.get("decode", ()))
-    needs = {"prefill": (True, False), "decode": (False, True), "mixed": (True, True), "graph": (False, True)}[kind]
-    if (bool(prefill), bool(decode)) != needs:
-        raise SuiteDataError(f"{where}: a {kind} cell needs prefill {needs[0]} and decode {needs[1]}; fix them")
+    verify, accepted = tuple(raw.get("verify", ())), tuple(raw.get("accepted", ()))
+    needs = {
+        "prefill": (True, False, False),
+        "decode": (False, True, False),
+        "mixed": (True, True, False),
+        "graph": (False, True, False),
+        "verify": (False, False, True),
+    }[kind]
+    if (bool(prefill), bool(decode), bool(verify)) != needs:
+        raise SuiteDataError(
+            f"{where}: a {kind} cell needs prefill {needs[0]}, decode {needs[1]} and verify {needs[2]}; fix them"
+        )
+    if len(accepted) != len(verify) or not all(isinstance(a, int) and a >= 1 for a in accepted):
+        raise SuiteDataError(f"{where}: accepted must give one count >= 1 per verify request; fix it")
     if kind != "graph" and "replays" in raw:
         raise SuiteDataError(f"{where}: replays applies to graph cells only; drop it")
     replays = raw.get("replays", 1)
     if not isinstance(replays, int) or replays < 1:
         raise SuiteDataError(f"{where}: replays must be an integer >= 1, got {replays!r}")
-    return Cell(str(raw.get("name") or f"cell{i}"), kind, expect, prefill, decode, replays)
+    return Cell(str(raw.get("name") or f"cell{i}"), kind, expect, prefill, decode, replays, verify, accepted)
+
+
+def _speculative(raw: Any) -> Speculative | None:
+    if raw is None:
+        return None
+    where = "isolation_suite.toml [speculative]"
+    if not isinstance(raw, dict) or sorted(raw) != ["cells", "num_speculative_tokens"]:
+        raise SuiteDataError(f"{where} needs exactly num_speculative_tokens and [[speculative.cells]]")
+    k = raw["num_speculative_tokens"]
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise SuiteDataError(f"{where}: num_speculative_tokens must be an integer >= 1, got {k!r}")
+    cells = tuple(_cell(c, i, "speculative.cells", SPECULATIVE_KINDS) for i, c in enumerate(raw["cells"]))
+    if not any(c.kind == "verify" for c in cells):
+        raise SuiteDataError(f"{where} has no verify cell; add one (the speculative runs exist to run verify steps)")
+    return Speculative(k, cells)
 
 
 def parse_data(raw: Mapping[str, Any]) -> SuiteData:
@@ -123,7 +166,8 @@ def parse_data(raw: Mapping[str, Any]) -> SuiteData:
     backends = tuple(raw.get("backends", ()))
     if not backends or any(b not in BACKENDS for b in backends):
         raise SuiteDataError(f"isolation_suite.toml backends {list(backends)} must be decode backends of {BACKENDS}")
-    cells = tuple(_cell(c, i) for i, c in enumerate(raw.get("cells", [])))
+    kinds = tuple(k for k in CELL_KINDS if k != "verify")  # verify steps run on the speculative stack only
+    cells = tuple(_cell(c, i, kinds=kinds) for i, c in enumerate(raw.get("cells", [])))
     if not cells:
         raise SuiteDataError("isolation_suite.toml has no [[cells]]; add at least one")
     return SuiteData(
@@ -133,6 +177,7 @@ def parse_data(raw: Mapping[str, Any]) -> SuiteData:
         stock_packages=tuple(raw["stock_packages"]),
         backends=backends,
         cells=cells,
+        speculative=_speculative(raw.get("speculative")),
     )
 
 
@@ -218,11 +263,18 @@ class _Run:
     def specialized(self) -> bool:
         return self.ex.planner.backend == "latency_specialized"
 
-    def _inputs(self, cell: Cell, requests: Mapping[int, int], prefill: bool) -> list[StepRequest]:
+    def _inputs(
+        self, cell: Cell, requests: Mapping[int, int], prefill: bool, accepted: Mapping[int, int] | None = None
+    ) -> list[StepRequest]:
         seed = zlib.crc32(f"{cell.name}/{self.tp}/{len(self.writes)}".encode()) & 0x7FFFFFFF
         first = self.ex.config.layers[0]
         return [
-            StepRequest(r, random_input(self.ex.dims, first, n, seed + r, self.ex.device), prefill=prefill)
+            StepRequest(
+                r,
+                random_input(self.ex.dims, first, n, seed + r, self.ex.device),
+                prefill=prefill,
+                num_accepted=None if accepted is None else accepted[r],
+            )
             for r, n in requests.items()
         ]
 
@@ -230,7 +282,12 @@ class _Run:
         by = f"isolation cell {cell.name} ({self.name})"
         if cell.expect == "stock" or not self.specialized:
             return [Expectation("stock", by=by, step=step)]
-        rows = max(self.ex.config.graph_batches) if cell.kind == "graph" else len(cell.decode)
+        if cell.kind == "graph":
+            rows = max(self.ex.config.graph_batches)
+        elif cell.kind == "verify":
+            rows = len(cell.verify) * self.ex.config.tokens_per_request
+        else:
+            rows = len(cell.decode)
         limits = self.ex.registry.row_limits(self.ex.config.tp)
         paths = self.ex.planner.table.expected_paths(self.ex.dims, self.ex.config.layers, rows, limits)
         return [Expectation(path, by=by, op=op, layer=layer, step=step) for (layer, op), path in paths.items()]
@@ -274,6 +331,10 @@ class _Run:
         requests = self._inputs(cell, cell.prefill, prefill=True) + self._inputs(
             cell, dict.fromkeys(cell.decode, 1), prefill=False
         )
+        if cell.verify:
+            q = self.ex.config.tokens_per_request
+            accepted = dict(zip(cell.verify, cell.accepted, strict=True))  # parse_data checked the lengths
+            requests += self._inputs(cell, dict.fromkeys(cell.verify, q), False, accepted)
         audited = audit_step(self.ex, requests, method=self.method)
         step = audited.result.step
         self.cells[step] = cell.name
@@ -491,15 +552,21 @@ class K3IsolationSuite:
             for b, backend in enumerate(self.backends):
                 name = f"tp{tp} {backend}"
                 progress(name, (t * len(self.backends) + b) / total)
-                run = self._start(name, config, weights, backend, not_run)
-                if run is None:
-                    continue
-                for cell in self.data.cells:
-                    self._cell(run, cell, not_run)
-                run.finish()
-                checks += run.checks
-                not_run += [(name, item) for item in run.not_run]
-                runs.append(run.evidence())
+                plans = [(name, config, self.data.cells)]
+                if (spec := self.data.speculative) is not None:
+                    q = 1 + spec.num_speculative_tokens
+                    verify_config = dataclasses.replace(config, num_speculative_tokens=spec.num_speculative_tokens)
+                    plans.append((f"{name} q{q}", verify_config, spec.cells))
+                for run_name, run_config, cells in plans:
+                    run = self._start(run_name, run_config, weights, backend, not_run)
+                    if run is None:
+                        continue
+                    for cell in cells:
+                        self._cell(run, cell, not_run)
+                    run.finish()
+                    checks += run.checks
+                    not_run += [(run_name, item) for item in run.not_run]
+                    runs.append(run.evidence())
         if self.distributed:
             not_run.append(
                 (
@@ -530,6 +597,7 @@ class K3IsolationSuite:
             "backends": list(self.backends),
             "audit_method": self.method,
             "cells": [c.name for c in self.data.cells],
+            "speculative_cells": [c.name for c in self.data.speculative.cells] if self.data.speculative else [],
             "providers": sorted(f"{p.op}: {p.name}" for p in self.registry),
         }
         return RuntimeEvidence(checks, _merge(not_run), runs, metrics)

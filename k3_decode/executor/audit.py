@@ -187,7 +187,7 @@ def _attributed(executor: StackExecutor, entry: OpLogEntry) -> tuple[str, ...]:
     return tuple(
         op
         for op in entry.ops
-        if entry.record.op in executor.opmap.parts[_part_of(executor, entry.layer, op)].get(op, ())
+        if entry.record.op in executor.stock_ops(entry.step, _part_of(executor, entry.layer, op), op)
     )
 
 
@@ -198,10 +198,11 @@ def _where(step: int, layer: int, op: str) -> str:
 def op_log_mismatches(executor: StackExecutor) -> list[str]:
     """Every disagreement between the dispatch ledger and the executor's op log, per (step, layer, op).
 
-    A record of the stock path must have run exactly the stock ops executor/ops.toml maps its op to, and no
-    provider; a record of the specialized path must have called its provider and no stock op. A logged call no
-    record accounts for (a provider the ledger never recorded, a stock op outside any routed call) is a mismatch
-    too. Graph records are joined with the calls logged at their capture, which is where Python ran."""
+    A record of the stock path must have run exactly the stock ops executor/ops.toml maps its op to (its [verify]
+    tables on a verify step), and no provider; a record of the specialized path must have called its provider and
+    no stock op. A logged call no record accounts for (a provider the ledger never recorded, a stock op outside any
+    routed call) is a mismatch too. Graph records are joined with the calls logged at their capture, which is where
+    Python ran."""
     logged: dict[tuple[int, int, str], list[OpLogEntry]] = defaultdict(list)
     out: list[str] = []
     for entry in executor.op_log:
@@ -232,7 +233,7 @@ def op_log_mismatches(executor: StackExecutor) -> list[str]:
             elif not providers:
                 out.append(f"{where}: the ledger records the specialized path but no provider was called")
         else:
-            want = sorted(set(executor.opmap.parts[_part_of(executor, rec.layer, rec.op)][rec.op]))
+            want = sorted(set(executor.stock_ops(rec.step, _part_of(executor, rec.layer, rec.op), rec.op)))
             if providers:
                 out.append(f"{where}: the ledger records the stock path but provider {', '.join(providers)} ran")
             if stock != want:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from importlib import resources
 from typing import Any
 
 from k3_decode.config import ModelDims, load_dims
+from k3_decode.runtime.scopefile import load_scope
 
 _KEYS = {"model", "layers", "max_requests", "max_context", "page_size", "graph_batches"}
 
@@ -35,6 +36,9 @@ class StackConfig:
     seed: int = 0  # SyntheticWeights seed
     k_scale: float = 1.0  # per-tensor FP8 scale of the MLA cache (vLLM's default when uncalibrated)
     q_scale: float = 1.0  # per-tensor FP8 scale of the MLA query
+    # Draft tokens each verify step checks: a stack with k > 0 runs verify steps of q = 1 + k tokens per request
+    # (executor.py says how) and gives every request q KDA state slots; 0 runs decode steps of one token.
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         dims = self.dims
@@ -58,6 +62,12 @@ class StackConfig:
                 f"graph batch {max(self.graph_batches)} exceeds max_requests {self.max_requests}; "
                 "raise max_requests or drop the batch"
             )
+        top = _max_tokens_per_request()
+        if not 0 <= self.num_speculative_tokens <= top - 1:
+            raise StackConfigError(
+                f"num_speculative_tokens {self.num_speculative_tokens} outside 0..{top - 1}: the scope's "
+                f"max_tokens_per_request is {top} (q = 1 + speculative tokens); use at most {top - 1}"
+            )
         if not (self.k_scale > 0 and self.q_scale > 0):
             raise StackConfigError(f"FP8 scales must be positive, got k_scale {self.k_scale}, q_scale {self.q_scale}")
 
@@ -74,12 +84,24 @@ class StackConfig:
         return tuple(i for i in self.layers if self.dims.layer_kind(i) == "mla")
 
     @property
+    def tokens_per_request(self) -> int:
+        """q: the tokens of one request in this stack's decode (1) or verify (1 + speculative tokens) steps."""
+        return 1 + self.num_speculative_tokens
+
+    @property
     def pages_per_request(self) -> int:
         return -(-self.max_context // self.page_size)
 
     def describe(self) -> str:
         kinds = ", ".join(f"{i} {self.dims.layer_kind(i)}+{self.dims.mlp_kind(i)}" for i in self.layers)
         return f"{self.dims.name} TP{self.tp} rank {self.rank}, layers {kinds}"
+
+
+@cache
+def _max_tokens_per_request() -> int:
+    """The most tokens per request the subject's scope allows (k3_decode/scope/k3-hopper.toml [deployment]): the
+    verify kernels, stock and specialized, take at most that many, so a stack is not built for more."""
+    return load_scope("k3-hopper").max_tokens_per_request
 
 
 def _stacks() -> dict[str, Any]:

@@ -14,6 +14,26 @@ anything runs (the specialized kernels are not built; the runtime refuses `laten
 that reason too). Every call, stock or provider, lands in the op log with the runtime ops it carried, so what ran
 can be joined with what the ledger records (executor/audit.py). Prefill and mixed steps run eagerly, token by
 token through the decode kernels (correct, not fast).
+
+Verify steps (a stack with num_speculative_tokens k > 0, q = 1 + k tokens per request). Every live request carries
+exactly q tokens (its last sampled token and k drafts) and the whole step is ONE iteration over B * q rows in
+request-major order: AttnRes, projections and MLPs take them as rows, the KDA layers run the runner's `kda_verify`
+call on [B, q] views (stock kda_verify, or the op's provider), and each MLA row (b, t) is a decode row of its own at
+position ctx + t (seq_len ctx + t + 1, the cache slot of that position). That is a causal verify because the MLA
+step inserts every row's cache entry before any row attends (k3_decode/stock/mla.py: one insert launch, then the
+split-KV attention; the CPU path writes all rows, then attends), and the seq_len keeps row t from seeing t' > t.
+
+Acceptance. Each request of a verify step gives `num_accepted` a (1..q): how many tokens of its previous verify
+step were accepted. The MLA context then advances by a (the rejected rows past it are rewritten by this step) and
+the KDA layers read the state after the last accepted token, slot[b, a - 1] of the request's q slots, with the conv
+taps that end at it (k3_decode/reference/kda.py). A prefill writes the request's first slot, slot[b, 0], which is
+where a verify that accepted one token leaves the state, so the first verify after a prefill passes num_accepted 1
+and reads slot[b, 0] and the prefill's whole context; any other count there is refused. The q tokens of the last
+verify stay unconfirmed until the next verify step reports them (RequestState.unconfirmed).
+
+A speculative stack runs prefill steps and uniform verify steps only, both eagerly: a decode step of fewer tokens,
+a step mixing prefill with verify requests, and CUDA graphs (capture of verify steps is not built) are one-line
+errors. A stack without speculative tokens keeps running multi-token steps token by token.
 """
 
 from __future__ import annotations
@@ -68,6 +88,7 @@ RUNNER_CALLS: dict[str, tuple[Side, dict[str, tuple[str, ...]]]] = {
             "attn_res_before": ("attn_res",),
             "kda_in_proj": ("in_proj",),
             "kda_decode": ("kda",),
+            "kda_verify": ("kda",),  # verify steps: [B, q] views (forward.py)
             "kda_o_proj": ("o_proj",),
             "attn_res_after": ("o_proj",),
         },
@@ -86,6 +107,13 @@ RUNNER_CALLS: dict[str, tuple[Side, dict[str, tuple[str, ...]]]] = {
         {call: ("moe",) for call in ("route", "latent_down", "experts", "shared", "latent_tail")},
     ),
 }
+
+
+# Runner calls made in place of another on verify steps: a provider's launches are logged on whichever of the two a
+# step makes (a verify step makes kda_verify and no kda_decode), not only on the op's first call.
+REPLACES: dict[str, str] = {"kda_verify": "kda_decode"}
+# Runner calls that take a verify iteration's rows as [B, q]: their op-log record says B requests of q tokens.
+VERIFY_CALLS = frozenset({"kda_verify"})
 
 
 @dataclass(frozen=True)
@@ -117,11 +145,15 @@ ProviderGuard = Callable[["OpLogEntry"], AbstractContextManager[Any]]
 
 @dataclass(frozen=True)
 class StepRequest:
-    """One request's part of a step: the entry state of its n tokens; prefill marks them as context."""
+    """One request's part of a step: the entry state of its n tokens; prefill marks them as context.
+
+    `num_accepted`: on a verify step of a speculative stack (required there, refused elsewhere), how many tokens of
+    the request's previous verify step were accepted, 1..q; 1 for the first verify after a prefill."""
 
     request: int
     inputs: StackInput
     prefill: bool = False
+    num_accepted: int | None = None
 
 
 @dataclass(frozen=True)
@@ -130,7 +162,8 @@ class StepResult:
     plan: StepPlan
     outputs: dict[int, Tensor]  # request -> [n, hidden] BF16: the last layer's MLP output of each of its tokens
     graph: str | None  # the replayed graph, None for an eager step
-    trace: tuple[LayerTrace, ...] | None  # per layer, rows in request order (eager one-token steps on request)
+    # per layer, rows in request order (request-major (b, t) rows for a verify step); eager one-iteration steps
+    trace: tuple[LayerTrace, ...] | None
 
 
 @dataclass(frozen=True)
@@ -228,6 +261,8 @@ class StackExecutor:
         self._tag: tuple[str, ...] = ()  # runtime ops of the runner call running now
         self._active: StepPlan | None = None  # the plan of the layers running now (None: no planned step)
         self._rows = 0  # rows of the iteration running now
+        self._q = 1  # tokens per request of the iteration running now (q > 1: a verify iteration)
+        self._verify_steps: dict[int, int] = {}  # step -> q of the verify steps run (the op-log join reads it)
         self.provider_guard = provider_guard
         # The executor builds every slot table from its own request state (state.py checks them on the host), so the
         # stock ops' per-call slot checks, which synchronize with the device, are left off.
@@ -250,8 +285,15 @@ class StackExecutor:
             self.dims, self.weights, self.state, routed_attention, routed_moe, config.k_scale, config.q_scale
         )
         self.runner.on_layer = self._on_layer
+        q = config.tokens_per_request
         self.eager = StepBuffers.allocate(
-            "eager", self.dims, config.layers, config.max_requests, config.pages_per_request, self.device
+            "eager",
+            self.dims,
+            config.layers,
+            config.max_requests * q,  # a verify iteration runs q rows per request
+            config.pages_per_request,
+            self.device,
+            verify=q > 1,
         )
         self.graphs: dict[str, CapturedGraph] = {}
         self._pool: Any = None
@@ -288,13 +330,15 @@ class StackExecutor:
             tp=config.tp,
             dcp=1,
             max_batch=max(config.graph_batches),
-            num_speculative_tokens=0,
-            spec_method=None,
+            num_speculative_tokens=config.num_speculative_tokens,
+            # The executor feeds its own draft tokens, uniform by construction ("synthetic" in the scope file).
+            spec_method="synthetic" if config.num_speculative_tokens else None,
             mla_cache_dtype=dims.mla.cache_dtype,
             kda_conv_state_dtype=dims.kda.conv_state_dtype,
             kda_recurrent_state_dtype=dims.kda.recurrent_state_dtype,
             cudagraph_mode="full_decode_only" if kind == "cuda" else "none",
-            capture_sizes=tuple(sorted(config.graph_batches)),
+            # In rows, as vLLM counts them: a request is q rows of a verify step.
+            capture_sizes=tuple(sorted(b * config.tokens_per_request for b in config.graph_batches)),
         )
         runtime = start(additional_config, deployment, gather=gather, scope=scope, table=table, registry=registry)
         return cls(config, runtime.planner(dims, config.layers), device=device, registry=runtime.registry, **kwargs)
@@ -390,18 +434,20 @@ class StackExecutor:
                     f"{sorted(calls)}; bind exactly those"
                 )
             launches = sum(provider.launches.values())
-            for i, call in enumerate(calls):
-                bound[(provider.op, call)] = _Bound(provider, fns[call], launches if i == 0 else 0)
+            first = next((c for c in calls if c not in REPLACES), calls[0])
+            for call in calls:
+                counted = REPLACES.get(call, call) == first  # the op's first call of a step, decode or verify
+                bound[(provider.op, call)] = _Bound(provider, fns[call], launches if counted else 0)
         return bound
 
     @contextlib.contextmanager
-    def _running(self, plan: StepPlan, rows: int) -> Iterator[None]:
-        """The plan and rows the runner's calls are routed by while one iteration runs."""
-        self._active, self._rows = plan, rows
+    def _running(self, plan: StepPlan, rows: int, q: int = 1) -> Iterator[None]:
+        """The plan, rows and tokens per request the runner's calls are routed by while one iteration runs."""
+        self._active, self._rows, self._q = plan, rows, q
         try:
             yield
         finally:
-            self._active, self._rows = None, 0
+            self._active, self._rows, self._q = None, 0, 1
 
     def _route(self, side: Side, call: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One runner call: the stock op, or the provider the plan routes its runtime op to, logged with its ops."""
@@ -429,7 +475,8 @@ class StackExecutor:
                     f"layer {layer} {call}: the plan routes {specialized[0]} to the specialized path but no provider "
                     "is bound to this call; the executor refuses such plans before a step runs, so this is a bug"
                 )
-            record = OpRecord(bound.provider.name, f"provider {bound.provider.name}", bound.launches, self._rows, 1)
+            batch, q = (self._rows // self._q, self._q) if call in VERIFY_CALLS else (self._rows, 1)
+            record = OpRecord(bound.provider.name, f"provider {bound.provider.name}", bound.launches, batch, q)
             entry = OpLogEntry(step, layer, graph, record, carried, "provider")
             self.op_log.append(entry)
             with self.provider_guard(entry) if self.provider_guard else contextlib.nullcontext():
@@ -479,11 +526,78 @@ class StackExecutor:
         for r in requests:
             r.inputs.check_for(self.dims, self.config.layers[0] if first_layer is None else first_layer)
 
+    def _is_verify(self, requests: Sequence[StepRequest]) -> bool:
+        """Whether `requests` are a verify step of this stack; raises a one-line error for a step a speculative
+        stack cannot run (see the module doc) and for accepted counts where they mean nothing or are wrong."""
+        q, unconfirmed = self.config.tokens_per_request, self.state.unconfirmed
+        given = [r.request for r in requests if r.num_accepted is not None]
+        if q == 1:
+            if given:
+                raise ValueError(
+                    f"requests {given} give num_accepted, but this stack has num_speculative_tokens=0 (no verify "
+                    "steps); drop num_accepted or build the stack with num_speculative_tokens > 0"
+                )
+            return False
+        if any(r.prefill for r in requests):
+            if not all(r.prefill for r in requests):
+                raise ValueError(
+                    "a speculative stack runs prefill and verify requests in separate steps; split this step in two"
+                )
+            if given:
+                raise ValueError(f"prefill requests {given} give num_accepted; only verify requests do, drop it")
+            if waiting := [r.request for r in requests if unconfirmed[r.request]]:
+                raise ValueError(
+                    f"requests {waiting} have a verify step whose accepted count is not reported yet; run their "
+                    "next verify step (with num_accepted) before prefilling more of them"
+                )
+            return False
+        lens = sorted({r.inputs.tokens for r in requests})
+        if lens[-1] > q:
+            raise ValueError(
+                f"a step of {lens[-1]} tokens per request exceeds this stack's q = {q} (1 + num_speculative_tokens "
+                f"{q - 1}); give each request {q} tokens or build the stack with num_speculative_tokens={lens[-1] - 1}"
+            )
+        if len(lens) > 1:
+            raise ValueError(
+                f"verify steps are uniform, but this one has {', '.join(map(str, lens))} tokens per request; give "
+                f"every request q = {q} tokens (its last token and {q - 1} drafts)"
+            )
+        if lens[0] != q:
+            raise ValueError(
+                f"this stack verifies q = {q} tokens per request (num_speculative_tokens {q - 1}); a step of "
+                f"{lens[0]} per request is not one of its steps: give each request {q} tokens or build the stack "
+                f"with num_speculative_tokens={lens[0] - 1}"
+            )
+        if missing := [r.request for r in requests if r.num_accepted is None]:
+            raise ValueError(
+                f"verify requests {missing} give no num_accepted; pass, per request, how many tokens its previous "
+                f"verify step accepted (1..{q}; 1 for the first verify after a prefill)"
+            )
+        if bad := [(r.request, r.num_accepted) for r in requests if not 1 <= int(r.num_accepted or 0) <= q]:
+            raise ValueError(f"num_accepted must be in 1..{q} (q of this stack); (request, num_accepted) {bad} are not")
+        if fresh := [r.request for r in requests if not unconfirmed[r.request] and r.num_accepted != 1]:
+            raise ValueError(
+                f"requests {fresh} ran no verify step since their prefill, which commits all its tokens and leaves "
+                "the state where a verify that accepted one token does; pass num_accepted=1 for them"
+            )
+        return True
+
+    def stock_ops(self, step: int, part: str, op: str) -> tuple[str, ...]:
+        """The stock ops runtime op `op` of `part` ran as at `step` (executor/ops.toml; [verify] on verify steps)."""
+        return self.opmap.stock_ops(part, op, self._verify_steps.get(step, 1))
+
     def step(self, requests: Sequence[StepRequest], *, mode: Mode = "eager", trace: bool = False) -> StepResult:
-        """Run one step (decode, prefill or mixed) for `requests`; a graph step replays the captured graph."""
+        """Run one step (decode, prefill, mixed or verify) for `requests`; a graph step replays the captured graph."""
         self._check_requests(requests)
+        verify = self._is_verify(requests)
         lens = tuple(r.inputs.tokens for r in requests)
         prefills = sum(r.prefill for r in requests)
+        if mode == "graph" and self.config.tokens_per_request > 1:
+            raise ValueError(
+                "CUDA-graph capture of verify steps is not built; run this speculative stack's steps with mode='eager'"
+            )
+        if verify:
+            return self._verify_step(requests, trace)
         if mode == "graph":
             if prefills or max(lens) > 1:
                 raise ValueError("a CUDA-graph step takes one decode token per request; run prefill and mixed eagerly")
@@ -519,6 +633,34 @@ class StackExecutor:
         self._step += 1
         return result
 
+    def _verify_step(self, requests: Sequence[StepRequest], trace: bool) -> StepResult:
+        """One verify iteration of q tokens per request over B * q rows (module doc); `_is_verify` checked it."""
+        q = self.config.tokens_per_request
+        ids = [r.request for r in requests]
+        accepted = tuple(int(r.num_accepted or 0) for r in requests)
+        tables = self.state.verify_tables(ids, accepted)  # raises before anything is recorded or run
+        plan = self._plan(StepInput(step=self._step, query_lens=(q,) * len(ids), num_accepted=accepted, mode="eager"))
+        note = f"verify of q={q}: KDA states read from slot[b, a-1] with num_accepted a = {list(accepted)}"
+        self.ledger.record(*self._records(plan, None, self.config.layers, note))
+        rows = len(ids) * q
+        self.eager.load(StackInput.cat([r.inputs for r in requests]).to(self.device), tables)
+        splits = self.attention.mla_num_splits(rows, tables.max_seq_len) if self.config.mla_layers else 1
+        layer_trace: list[LayerTrace] | None = [] if trace else None
+        self._where = (self._step, -1, None)
+        self._verify_steps[self._step] = q
+        with self._running(plan, rows, q):
+            out = self.runner.forward(self.eager, rows, self.config.layers, splits, layer_trace, tokens_per_request=q)
+        self.state.verified(ids, accepted)
+        result = StepResult(
+            step=self._step,
+            plan=plan,
+            outputs={r: out[b * q : (b + 1) * q].clone() for b, r in enumerate(ids)},
+            graph=None,
+            trace=None if layer_trace is None else tuple(layer_trace),
+        )
+        self._step += 1
+        return result
+
     def prefill(self, contexts: Mapping[int, StackInput]) -> StepResult:
         """Prefill each request's context (its tokens' entry states) in one eager stock step."""
         return self.step([StepRequest(r, inputs, prefill=True) for r, inputs in contexts.items()])
@@ -533,6 +675,11 @@ class StackExecutor:
     def capture(self, batch: int, layers: Sequence[int] | None = None) -> str:
         """Capture one decode iteration of `batch` rows as a CUDA graph (all stack layers, or a consecutive part
         of them for per-layer timing); returns its name. Its eager warm-up runs every row as NULL padding."""
+        if self.config.tokens_per_request > 1:
+            raise ValueError(
+                "CUDA-graph capture of verify steps is not built; a speculative stack (num_speculative_tokens "
+                f"{self.config.num_speculative_tokens}) runs its steps eagerly"
+            )
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this executor runs on {self.device}")
         layers = tuple(layers or self.config.layers)
@@ -631,12 +778,21 @@ class StackExecutor:
         return self._graph_for(len(requests)).buffers if mode == "graph" else self.eager
 
     def declare(self, requests: Sequence[StepRequest], mode: Mode = "eager") -> WriteSet:
-        """The write set of a step: its requests' KDA slots, the MLA cache rows of its new tokens, its buffers."""
+        """The write set of a step: its requests' KDA slots, the MLA cache rows of its new tokens, its buffers.
+
+        A verify step declares each request's q slots as its [B, q] slot table (the conv row in slot[b, 0], the
+        state after each token in slot[b, t]) and the q cache rows from the context its accepted count sets."""
         page_size = self.config.page_size
-        slots, cache_slots = [], []
+        verify = self._is_verify(requests)
+        slots: list[Any] = []
+        cache_slots = []
         for r in requests:
-            slots.append(self.state.kda_slot(r.request))
-            start = self.state.context_lens[r.request]
+            if verify:
+                slots.append(list(self.state.kda_slots(r.request)))
+                start = self.state.verify_context(r.request, int(r.num_accepted or 0))
+            else:
+                slots.append(self.state.kda_slot(r.request))
+                start = self.state.context_lens[r.request]
             for pos in range(start, start + r.inputs.tokens):
                 if pos >= self.config.max_context:
                     raise ValueError(f"request {r.request} would pass max_context {self.config.max_context}")

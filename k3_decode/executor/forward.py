@@ -1,4 +1,8 @@
-"""One decode iteration through the stack's layers on the stock ops, on fixed step buffers (eager or captured).
+"""One iteration through the stack's layers on the stock ops, on fixed step buffers (eager or captured).
+
+An iteration is B decode rows, or a verify iteration of B requests x q tokens: B * q rows in request-major order,
+which every op takes as independent rows (AttnRes, the projections, MLA with one decode row per token, the MLPs)
+except the KDA core, which takes them as [B, q] (`kda_verify`: the recurrence runs along each request's q tokens).
 
 Every buffer a step touches besides the request state is in a `StepBuffers`: the entry state (what enters the
 first layer), the working AttnRes state the AttnRes kernels update in place, and the slot tables. A captured graph
@@ -61,11 +65,21 @@ class StepBuffers:
     block_table: Tensor  # [rows, pages] int32
     seq_lens: Tensor  # [rows] int32
     slot_mapping: Tensor  # [rows] int64
+    num_accepted: Tensor | None = None  # [rows] int32, the first B used by a verify iteration; None: decode only
 
     @classmethod
     def allocate(
-        cls, name: str, dims: ModelDims, layers: Sequence[int], rows: int, pages: int, device: torch.device
+        cls,
+        name: str,
+        dims: ModelDims,
+        layers: Sequence[int],
+        rows: int,
+        pages: int,
+        device: torch.device,
+        verify: bool = False,
     ) -> StepBuffers:
+        """`rows`: the most rows an iteration on these buffers runs (B * q for verify); `verify`: keep a table of
+        accepted counts (a stack without speculative tokens has none, so its buffers are what they were)."""
         h, first = dims.hidden_size, layers[0]
         nb, capacity = entry_blocks(dims, first), dims.blocks_before(layers[-1])
 
@@ -84,6 +98,7 @@ class StepBuffers:
             block_table=zeros(rows, pages, dtype=torch.int32),
             seq_lens=zeros(rows, dtype=torch.int32),
             slot_mapping=torch.full((rows,), -1, dtype=torch.int64, device=device),
+            num_accepted=zeros(rows, dtype=torch.int32) if verify else None,
         )
 
     def tensors(self) -> dict[str, Tensor]:
@@ -100,6 +115,8 @@ class StepBuffers:
         }
         if self.entry_delta is not None:
             out["entry_delta"] = self.entry_delta
+        if self.num_accepted is not None:
+            out["num_accepted"] = self.num_accepted
         return out
 
     def load(self, inputs: StackInput | None, tables: StepTables) -> None:
@@ -107,10 +124,14 @@ class StepBuffers:
         n = tables.rows
         if n > self.rows:
             raise ValueError(f"{n} rows do not fit step buffers {self.name} of {self.rows} rows")
-        live = len(tables.requests)
+        q = tables.tokens_per_request
+        live = len(tables.requests) * q
         if inputs is not None:
             if inputs.tokens != live:
-                raise ValueError(f"{inputs.tokens} input rows for {live} live requests; give one row per request")
+                raise ValueError(
+                    f"{inputs.tokens} input rows for {len(tables.requests)} live requests of {q} token(s) each; give "
+                    f"{q} row(s) per request"
+                )
             self.entry_prefix[:live].copy_(inputs.prefix)
             self.entry_blocks[:live].copy_(inputs.blocks)
             if self.entry_delta is not None and inputs.delta is not None:
@@ -125,6 +146,10 @@ class StepBuffers:
         self.kda_slots[n:].fill_(0)
         self.seq_lens[n:].fill_(0)
         self.slot_mapping[n:].fill_(-1)
+        if tables.num_accepted is not None:
+            if self.num_accepted is None:
+                raise ValueError(f"step buffers {self.name} hold no accepted counts; allocate them with verify=True")
+            self.num_accepted[: tables.num_accepted.shape[0]].copy_(tables.num_accepted)
 
 
 class RowParallel(Protocol):
@@ -184,6 +209,7 @@ class LayerRunner:
         self.ranges = False  # profiler ranges around each stock call (benchmarks turn them on)
         self.on_layer: Callable[[int], None] | None = None  # told which layer runs next (the op log uses it)
         self.row_parallel: RowParallel = ELIDED  # the TP executor (k3_decode.distributed) sets its all-reduces
+        self._q = 1  # tokens per request of the iteration running now (forward sets it)
 
     @contextlib.contextmanager
     def _range(self, layer: int, ops: Sequence[str]) -> Iterator[None]:
@@ -194,10 +220,19 @@ class LayerRunner:
             yield
 
     def forward(
-        self, buffers: StepBuffers, rows: int, layers: Sequence[int], num_splits: int, trace: list | None = None
+        self,
+        buffers: StepBuffers,
+        rows: int,
+        layers: Sequence[int],
+        num_splits: int,
+        trace: list | None = None,
+        tokens_per_request: int = 1,
     ) -> Tensor:
         """One iteration over `rows` rows: reset the AttnRes state from the entry state, run `layers` in order and
-        return the last layer's MLP output [rows, hidden] (BF16)."""
+        return the last layer's MLP output [rows, hidden] (BF16). `tokens_per_request` q > 1: a verify iteration of
+        rows // q requests, its KDA layers through `kda_verify` with the buffers' accepted counts."""
+        if rows % tokens_per_request:
+            raise ValueError(f"a verify iteration of {tokens_per_request} tokens per request cannot have {rows} rows")
         first = layers[0]
         nb = entry_blocks(self.dims, first)
         work = AttnResBuffers(buffers.work.prefix[:rows], buffers.work.blocks[:rows], nb)
@@ -205,8 +240,12 @@ class LayerRunner:
         if nb:
             work.blocks[:, :nb].copy_(buffers.entry_blocks[:rows])
         delta = None if first == 0 or buffers.entry_delta is None else buffers.entry_delta[:rows]
-        for layer in layers:
-            delta = self.layer(layer, work, delta, buffers, rows, num_splits, trace)
+        self._q = tokens_per_request
+        try:
+            for layer in layers:
+                delta = self.layer(layer, work, delta, buffers, rows, num_splits, trace)
+        finally:
+            self._q = 1  # a caller driving `layer` directly (a benchmark) runs decode rows
         assert delta is not None  # a stack has at least one layer (StackConfig checks)
         return delta
 
@@ -260,8 +299,19 @@ class LayerRunner:
         cache = self.state.kda[layer]
         with self._range(layer, ("kda_in_proj",)):
             packed = self.attention.kda_in_proj(x, w)
-        with self._range(layer, ("kda_f_b", "kda_decode")):
-            o = self.attention.kda_decode(packed, w, cache, buffers.kda_slots[:rows])
+        q = self._q
+        if q == 1:
+            with self._range(layer, ("kda_f_b", "kda_decode")):
+                o = self.attention.kda_decode(packed, w, cache, buffers.kda_slots[:rows])
+        else:
+            # Views, no copies: row b * q + t of the iteration is token t of request b, so [B * q, ...] is [B, q, ...].
+            batch = rows // q
+            assert buffers.num_accepted is not None  # StepBuffers.load refuses verify tables without them
+            slots = buffers.kda_slots[:rows].view(batch, q)
+            with self._range(layer, ("kda_f_b", "kda_verify")):
+                o = self.attention.kda_verify(
+                    packed.view(batch, q, -1), w, cache, slots, buffers.num_accepted[:batch]
+                ).reshape(rows, -1)
         with self._range(layer, ("kda_o_proj",)):
             return self.attention.kda_o_proj(o, w)
 

@@ -120,12 +120,14 @@ def _gb(n: int) -> str:
 
 
 def kda_state_bytes(dims: ModelDims, config: StackConfig) -> int:
-    """One KDA layer's conv and recurrent states for every slot (slot 0 is the NULL slot)."""
+    """One KDA layer's conv and recurrent states for every slot (slot 0 is the NULL slot): q slots per request, and
+    a conv row of W - 2 + q columns, on a speculative stack (state.py)."""
     s = dims.shard(config.tp)
-    conv = s.kda_conv_state[0] * s.kda_conv_state[1] * torch.empty(0, dtype=_dtype(dims.kda.conv_state_dtype)).itemsize
+    columns = s.kda_conv_state[1] + config.num_speculative_tokens
+    conv = s.kda_conv_state[0] * columns * torch.empty(0, dtype=_dtype(dims.kda.conv_state_dtype)).itemsize
     rec = s.kda_recurrent_state[0] * s.kda_recurrent_state[1] * s.kda_recurrent_state[2]
     rec *= torch.empty(0, dtype=_dtype(dims.kda.recurrent_state_dtype)).itemsize
-    return (1 + config.max_requests) * (conv + rec)
+    return (1 + config.max_requests * config.tokens_per_request) * (conv + rec)
 
 
 def mla_cache_bytes(dims: ModelDims, config: StackConfig) -> int:
@@ -174,18 +176,26 @@ def plan_memory(config: StackConfig, budget: DeviceBudget | None = None) -> Memo
             lines.append(MemoryLine("experts", layer, w.experts, f"{dims.moe.num_experts} routed experts, MXFP4"))
         if kind == "kda":
             n = kda_state_bytes(dims, config)
-            lines.append(MemoryLine("kda_state", layer, n, f"{1 + config.max_requests} slots (conv + recurrent)"))
+            lines.append(
+                MemoryLine(
+                    "kda_state",
+                    layer,
+                    n,
+                    f"{1 + config.max_requests * config.tokens_per_request} slots (conv + recurrent)",
+                )
+            )
         else:
             n = mla_cache_bytes(dims, config)
             pages = config.max_requests * config.pages_per_request
             lines.append(MemoryLine("mla_cache", layer, n, f"{pages} FP8 pages of {config.page_size} tokens"))
     h = dims.hidden_size
     capacity = dims.blocks_before(config.layers[-1])
-    rows = config.max_requests + sum(config.graph_batches)  # the eager scratch plus each graph's static buffers
+    # The eager scratch (q rows per request on a speculative stack) plus each graph's static buffers.
+    rows = config.max_requests * config.tokens_per_request + sum(config.graph_batches)
     scratch = rows * 2 * (2 * h + capacity * h) * _BF16 + rows * (config.pages_per_request + 4) * 8
     lines.append(MemoryLine("scratch", None, scratch, "AttnRes state, step inputs and slot tables"))
-    act = max(config.max_requests, max(config.graph_batches))
+    act = max(config.max_requests * config.tokens_per_request, max(config.graph_batches))
     act_bytes = act * sum(activation_bytes_per_token(dims, config.tp, i) for i in config.layers)
-    lines.append(MemoryLine("activations", None, act_bytes, f"upper bound for a step of {act} requests"))
+    lines.append(MemoryLine("activations", None, act_bytes, f"upper bound for a step of {act} rows"))
     lines.append(MemoryLine("reserve", None, budget.reserve, "CUDA context, library workspaces, allocator slack"))
     return MemoryPlan(config, tuple(lines), budget)

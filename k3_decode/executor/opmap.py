@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tomllib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 
@@ -32,6 +32,14 @@ def stock_op_info(part: str, op: str, device: torch.device | str) -> OpInfo:
 @dataclass(frozen=True)
 class StockOpMap:
     parts: dict[str, dict[str, tuple[str, ...]]]  # part -> runtime op -> stock ops in launch order
+    # part -> runtime op -> stock ops on a verify step (q > 1), where they differ from `parts` (ops.toml [verify])
+    verify: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=dict)
+
+    def stock_ops(self, part: str, op: str, tokens_per_request: int = 1) -> tuple[str, ...]:
+        """The stock ops `op` of `part` runs on a step of `tokens_per_request` tokens per request."""
+        if tokens_per_request > 1 and op in self.verify.get(part, {}):
+            return self.verify[part][op]
+        return self.parts[part][op]
 
     def layer_ops(self, table: OpTable, dims: ModelDims, layer: int) -> list[tuple[str, str]]:
         """(runtime op, stock op) pairs of one layer in launch order."""
@@ -65,28 +73,40 @@ class StockOpMap:
         return tuple(sorted(names))
 
 
+def _stock_list(part: str, op: str, stock: object, where: str, table: str = "") -> tuple[str, ...]:
+    table = table or part
+    if not isinstance(stock, list) or not stock or not all(isinstance(s, str) for s in stock):
+        raise DataFileError(f"{where}: [{table}].{op} must be a non-empty list of stock op names")
+    for s in stock:
+        try:
+            stock_op_info(part, s, "cpu")
+        except ValueError as exc:
+            raise DataFileError(f"{where}: [{table}].{op}: {exc}") from exc
+    return tuple(stock)
+
+
 def parse_op_map(raw: dict, table: OpTable, where: str = "ops.toml") -> StockOpMap:
+    raw = dict(raw)
+    verify_raw = raw.pop("verify", {})
     if sorted(raw) != sorted(PARTS):
-        raise DataFileError(f"{where}: needs exactly the tables {list(PARTS)}, got {sorted(raw)}")
+        raise DataFileError(f"{where}: needs exactly the tables {list(PARTS)} (and [verify]), got {sorted(raw)}")
     parts: dict[str, dict[str, tuple[str, ...]]] = {}
     for part in PARTS:
         ops = table.parts[part].ops
         got = raw[part]
         if sorted(got) != sorted(ops):
             raise DataFileError(f"{where}: [{part}] must map exactly the runtime ops {list(ops)}, got {sorted(got)}")
-        mapped: dict[str, tuple[str, ...]] = {}
-        for op in ops:
-            stock = got[op]
-            if not isinstance(stock, list) or not stock or not all(isinstance(s, str) for s in stock):
-                raise DataFileError(f"{where}: [{part}].{op} must be a non-empty list of stock op names")
-            for s in stock:
-                try:
-                    stock_op_info(part, s, "cpu")
-                except ValueError as exc:
-                    raise DataFileError(f"{where}: [{part}].{op}: {exc}") from exc
-            mapped[op] = tuple(stock)
-        parts[part] = mapped
-    return StockOpMap(parts)
+        parts[part] = {op: _stock_list(part, op, got[op], where) for op in ops}
+    verify: dict[str, dict[str, tuple[str, ...]]] = {}
+    if not isinstance(verify_raw, dict):
+        raise DataFileError(f"{where}: [verify] must be a table of parts, e.g. [verify.kda]")
+    for part, got in verify_raw.items():
+        if part not in PARTS or not isinstance(got, dict):
+            raise DataFileError(f"{where}: [verify.{part}] is not a part; use one of {list(PARTS)}")
+        if unknown := sorted(set(got) - set(table.parts[part].ops)):
+            raise DataFileError(f"{where}: [verify.{part}] maps {unknown}, which are not runtime ops of {part}")
+        verify[part] = {op: _stock_list(part, op, stock, where, f"verify.{part}") for op, stock in got.items()}
+    return StockOpMap(parts, verify)
 
 
 @cache

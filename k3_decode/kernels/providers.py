@@ -225,9 +225,11 @@ class CuteKdaStepProvider(_CuteProvider):
     kernel named KdaStepKernel, counted by one device counter, so `launches` holds for either call.
 
     It binds the calls of op kda that the layer runner makes (executor RUNNER_CALLS, with the stock methods'
-    signatures): today only `kda_decode`, as the runner (executor/forward.py) runs q = 1 steps only; `kda_verify`
-    (StockAttentionOps.kda_verify: packed [B, q, rows], weights, cache, slots [B, q], num_accepted [B]) is bound as
-    soon as RUNNER_CALLS lists it. A call of op kda it has no kernel for is a bind error.
+    signatures): `kda_decode` on decode steps and `kda_verify` (StockAttentionOps.kda_verify: packed [B, q, rows],
+    weights, cache, slots [B, q], num_accepted [B]) on the verify steps of a speculative stack (executor/forward.py).
+    A call of op kda it has no kernel for is a bind error. The decode launcher takes the conv row of a stack without
+    speculative tokens (W - 1 columns) and the verify launcher exactly 2 + q columns, which is what the executor's
+    speculative stacks allocate; a speculative stack runs no decode steps (executor.py), so the two never meet.
 
     Registered after tests/k3_decode/kernels/test_kda_step_gpu.py and test_kda_step_verify_gpu.py passed on an H200
     (TP8 B1 decode 3.5 us against 11.3 us for the stock f_b GEMM + Triton kernel)."""

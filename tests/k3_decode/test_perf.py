@@ -199,14 +199,17 @@ class _CountingKdaProvider:
     calls: list[int] = field(default_factory=lambda: [0, 0])  # launches, counted launches
 
     def bind(self, target):
-        decode = RedTeamKdaProvider("honest").bind(target)["kda_decode"]
+        honest = RedTeamKdaProvider("honest").bind(target)
 
-        def counted(*args):
-            self.calls[0] += 1
-            self.calls[1] += self.calls[0] != self.miss
-            return decode(*args)
+        def counting(call):
+            def counted(*args):
+                self.calls[0] += 1
+                self.calls[1] += self.calls[0] != self.miss
+                return honest[call](*args)
 
-        return {"kda_decode": counted}
+            return counted
+
+        return {call: counting(call) for call in honest}
 
     def device_counts(self) -> dict[str, int]:
         return {"K3CountingKda": self.calls[1]}

@@ -25,14 +25,27 @@ EXPECTED = {
     "env-numerics-switch": ["hygiene env-switch at vllm/models/kimi_k3/nvidia/model.py:10"],
     "kernel-loosens-tolerance": ["co-change rule: a decode-path change may not edit its judge: suites/tolerances.toml"],
     # Each decode step's provider writes the slot after its last one: request 2's (slot 3), then request 4's (5).
+    # On the speculative stack (q = 4 slots per request) each verify step does the same: after requests 0 and 1's
+    # slots 1-8 comes request 2's first slot (9); after request 3's (13-16), request 4's (17).
     "kda-writes-other-request": [
         f"{SPECIALIZED} decode step 1: layers.4.kda.conv[3:4, 0:768, 0:3] (and 5 more) changed outside the declared "
         "write set",
         f"{SPECIALIZED} decode-single step 2: layers.4.kda.conv[5:6, 0:768, 0:3] (and 5 more) changed outside the "
         "declared write set",
+        *(
+            f"{SPECIALIZED} q4 {cell} step {step}: layers.4.kda.conv[{slot}:{slot + 1}, 0:768, 0:6] (and 5 more) "
+            "changed outside the declared write set"
+            for cell, step, slot in (
+                ("verify-first", 1, 9),
+                ("verify-accepted", 2, 9),
+                ("verify-single", 3, 17),
+                ("verify-again", 4, 17),
+            )
+        ),
     ],
     "stock-claimed-specialized": [
-        f"{SPECIALIZED}: stock code ran inside specialized provider calls, first at step 1 layer 4 kda"
+        f"{SPECIALIZED}: stock code ran inside specialized provider calls, first at step 1 layer 4 kda",
+        f"{SPECIALIZED} q4: stock code ran inside specialized provider calls, first at step 1 layer 4 kda",
     ],
 }
 

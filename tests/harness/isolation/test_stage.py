@@ -160,7 +160,9 @@ def test_runtime_half_on_cpu_smoke_writes_ledgers_timeline_and_coverage(tmp_path
     assert all(c.name.startswith("runtime: ") for c in half.checks[:-1])
     assert sorted(half.evidence) == [
         "stages/isolation/coverage.json",
+        "stages/isolation/ledger-tp1-auto-q4.json",
         "stages/isolation/ledger-tp1-auto.json",
+        "stages/isolation/ledger-tp2-auto-q4.json",
         "stages/isolation/ledger-tp2-auto.json",
         "stages/isolation/timeline.json",
     ]
@@ -170,13 +172,18 @@ def test_runtime_half_on_cpu_smoke_writes_ledgers_timeline_and_coverage(tmp_path
     not_run = {i["name"]: i["reason"] for i in half.metrics["not_run"]}
     assert (
         "specialized kernels are not built"
-        in not_run["runtime: tp1 latency_specialized, tp2 latency_specialized: every cell"]
+        in not_run[
+            "runtime: tp1 latency_specialized, tp1 latency_specialized q4, tp2 latency_specialized, "
+            "tp2 latency_specialized q4: every cell"
+        ]
     )
     coverage = next(reason for name, reason in not_run.items() if name.startswith("line coverage"))
     assert coverage.startswith("no file matches k3_decode/kernels/**/*.py")
     assert [t["title"] for t in half.metrics["timelines"]] == [
         "Fallback timeline: tp1 auto",
+        "Fallback timeline: tp1 auto q4",
         "Fallback timeline: tp2 auto",
+        "Fallback timeline: tp2 auto q4",
     ]
     assert json.loads((tmp_path / "bundle" / "stages/isolation/coverage.json").read_text())["fraction"] is None
 

@@ -79,7 +79,8 @@ class AfterHonest:
     launches: Mapping[str, int] = field(default_factory=lambda: {"K3TestKda": 1})
 
     def bind(self, target: ProviderTarget) -> Mapping[str, Callable[..., Any]]:
-        honest = RedTeamKdaProvider("honest").bind(target)["kda_decode"]
+        bound = RedTeamKdaProvider("honest").bind(target)
+        honest = bound["kda_decode"]
         steps: dict[int, int] = {}
 
         def kda_decode(packed: Tensor, weights: Any, cache: KdaCache, slots: Tensor) -> Tensor:
@@ -88,7 +89,9 @@ class AfterHonest:
             spoiled = self.spoil(cache, slots[slots > 0].long(), n, out)
             return out if spoiled is None else spoiled
 
-        return {"kda_decode": kda_decode}
+        # The equivalence run makes decode steps only; the verify call is bound because the executor demands
+        # every call of the op, and it stays honest.
+        return {"kda_decode": kda_decode, "kda_verify": bound["kda_verify"]}
 
 
 def drifting(eps: float) -> AfterHonest:

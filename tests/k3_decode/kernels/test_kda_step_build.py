@@ -190,7 +190,7 @@ def test_the_kda_step_provider_is_registered_and_binds_its_call_only_on_a_gpu():
     assert dict(pending.launches) == {"KdaStepKernel": 1}  # a substring of the kernel's CUDA name
     assert "KdaStepKernel" in providers._launch_counts()  # its device counter can be read
     assert pending.max_rows(8) is None and pending.max_rows(16) is None  # not measured yet: not limited
-    assert [call for call, ops in RUNNER_CALLS["kda"][1].items() if "kda" in ops] == ["kda_decode"]
+    assert [call for call, ops in RUNNER_CALLS["kda"][1].items() if "kda" in ops] == ["kda_decode", "kda_verify"]
     with pytest.raises(providers.ProviderBindError, match="runs on a CUDA device"):
         pending.bind(ProviderTarget(K3, 8, 0, torch.device("cpu")))
 

@@ -189,9 +189,10 @@ def _bind_anywhere(monkeypatch):
 
 @needs_torch
 def test_the_kda_step_provider_binds_exactly_the_calls_the_runner_makes(monkeypatch):
-    """Today the runner makes kda_decode only (executor RUNNER_CALLS): the provider binds it alone, as the executor's
-    bind check demands. Once RUNNER_CALLS carries kda_verify too, the provider binds it, to the verify launcher; a
-    call of op kda it has no kernel for is a bind error, not a silent stock call."""
+    """The runner makes kda_decode on decode steps and kda_verify on verify steps (executor RUNNER_CALLS): the
+    provider binds both, as the executor's bind check demands, kda_verify to the verify launcher; with the verify
+    call taken out of RUNNER_CALLS it binds kda_decode alone; a call of op kda it has no kernel for is a bind error,
+    not a silent stock call."""
     import torch
 
     from k3_decode.executor import executor
@@ -201,10 +202,7 @@ def test_the_kda_step_provider_binds_exactly_the_calls_the_runner_makes(monkeypa
     pending = next(p for p in providers.PROVIDERS if p.op == "kda")
     target = ProviderTarget(K3, 16, 0, torch.device("cpu"))
     _bind_anywhere(monkeypatch)
-    assert list(pending.bind(target)) == ["kda_decode"]
-
     side, calls = executor.RUNNER_CALLS["kda"]
-    monkeypatch.setitem(executor.RUNNER_CALLS, "kda", (side, {**calls, "kda_verify": ("kda",)}))
     bound = pending.bind(target)
     assert sorted(bound) == ["kda_decode", "kda_verify"]
     seen = []
@@ -214,6 +212,10 @@ def test_the_kda_step_provider_binds_exactly_the_calls_the_runner_makes(monkeypa
     ((got_spec, weights, got_packed, got_cache, got_slots, got_accepted),) = seen
     assert got_spec == spec and weights == "weights" and got_cache is cache
     assert got_packed.is_contiguous() and torch.equal(got_slots, slots) and torch.equal(got_accepted, accepted)
+
+    decode_only = {c: ops for c, ops in calls.items() if c != "kda_verify"}
+    monkeypatch.setitem(executor.RUNNER_CALLS, "kda", (side, decode_only))
+    assert list(pending.bind(target)) == ["kda_decode"]
 
     monkeypatch.setitem(executor.RUNNER_CALLS, "kda", (side, {**calls, "kda_prefill": ("kda",)}))
     with pytest.raises(providers.ProviderBindError, match=r"\['kda_prefill'\]"):

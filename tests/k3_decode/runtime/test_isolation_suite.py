@@ -19,6 +19,9 @@ from k3_decode.runtime.ledger import Ledger
 from k3_decode.runtime.writeset import Region, WriteSet
 
 CELLS = [c.name for c in suite_data().cells]
+SPECULATIVE = suite_data().speculative
+assert SPECULATIVE is not None
+VERIFY_RUN = f"q{1 + SPECULATIVE.num_speculative_tokens}"  # the speculative runs' name suffix
 
 
 def _run(suite: K3IsolationSuite):
@@ -41,15 +44,40 @@ def test_the_stock_path_passes_every_check_of_every_eager_cell(stock):
     assert "tp1 auto: weights bit-identical after every step" in names
     assert "tp1 auto: every op the executor ran is the path its ledger records (op log)" in names
     assert not any("provider calls" in n for n in names)  # no provider ran, so the probe proves nothing here
+    for cell in SPECULATIVE.cells:
+        assert sum(n.startswith(f"tp1 auto {VERIFY_RUN} {cell.name} step ") for n in names) == 1, names
+    assert f"tp1 auto {VERIFY_RUN}: every op the executor ran is the path its ledger records (op log)" in names
+
+
+def test_the_speculative_run_makes_verify_steps_with_the_cells_accepted_counts(stock):
+    """The verify cells run as verify steps: q tokens per request in the ledger, the stock kda_verify in the op log
+    (so the specialized path's verify body is what a GPU run reaches), and each request's q slots written."""
+    evidence, _ = stock
+    run = next(r for r in evidence.runs if r.name == f"tp1 auto {VERIFY_RUN}")
+    ledger = Ledger.from_json(run.ledger)
+    q = 1 + SPECULATIVE.num_speculative_tokens
+    verify_steps = [s for s, c in run.cells.items() if c.startswith("verify")]
+    assert len(verify_steps) == sum(c.kind == "verify" for c in SPECULATIVE.cells) >= 2
+    for cell in (c for c in SPECULATIVE.cells if c.kind == "verify"):
+        (step,) = [s for s, c in run.cells.items() if c == cell.name]
+        records = [r for r in ledger.records() if r.step == step]
+        assert {(r.tokens_per_request, r.batch) for r in records} == {(q, len(cell.verify))}
+        assert all(f"num_accepted a = {list(cell.accepted)}" in r.reason for r in records)
+    assert {c.accepted for c in SPECULATIVE.cells if c.kind == "verify"} != {(1,) * 2}  # counts vary
+    (wrote,) = [w.wrote for w in run.steps if w.cell == "verify-single"]
+    first = 1 + 3 * q  # request 3's q slots
+    assert wrote.startswith(f"KDA slots {first}-{first + q - 1} of layers 4-6; MLA cache"), wrote
+    assert wrote.endswith("nothing else changed"), wrote
 
 
 def test_what_could_not_run_is_said_with_its_reason(stock):
     evidence, _ = stock
     not_run = {n.name: n.reason for n in evidence.not_run}
     assert not_run["tp1 auto: graph-decode cell"] == "CUDA graphs need a CUDA device; this run is on the CPU"
-    assert "specialized kernels are not built" in not_run["tp1 latency_specialized: every cell"]
+    every = f"tp1 latency_specialized, tp1 latency_specialized {VERIFY_RUN}: every cell"
+    assert "specialized kernels are not built" in not_run[every]
     assert "the CPU has neither" in not_run["every run: device-side execution counters and profiler kernel names"]
-    assert [r.name for r in evidence.runs] == ["tp1 auto"]
+    assert [r.name for r in evidence.runs] == ["tp1 auto", f"tp1 auto {VERIFY_RUN}"]
 
 
 def test_the_ledger_evidence_is_valid_and_carries_each_cells_expectation(stock):
@@ -75,6 +103,12 @@ def test_an_honest_specialized_provider_passes(honest):
     assert "tp1 latency_specialized: no stock code ran inside the 6 specialized provider calls" in names
     summary = evidence.runs[0].ledger["summary"]["dispatches"]
     assert summary["by_op"]["kda"] == {"specialized": 6, "stock": 6}  # 3 KDA layers x 2 decode steps; prefill, mixed
+    # The speculative run: every verify step's KDA layers through the provider's verify call, the prefill stock.
+    verify_cells = sum(c.kind == "verify" for c in SPECULATIVE.cells)
+    run = f"tp1 latency_specialized {VERIFY_RUN}"
+    assert f"{run}: no stock code ran inside the {3 * verify_cells} specialized provider calls" in names
+    summary = evidence.runs[1].ledger["summary"]["dispatches"]
+    assert summary["by_op"]["kda"] == {"specialized": 3 * verify_cells, "stock": 3}
 
 
 def test_the_timeline_says_when_the_specialized_path_ran_and_why_execution_returned_to_stock(honest):
@@ -99,7 +133,10 @@ def test_a_cell_whose_specialized_path_falls_back_to_stock_fails():
     suite.scope = scope
     evidence, records = _run(suite)
     assert derive_verdict(records.to_json()).verdict is Verdict.FAILED
-    (failed,) = [c for c in evidence.checks if not c.passed]
+    # The plain run's decode cell; the speculative run's verify cells of 2 x q rows are not prepared either.
+    (failed,) = [
+        c for c in evidence.checks if not c.passed and not c.name.startswith(f"tp1 latency_specialized {VERIFY_RUN}")
+    ]
     assert (
         failed.name == "tp1 latency_specialized decode: the dispatch ledger shows the expected specialized (where "
         "the op table says) path"
@@ -141,8 +178,14 @@ def _raw() -> dict:
         (lambda raw: raw.update(backends=["fast"]), "must be decode backends"),
         (lambda raw: raw.update(cells=[]), "has no \\[\\[cells\\]\\]"),
         (lambda raw: raw["cells"][0].update(kind="verify"), r"cells\[0\]: kind 'verify' is not one of"),
+        (lambda raw: raw["speculative"]["cells"][1].update(kind="decode"), r"speculative.cells\[1\]: kind 'decode'"),
+        (lambda raw: raw["speculative"]["cells"][1].update(accepted=[1]), "one count >= 1 per verify request"),
+        (lambda raw: raw["speculative"].update(num_speculative_tokens=0), "must be an integer >= 1"),
         (lambda raw: raw["cells"][1].update(expect="fast"), r"cells\[1\]: expect 'fast'"),
-        (lambda raw: raw["cells"][1].update(prefill={"0": 1}), r"a decode cell needs prefill False and decode True"),
+        (
+            lambda raw: raw["cells"][1].update(prefill={"0": 1}),
+            r"a decode cell needs prefill False, decode True and verify False",
+        ),
         (lambda raw: raw["cells"][1].update(replays=2), "replays applies to graph cells only"),
         (lambda raw: raw["cells"][1].update(speed=2), r"unknown keys \['speed'\]"),
     ],

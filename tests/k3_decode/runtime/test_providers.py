@@ -111,7 +111,7 @@ def test_providers_are_told_whether_the_runner_combines_partials_across_ranks():
             targets.append(target)
             return self.calls
 
-    ex = specialized(Recording({"kda_decode": lambda *a: None}))
+    ex = specialized(Recording({"kda_decode": lambda *a: None, "kda_verify": lambda *a: None}))
     (target,) = targets
     assert target.combines_partials() is False  # one rank's shard alone: the all-reduces are elided
     ex.runner.row_parallel = UnfusedRowParallel(lambda partial: partial)
@@ -129,7 +129,7 @@ def test_the_runner_calls_map_to_the_op_tables_ops():
 def test_a_provider_that_calls_the_executors_stock_op_is_caught_by_the_op_log():
     """Broken case of the op-log join: the ledger records specialized, the stock ops ran for it."""
     holder: dict[str, Any] = {}
-    ex = specialized(Provider({"kda_decode": lambda *a: holder["stock"](*a)}))
+    ex = specialized(Provider({"kda_decode": lambda *a: holder["stock"](*a), "kda_verify": lambda *a: None}))
     holder["stock"] = ex.attention.kda_decode
     ex.step(decode_requests(ex, [0], seed=1))
     found = op_log_mismatches(ex)
