@@ -52,7 +52,12 @@ def start_rank(
     if weights is not None:
         kwargs["weights"] = weights
     executor = StackExecutor.start(
-        config, {"decode_backend": spec.decode_backend}, device=group.device, gather=group.gather_verdicts, **kwargs
+        config,
+        {"decode_backend": spec.decode_backend},
+        device=group.device,
+        gather=group.gather_verdicts,
+        tp_all_reduce=group.world > 1,
+        **kwargs,
     )
     transport = build(spec.transport, group, max_rows=config.max_requests, max_width=config.dims.hidden_size)
     if spec.fused:

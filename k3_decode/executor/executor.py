@@ -310,11 +310,14 @@ class StackExecutor:
         registry: ProviderRegistry = PROVIDERS,
         scope: RuntimeScope | None = None,
         table: OpTable | None = None,
+        tp_all_reduce: bool = False,
         **kwargs: Any,
     ) -> StackExecutor:
         """Start-up through the runtime (backend, scope checks), then build. Raises the runtime's one-line errors.
 
         `gather`: every TP rank's scope verdict (k3_decode.distributed), so the ranks agree before anything is built.
+        `tp_all_reduce`: the caller will combine row-parallel partials across ranks (k3_decode.distributed sets the
+        runner's all-reduces); the plan then keeps stock the ops whose provider cannot serve that.
         `registry`, `scope`, `table`: the runtime's defaults (the shipped providers, scope file and op table) unless
         a test or red-team case starts a private deployment.
         """
@@ -339,6 +342,7 @@ class StackExecutor:
             cudagraph_mode="full_decode_only" if kind == "cuda" else "none",
             # In rows, as vLLM counts them: a request is q rows of a verify step.
             capture_sizes=tuple(sorted(b * config.tokens_per_request for b in config.graph_batches)),
+            tp_all_reduce=tp_all_reduce,
         )
         runtime = start(additional_config, deployment, gather=gather, scope=scope, table=table, registry=registry)
         return cls(config, runtime.planner(dims, config.layers), device=device, registry=runtime.registry, **kwargs)

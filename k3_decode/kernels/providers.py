@@ -83,6 +83,13 @@ class _CuteProvider:
     def max_rows(self, tp: int) -> tuple[int, str] | None:
         return max_rows(self.op, self.name, tp)
 
+    def refuses(self, tp_all_reduce: bool) -> str | None:
+        """Why this provider cannot serve a deployment whose TP all-reduces run (providers.toml), or None."""
+        entry = _limits().get(self.op, {})
+        if tp_all_reduce and entry.get("tp_all_reduce") is False:
+            return f"{self.name} serves one rank's shard alone ({entry['tp_all_reduce_why']})"
+        return None
+
     def device_counts(self) -> dict[str, int]:
         """Launches of this provider's kernels the device-side counters saw in this process (kernels/counters.py)."""
         readers = _launch_counts()
@@ -180,8 +187,10 @@ class CuteKdaOProjProvider(_CuteProvider):
     (OneLaunch), so the two runner calls of op o_proj (executor RUNNER_CALLS) are one kernel.
 
     One rank's shard alone only: with a TP all-reduce between o_proj and the AttnRes (k3_decode.distributed) the
-    partials would have to be combined inside the kernel, which is not built yet (kda_o_proj.py says where it goes),
-    so the o_proj call refuses such a stack rather than run either half apart.
+    partials would have to be combined inside the kernel, which is not built yet (kda_o_proj.py says where it goes).
+    So a deployment whose all-reduces run keeps o_proj stock (providers.toml tp_all_reduce, `refuses`; the plan
+    records why), and the o_proj call still refuses a stack that combines partials without having said so at
+    start-up, rather than run either half apart.
 
     Registered after tests/k3_decode/kernels/test_kda_o_proj_gpu.py passed on an H200 (TP8 B1: 8.5 us against
     14.5 us for cuBLAS + the AttnRes kernel)."""
@@ -202,7 +211,7 @@ class CuteKdaOProjProvider(_CuteProvider):
                 raise ProviderBindError(
                     "the fused o_proj + AttnRes kernel serves one rank's shard alone; this stack combines o_proj's "
                     "partials across ranks (a TP all-reduce) before the AttnRes, which the kernel does not do yet; "
-                    "keep o_proj stock here"
+                    "start the executor with tp_all_reduce=True so the plan keeps o_proj stock"
                 )
             return one.defer(o.contiguous(), weights.o_proj)
 

@@ -81,6 +81,17 @@ class ProviderRegistry:
                 limits[provider.op] = (int(limit[0]), limit[1])
         return limits
 
+    def kept_stock(self, tp_all_reduce: bool) -> dict[str, str]:
+        """Op -> why its provider cannot serve a deployment with (or without) the TP all-reduces, for providers
+        with a `refuses(tp_all_reduce)` that names a reason; the plan keeps those ops stock, with the reason."""
+        kept: dict[str, str] = {}
+        for provider in self._by_op.values():
+            refuses = getattr(provider, "refuses", None)
+            reason = refuses(tp_all_reduce) if refuses is not None else None
+            if reason is not None:
+                kept[provider.op] = reason
+        return kept
+
     def missing(self, table: OpTable) -> list[str]:
         """Ops the table routes to the specialized path that no provider serves, sorted."""
         return sorted(table.specialized_ops() - self.ops())

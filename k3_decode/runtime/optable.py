@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -27,12 +27,17 @@ class PartOps:
     stock_reason: str
 
     def path_on_specialized_step(
-        self, op: str, rows: int | None = None, limits: Mapping[str, tuple[int, str]] | None = None
+        self,
+        op: str,
+        rows: int | None = None,
+        limits: Mapping[str, tuple[int, str]] | None = None,
+        kept: Collection[str] = (),
     ) -> DispatchPath:
         """The op's path on a step the plan routes specialized: the op table's word, and, given the step's rows
-        and the providers' row limits (op -> (most rows served, why)), stock above its provider's limit. Tests and
-        perf cells declare their expectations with this, from the data, not from the planner's code."""
-        if op not in self.specialized:
+        and the providers' row limits (op -> (most rows served, why)), stock above its provider's limit; stock for
+        the ops `kept` stock at this deployment (backend.ProviderRegistry.kept_stock). Tests and perf cells declare
+        their expectations with this, from the data, not from the planner's code."""
+        if op not in self.specialized or op in kept:
             return "stock"
         limit = (limits or {}).get(op)
         return "stock" if rows is not None and limit is not None and rows > limit[0] else "specialized"
@@ -43,12 +48,17 @@ class OpTable:
     parts: dict[str, PartOps]
 
     def expected_paths(
-        self, dims: ModelDims, layers: Iterable[int], rows: int, limits: Mapping[str, tuple[int, str]]
+        self,
+        dims: ModelDims,
+        layers: Iterable[int],
+        rows: int,
+        limits: Mapping[str, tuple[int, str]],
+        kept: Collection[str] = (),
     ) -> dict[tuple[int, str], DispatchPath]:
         """(layer, op) -> the path of each op of `layers` on a specialized step of `rows` rows (see
         PartOps.path_on_specialized_step)."""
         return {
-            (layer, op): part.path_on_specialized_step(op, rows, limits)
+            (layer, op): part.path_on_specialized_step(op, rows, limits, kept)
             for layer in layers
             for part, op in self.layer_ops(dims, layer)
         }

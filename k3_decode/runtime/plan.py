@@ -166,6 +166,9 @@ class Planner:
     # Per specialized op, the most rows its provider serves at this deployment and why (a kernel that loses to the
     # stock op above a batch size is not run there); an op without an entry is served at every prepared size.
     op_rows: Mapping[str, tuple[int, str]] = field(default_factory=dict)
+    # Specialized ops whose provider cannot serve this deployment at all, and why (backend.ProviderRegistry
+    # .kept_stock): stock on every step, each decision with that reason.
+    op_stock: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for layer in self.layers:
@@ -206,6 +209,8 @@ class Planner:
                 limit = self.op_rows.get(op)
                 if path == "specialized" and part.path_on_specialized_step(op) == "stock":
                     decisions.append(OpDecision(layer, op, "stock", part.stock_reason))
+                elif path == "specialized" and op in self.op_stock:
+                    decisions.append(OpDecision(layer, op, "stock", self.op_stock[op]))
                 elif path == "specialized" and limit is not None and rows > limit[0]:
                     decisions.append(OpDecision(layer, op, "stock", f"{rows} rows above the {limit[0]} {limit[1]}"))
                 else:

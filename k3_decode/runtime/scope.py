@@ -40,6 +40,10 @@ class Deployment:
     kda_recurrent_state_dtype: str
     cudagraph_mode: str
     capture_sizes: tuple[int, ...]  # CUDA-graph capture sizes in rows (vLLM cudagraph_capture_sizes)
+    # Whether the TP all-reduces run: True on a multi-GPU deployment, False where one rank's shard runs alone and
+    # they are the identity (the executor's per-rank shapes on one GPU). A provider that fuses past a row-parallel
+    # output (o_proj with the AttnRes after it) serves only the second kind until its fused all-reduce exists.
+    tp_all_reduce: bool
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):

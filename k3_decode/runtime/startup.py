@@ -43,6 +43,7 @@ class Runtime:
             dims=dims,
             layers=tuple(layers),
             op_rows=self.op_rows(),
+            op_stock=self.registry.kept_stock(self.deployment.tp_all_reduce),
         )
 
     def op_rows(self) -> dict[str, tuple[int, str]]:

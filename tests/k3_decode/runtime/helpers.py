@@ -32,6 +32,7 @@ def deployment(**overrides: Any) -> Deployment:
         kda_recurrent_state_dtype="float32",
         cudagraph_mode="full_and_piecewise",
         capture_sizes=CAPTURE_SIZES,
+        tp_all_reduce=True,
     )
     return dataclasses.replace(base, **overrides)
 

@@ -279,3 +279,44 @@ def test_the_shipped_limits_name_the_provider_tp_and_measurement():
     assert rows == 4 and why.startswith("rows cute-kda-in-proj serves at TP8 (cuBLAS is faster above")
     assert max_rows("in_proj", "cute-kda-in-proj", 16)[0] == 2
     assert max_rows("in_proj", "cute-kda-in-proj", 1) is None and max_rows("attn_res", "cute-attn-res", 8) is None
+
+
+# -- providers that cannot serve a deployment with the TP all-reduces ------------------------------------------------
+
+
+def test_an_op_whose_provider_refuses_the_all_reduce_runs_stock_with_the_reason():
+    @dataclasses.dataclass(frozen=True)
+    class SingleRank:
+        op: str
+        name: str
+        launches: dict
+
+        def refuses(self, tp_all_reduce: bool):
+            return "single-rank serves one rank's shard alone (no all-reduce epilogue)" if tp_all_reduce else None
+
+    reg = built_registry()
+    reg._by_op["o_proj"] = SingleRank("o_proj", "single-rank", {"K": 1})
+    assert reg.kept_stock(False) == {}
+    assert reg.kept_stock(True) == {"o_proj": "single-rank serves one rank's shard alone (no all-reduce epilogue)"}
+    for combined in (False, True):
+        planner = start(SPECIALIZED, deployment(tp_all_reduce=combined), registry=reg).planner(K3, [0, 1, 3])
+        plan = planner.plan(decode(2))
+        paths = {(d.layer, d.op): (d.path, d.reason) for d in plan.decisions}
+        assert plan.path == "specialized" and paths[(1, "kda")][0] == "specialized"
+        o_proj = [v for (layer, op), v in paths.items() if op == "o_proj" and layer != 3]  # layer 3 is MLA
+        if combined:
+            assert o_proj and all(v == ("stock", reg.kept_stock(True)["o_proj"]) for v in o_proj)
+        else:
+            assert o_proj and all(v[0] == "specialized" for v in o_proj)
+        expected = planner.table.expected_paths(K3, [1], 2, {}, planner.op_stock)
+        assert expected[(1, "o_proj")] == ("stock" if combined else "specialized")
+        assert expected == {(1, op): p for (layer, op), (p, _) in paths.items() if layer == 1}
+
+
+def test_the_shipped_o_proj_provider_keeps_o_proj_stock_where_the_all_reduces_run():
+    from k3_decode.kernels.providers import CuteKdaInProjProvider, CuteKdaOProjProvider, CuteKdaStepProvider
+
+    reason = CuteKdaOProjProvider().refuses(True)
+    assert reason is not None and reason.startswith("cute-kda-o-proj serves one rank's shard alone (the TP all-reduce")
+    assert CuteKdaOProjProvider().refuses(False) is None
+    assert CuteKdaStepProvider().refuses(True) is None and CuteKdaInProjProvider().refuses(True) is None
