@@ -189,3 +189,49 @@ def test_the_o_proj_provider_matches_the_stock_ops(tp: int) -> None:
     partial = fns["kda_o_proj"](o, attention)
     with pytest.raises(FusedCallError, match="another tensor"):
         fns["attn_res_after"](mine, layer_index, partial.clone(), residual)
+
+
+# --- verify steps of a speculative stack through the layer runner ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def verify_pair():
+    """TP8, q = 4: one request is 4 rows, a prepared size every provider serves (providers.toml), so the KDA layer's
+    verify runs the KDA step kernel's verify entry (KdaStepKernel.verify) beside the other three kernels."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = load_stack("k3-kda-mla", 8, max_requests=2, max_context=1024, graph_batches=(1,), num_speculative_tokens=3)
+    stock = StackExecutor.start(config, device="cuda", log=lambda line: None)
+    special = StackExecutor.start(config, SPECIALIZED, device="cuda", weights=stock.weights, log=lambda line: None)
+    for ex in (stock, special):
+        ex.state.fill_synthetic(range(2), 600, seed=4)
+    yield stock, special
+    del stock, special
+    torch.cuda.empty_cache()
+
+
+def test_verify_steps_run_the_kernels_verify_entry_and_agree_with_stock_verify(verify_pair) -> None:
+    """Two verify steps of request 0 from the same state (accepted 1, then 3: the second reads slot[b, 2]): the
+    first layer's attention output within the bound of the decode comparison above, the ledger routes every op of
+    the KDA layer to its provider, the op log shows the four kernels and no stock op in their place, and the q
+    recurrent states the step wrote agree with stock's."""
+    from k3_decode.executor import StepRequest, random_input
+
+    stock, special = verify_pair
+    layer = special.config.kda_layers[0]
+    for seed, accepted in ((30, 1), (31, 3)):
+        tokens = random_input(special.dims, special.config.layers[0], 4, seed=seed)
+        got = special.step([StepRequest(0, tokens, num_accepted=accepted)], trace=True)
+        want = stock.step([StepRequest(0, tokens, num_accepted=accepted)], trace=True)
+        assert got.trace is not None and want.trace is not None
+        first = _rms_rel(got.trace[0].attn_output, want.trace[0].attn_output)
+        print(f"METRIC verify TP8 q4 accepted {accepted}: first-layer attention output rms_rel vs stock {first:.2e}")
+        assert 0 < first < PATHS_RMS_REL
+        paths = _paths(special, got.step)
+        assert all(paths[(layer, op)][0] == "specialized" for op in ("attn_res", "in_proj", "kda", "o_proj")), paths
+        ran = {e.record.op for e in special.op_log if e.step == got.step and e.source == "provider"}
+        assert ran == {"cute-attn-res", "cute-kda-in-proj", "cute-kda-step", "cute-kda-o-proj"}
+        slots = list(special.state.kda_slots(0))
+        a = special.state.kda[layer].recurrent[slots]
+        b = stock.state.kda[layer].recurrent[slots]
+        assert _rms_rel(a, b) < PATHS_RMS_REL
+    assert op_log_mismatches(special) == []
