@@ -59,10 +59,11 @@ def _restore(ex: StackExecutor, snap: tuple[dict, dict, list[int]]) -> None:
 
 
 def test_an_unpadded_graph_step_is_bitwise_the_eager_step(real) -> None:
-    """Same rows and the same MLA split count (the eager step's contexts of 801 and the graph's max_context 1024
-    give the same count, checked below, since the split count changes the LSE merge order): same bits."""
+    """Same rows and the same MLA split count (the eager step's contexts of 1001 and the graph's max_context 1024
+    give the same count, checked below, since the split count changes the LSE merge order): same bits. (At 801 the
+    one-wave split policy of a3ad2f6 picks 7 splits against the graph's 8: an H200 run at fda4029 failed so.)"""
     ex = real
-    ex.state.fill_synthetic(range(8, 16), 800, seed=5)
+    ex.state.fill_synthetic(range(8, 16), 1000, seed=5)
     name = ex.capture(5)
     reqs = decode_requests(ex, [11, 8, 12, 9, 10], seed=6)
     snap = _snapshot(ex)
