@@ -7,13 +7,17 @@ candidate arm runs the stock path too and says so in every record: its ratio is 
 only the plumbing and the verdict logic.
 
 - Timing. A sample is several steps back to back (harness/perf/timing.py chooses how many). On a GPU, a pure decode
-  cell of one token per request replays the arm's CUDA graph of the stack; mixed and verify (q > 1) steps cannot be
-  captured, so they run eagerly. Both are timed by CUDA events with one host sync per sample: an eager step is
-  host-launch bound, and the events see the host's launch time as the gaps it leaves on the stream. With the L2
-  flush on, each step has its own pair of events and the flush is enqueued before the start event. CPU steps are
+  cell of one token per request replays the arm's CUDA graph of the stack; mixed and verify (q > 1) steps are not
+  captured, so they run eagerly. A verify cell of q tokens per request runs on a speculative stack of its own
+  (q - 1 speculative tokens, the same weights): each step is one verify iteration over B x q rows, the KDA layers
+  through the verify kernels, as the executor runs verify steps; every run reads the state of one accepted token.
+  Both are timed by CUDA events with one host sync per sample: an eager step is host-launch bound, and the events
+  see the host's launch time as the gaps it leaves on the stream. With the L2 flush on, each step has its own pair
+  of events and the flush is enqueued before the start event. CPU steps are
   timed by the process's CPU time, not the wall clock: other processes on a shared machine then cannot stretch one
   arm's run. Timed steps do not advance any request: a replay rewrites the same cache row, and an eager step's
-  context lengths are put back after it, so every run of a cell does the same work.
+  context lengths (and a verify step's unconfirmed tokens) are put back after it, so every run of a cell does the
+  same work.
 - Per-layer time and launches. GPU graph cells: one CUDA graph per layer, timed like the stack (the mean of
   `[profile] graph_replays` replays after an untimed one: single replays of a 0.25 ms layer graph varied by 10-20%
   between profiled runs on the H200, enough to fail the Amdahl check of an A/A run), its launches counted by
@@ -163,7 +167,10 @@ class K3Arm:
         first = ex.config.layers[0]
         q = cell.tokens_per_request
         entry = random_input(self.dims, first, cell.batch * q, seed, self.device)
-        self.requests = [StepRequest(r, entry.rows(slice(r * q, (r + 1) * q))) for r in decode]
+        # On the cell's speculative stack a verify step says how many tokens the previous one accepted: one, since
+        # every run starts where fill_synthetic put the request (_restore), as the first verify after a prefill.
+        accepted = 1 if ex.config.tokens_per_request > 1 else None
+        self.requests = [StepRequest(r, entry.rows(slice(r * q, (r + 1) * q)), num_accepted=accepted) for r in decode]
         if cell.workload == "mixed":
             assert cell.prefill_tokens is not None  # the plan requires it for mixed sweeps
             ex.state.fill_synthetic([cell.batch], 0, seed=seed + 1)  # a new prompt: its first chunk
@@ -194,9 +201,11 @@ class K3Arm:
     # -- helpers --------------------------------------------------------------------------------------------
 
     def _restore(self) -> None:
-        """Put the context lengths back: the next run does the same work (see the module doc)."""
+        """Put the context lengths back (and forget a verify step's unconfirmed tokens): the next run does the same
+        work (see the module doc)."""
         for r, n in self.contexts.items():
             self.ex.state.context_lens[r] = n
+            self.ex.state.unconfirmed[r] = 0
 
     def _flush(self) -> None:
         if self.flush_buffer is not None:
@@ -436,9 +445,10 @@ class K3Arm:
 
 @dataclass
 class _Stack:
-    """Both arms' executors for one TP size, over one set of weights."""
+    """Both arms' executors for one TP size and tokens per request, over one set of weights."""
 
     tp: int
+    q: int  # 1: decode and mixed cells; q > 1: a speculative stack of q - 1 tokens for the verify cells of that q
     config: StackConfig
     arms: dict[str, StackExecutor]
 
@@ -472,6 +482,7 @@ class K3PerfSuite:
             "candidate": resolve_backend("perf.candidate_backend", settings.candidate_backend, table, registry),
         }
         self._stack: _Stack | None = None
+        self._weights: tuple[int, dict[int, LayerWeights]] | None = None  # (TP, the layers its stacks share)
         self._flush: torch.Tensor | None = None
         self.info = self._info(subject, cells)
 
@@ -535,7 +546,7 @@ class K3PerfSuite:
         return copy_bandwidth(self.device, perf_data().copy_bytes[self.device.type])
 
     def prepare(self, cell: Cell, settings: Settings) -> PreparedCell:
-        stack = self._stack_for(cell.tp)
+        stack = self._stack_for(cell.tp, self._q(cell))
         graph = self._graph(cell)
         flush = self._flush_buffer() if settings.l2_flush else None
         part_bytes = self._part_bytes(stack.arms["baseline"], cell)
@@ -553,6 +564,7 @@ class K3PerfSuite:
 
     def _release_stack(self) -> None:
         self._stack = None
+        self._weights = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -567,20 +579,34 @@ class K3PerfSuite:
             self._flush = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._flush
 
-    def _stack_for(self, tp: int) -> _Stack:
-        if self._stack is not None and self._stack.tp == tp:
+    @staticmethod
+    def _q(cell: Cell) -> int:
+        """The tokens per request of the stack a cell runs on: its q for a verify cell, else 1."""
+        return cell.tokens_per_request if cell.workload == "decode" else 1
+
+    def _stack_for(self, tp: int, q: int = 1) -> _Stack:
+        if self._stack is not None and (self._stack.tp, self._stack.q) == (tp, q):
             return self._stack
-        self._release_stack()  # one TP size's executors at a time: give the last one's memory back first
-        cells = [c for c in self.cells if c.tp == tp]
-        graph_batches = sorted({c.batch for c in cells if self._graph(c)}) or [1]
+        weights = self._weights[1] if self._weights is not None and self._weights[0] == tp else None
+        self._release_stack()  # one stack's executors at a time: give the last one's memory back first
+        cells = [c for c in self.cells if c.tp == tp and self._q(c) == q]
+        # A speculative stack captures no graphs; its prepared sizes are still its capture sizes (b x q rows).
+        graph_batches = sorted({c.batch for c in cells if self._graph(c) or q > 1}) or [1]
         max_requests = max([c.batch + int(c.workload == "mixed") for c in cells] + graph_batches)
-        # Room for the cell's tokens (and the traced step's one) past its context, and for a prefill chunk.
+        # Room for the cell's tokens (and the traced step's) past its context, and for a prefill chunk.
         max_context = max(max(c.context + c.tokens_per_request + 1, (c.prefill_tokens or 0) + 1) for c in cells)
         config = load_stack(
-            self.stack_name, tp, max_requests=max_requests, max_context=max_context, graph_batches=graph_batches
+            self.stack_name,
+            tp,
+            max_requests=max_requests,
+            max_context=max_context,
+            graph_batches=graph_batches,
+            num_speculative_tokens=q - 1,
         )
-        gen = SyntheticWeights(config.dims, tp, config.rank, seed=config.seed, device=self.device)
-        weights: dict[int, LayerWeights] = {i: gen.layer(i) for i in config.layers}
+        if weights is None:  # the verify cells' stacks of a TP size share its decode stack's weights
+            gen = SyntheticWeights(config.dims, tp, config.rank, seed=config.seed, device=self.device)
+            weights = {i: gen.layer(i) for i in config.layers}
+        self._weights = (tp, weights)
         arms = {
             name: StackExecutor.start(
                 config,
@@ -592,21 +618,27 @@ class K3PerfSuite:
             )
             for name, b in self.backends.items()
         }
-        self._stack = _Stack(tp, config, arms)
+        self._stack = _Stack(tp, q, config, arms)
         return self._stack
 
     def _part_bytes(self, ex: StackExecutor, cell: Cell) -> dict[int, int]:
         """Least bytes per layer of one decode iteration of the cell's decode rows, with the distinct experts they
-        route to in a traced step (run on `ex` at the cell's context, which is put back afterwards)."""
+        route to in a traced step (run on `ex` at the cell's context, which is put back afterwards). On a verify
+        cell's speculative stack the traced step is a verify step: its B x q rows route to the experts it reads."""
         seed = _seed(cell)
         rows = list(range(cell.batch))
         ex.state.fill_synthetic(rows, cell.context, seed=seed)
-        x = random_input(ex.dims, ex.config.layers[0], cell.batch, seed, ex.device)
+        q = ex.config.tokens_per_request
+        x = random_input(ex.dims, ex.config.layers[0], cell.batch * q, seed, ex.device)
+        accepted = 1 if q > 1 else None
         try:
-            traced = ex.step([StepRequest(r, x.rows(slice(r, r + 1))) for r in rows], trace=True)
+            traced = ex.step(
+                [StepRequest(r, x.rows(slice(r * q, (r + 1) * q)), num_accepted=accepted) for r in rows], trace=True
+            )
         finally:
             for r in rows:
                 ex.state.context_lens[r] = cell.context
+                ex.state.unconfirmed[r] = 0
         assert traced.trace is not None
         unique = {t.layer: int(t.expert_ids.unique().numel()) for t in traced.trace if t.expert_ids is not None}
         seq_lens = (cell.context + 1,) * cell.batch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -125,6 +126,21 @@ def test_timed_runs_leave_every_request_where_the_cell_put_it(measured):
     assert mixed.contexts == {0: 9, 1: 0}  # the prefill request starts a new prompt each run
 
 
+def test_a_verify_cell_runs_verify_steps_on_a_speculative_stack(measured):
+    """q = 2: each timed step is one verify iteration (the ledger's records carry q = 2, the KDA layers ran the stock
+    verify op, never a decode op), over the decode cell's weights, and leaves no unconfirmed tokens behind."""
+    _, out = measured
+    prepared, _ = out["decode2"]
+    arm = prepared.baseline
+    assert arm.ex.config.num_speculative_tokens == 1
+    assert arm.ex.weights[4].attention is out["decode1"][0].baseline.ex.weights[4].attention
+    window = arm.ex.ledger.since(arm._since).records()
+    assert window and {r.tokens_per_request for r in window} == {2}
+    ops = {e.record.op for e in arm.ex.op_log if e.layer in arm.ex.config.kda_layers}
+    assert "kda_verify" in ops and "kda_decode" not in ops, ops
+    assert all(arm.ex.state.unconfirmed[r] == 0 for r in arm.contexts)
+
+
 def test_the_arms_are_separate_executors_over_shared_weights(measured):
     _, out = measured
     prepared, _ = out["decode1"]
@@ -197,12 +213,14 @@ class _CountingKdaProvider:
     name: str = "counting-kda"
     launches: dict[str, int] = field(default_factory=lambda: {"K3CountingKda": 1})
     calls: list[int] = field(default_factory=lambda: [0, 0])  # launches, counted launches
+    by_call: Counter = field(default_factory=Counter)  # launches per runner call (kda_decode, kda_verify)
 
     def bind(self, target):
         honest = RedTeamKdaProvider("honest").bind(target)
 
         def counting(call):
             def counted(*args):
+                self.by_call[call] += 1
                 self.calls[0] += 1
                 self.calls[1] += self.calls[0] != self.miss
                 return honest[call](*args)
@@ -246,7 +264,9 @@ def test_each_cell_is_judged_on_its_own_dispatches_and_the_device_counters():
     provider = _CountingKdaProvider()
     mismatches = _specialized_cells(provider)
     assert len(mismatches) == 3 and all(m == [] for m in mismatches.values()), mismatches
-    assert provider.calls[0] > 0  # the decode cell's expectations held the KDA core specialized, and it ran
+    # The decode cell's expectations held the KDA core specialized, and it ran; the verify cell ran it through the
+    # verify call (its own speculative stack), not as q decode iterations.
+    assert provider.by_call["kda_decode"] > 0 and provider.by_call["kda_verify"] > 0, provider.by_call
 
 
 def test_a_specialized_kernel_the_counters_did_not_see_fails_its_cell():
