@@ -3,7 +3,11 @@
 The numerics stage runs this as a partial implementation beside the stock one: every grid cell of a replaced op
 runs through the kernel and is judged against the oracle with the same tolerances and hygiene probes as stock.
 AttnRes runs the kernel at every site of the grid (before attention, after it, final), not only the site its
-provider serves today, so the kernel's numerics are known wherever it may be used.
+provider serves today, so the kernel's numerics are known wherever it may be used. The KDA decode and verify cells
+run the fused KDA step kernel (f_b, conv, norms, gates, the delta rule and the gated norm in one launch) on the
+cell's packed rows, state and slot table; the stock op it replaces also takes the f_b GEMM, which the cell's packed
+row feeds it, so both are judged from the same inputs. (The input projection and o_proj kernels replace GEMMs the
+grid has no op for; their own GPU tests judge them against exact products.)
 Where the kernels cannot run (no CuTe DSL, no sm_90 GPU) there is no implementation, and `not_run_reason` says why.
 """
 
@@ -16,7 +20,9 @@ from torch import Tensor
 from harness.numerics.cells import Impl, OpCall
 from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
 from k3_decode.config import ModelDims
+from k3_decode.reference import kda as ref_kda
 from k3_decode.reference.attn_res import MixWeights
+from suites.k3.kda import WEIGHT_NAMES as KDA_WEIGHT_NAMES
 
 NAME = "specialized"
 BACKEND = "cute-dsl"
@@ -33,7 +39,26 @@ class SpecializedAdapters:
     dims: ModelDims
 
     def ops(self) -> dict[str, Impl]:
-        return {"attn_res": self.attn_res}
+        return {"attn_res": self.attn_res, "kda_decode": self.kda_decode, "kda_verify": self.kda_verify}
+
+    def _kda(self, call: OpCall) -> tuple[ref_kda.KdaSpec, ref_kda.KdaWeights, ref_kda.KdaCache]:
+        t = call.tensors
+        weights = ref_kda.KdaWeights(**{k: t[k] for k in KDA_WEIGHT_NAMES})
+        cache = ref_kda.KdaCache(conv=t["conv_state"], recurrent=t["recurrent_state"])  # updated in place
+        return ref_kda.KdaSpec.for_rank(self.dims, call.args["tp"]), weights, cache
+
+    def kda_decode(self, call: OpCall) -> dict[str, Tensor]:
+        from k3_decode.kernels import kda_step_op
+
+        spec, weights, cache = self._kda(call)
+        return {"out": kda_step_op.decode_step(spec, weights, call.tensors["packed"], cache, call.tensors["slots"])}
+
+    def kda_verify(self, call: OpCall) -> dict[str, Tensor]:
+        from k3_decode.kernels import kda_step_op
+
+        spec, weights, cache = self._kda(call)
+        t = call.tensors
+        return {"out": kda_step_op.verify_step(spec, weights, t["packed"], cache, t["slots"], t["num_accepted"])}
 
     def attn_res(self, call: OpCall) -> dict[str, Tensor]:
         from k3_decode.kernels import attn_res_op

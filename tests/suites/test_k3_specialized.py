@@ -1,8 +1,9 @@
 """The specialized implementation of the K3 suite: where the CuTe DSL kernels cannot run it is listed as not run
-with the reason (never counted as tested), and its adapter hands each grid cell's AttnRes site, buffers, weights
-and delta to the kernel exactly as the cell means them. The kernel itself runs on an H200 only; here its launcher
-is swapped for the stock torch implementation of the same contract, so a wiring mistake (a wrong site, weight or
-delta) fails the cell's oracle comparison on the CPU."""
+with the reason (never counted as tested), and its adapters hand each grid cell's AttnRes site, buffers, weights
+and delta, and each KDA cell's packed rows, state, slot table and accepted counts, to the kernels exactly as the
+cell means them. The kernels themselves run on an H200 only; here their launchers are swapped for the stock torch
+implementation of the same contract, so a wiring mistake (a wrong site, weight, slot or count) fails the cell's
+oracle comparison on the CPU."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 import torch
 
 from k3_decode.config import K3_MINI
-from k3_decode.kernels import attn_res_op
+from k3_decode.kernels import attn_res_op, kda_step_op
 from k3_decode.stock import attn_res as stock_attn_res
-from suites.k3 import attn_res, specialized
+from k3_decode.stock import kda as stock_kda
+from suites.k3 import attn_res, kda, specialized
 from suites.k3.suite import K3Suite
 from tests.suites.helpers import failed, run
 
@@ -22,7 +24,9 @@ CPU = torch.device("cpu")
 def test_on_the_cpu_only_stock_runs_and_the_specialized_path_is_listed_not_run():
     suite = K3Suite("k3-hopper", "k3-mini")
     assert [i.name for i in suite.implementations(CPU)] == ["stock"]
-    assert suite.not_run() == [{"name": "specialized implementation (attn_res)", "reason": "this run is on the CPU"}]
+    assert suite.not_run() == [
+        {"name": "specialized implementation (attn_res, kda_decode, kda_verify)", "reason": "this run is on the CPU"}
+    ]
 
 
 def test_on_a_gpu_without_the_kernels_the_reason_is_the_kernels_own(monkeypatch):
@@ -40,7 +44,7 @@ def test_where_the_kernels_can_run_the_specialized_implementation_is_partial(mon
         "specialized",
         "cute-dsl",
         True,
-        {"attn_res"},
+        {"attn_res", "kda_decode", "kda_verify"},
     )
     assert not stock.partial and suite.not_run() == []
 
@@ -66,3 +70,31 @@ def test_a_wrongly_wired_site_fails_the_oracle(monkeypatch):
     monkeypatch.setattr(attn_res_op, "apply", wrong_site)
     adapter = specialized.SpecializedAdapters(K3_MINI).attn_res
     assert failed(run(attn_res.AttnResCell(K3_MINI, 3, "before-write"), adapter))
+
+
+def _torch_decode(spec, weights, packed, cache, slots):
+    return stock_kda.kda_decode_step(spec, weights, packed, cache, slots, implementation="torch-cpu")
+
+
+def _torch_verify(spec, weights, packed, cache, slots, num_accepted):
+    return stock_kda.kda_verify_step(spec, weights, packed, cache, slots, num_accepted, implementation="torch-cpu")
+
+
+@pytest.mark.parametrize(("tp", "batch", "q"), [(1, 3, 1), (2, 2, 3), (1, 4, 8)])
+def test_the_kda_adapters_give_the_kernel_each_cells_rows_state_and_slots(tp, batch, q, monkeypatch):
+    monkeypatch.setattr(kda_step_op, "decode_step", _torch_decode)
+    monkeypatch.setattr(kda_step_op, "verify_step", _torch_verify)
+    adapters = specialized.SpecializedAdapters(K3_MINI)
+    adapter = adapters.kda_decode if q == 1 else adapters.kda_verify
+    assert failed(run(kda.KdaCell(K3_MINI, tp, batch, q), adapter)) == []
+
+
+def test_a_verify_adapter_that_drops_the_accepted_counts_fails_the_oracle(monkeypatch):
+    """Broken case: a kernel handed every request's count as q (it reads the wrong slot's state)."""
+
+    def all_accepted(spec, weights, packed, cache, slots, num_accepted):
+        return _torch_verify(spec, weights, packed, cache, slots, torch.full_like(num_accepted, slots.shape[1]))
+
+    monkeypatch.setattr(kda_step_op, "verify_step", all_accepted)
+    adapter = specialized.SpecializedAdapters(K3_MINI).kda_verify
+    assert failed(run(kda.KdaCell(K3_MINI, 1, 4, 4), adapter))
