@@ -541,6 +541,14 @@ class StackExecutor:
                     f"requests {given} give num_accepted, but this stack has num_speculative_tokens=0 (no verify "
                     "steps); drop num_accepted or build the stack with num_speculative_tokens > 0"
                 )
+            # Without speculative tokens a request decodes one token a step (vLLM's too); several are a verify step,
+            # which only a speculative stack runs as one (run token by token, it would pass for one silently).
+            if multi := [(r.request, r.inputs.tokens) for r in requests if not r.prefill and r.inputs.tokens > 1]:
+                raise ValueError(
+                    f"decode requests {multi} (request, tokens) carry several tokens, but this stack has "
+                    "num_speculative_tokens=0: give each decode request one token, mark a prompt chunk prefill=True, "
+                    f"or build the stack with num_speculative_tokens={max(n for _, n in multi) - 1} for verify steps"
+                )
             return False
         if any(r.prefill for r in requests):
             if not all(r.prefill for r in requests):

@@ -110,8 +110,20 @@ def test_graph_mode_needs_a_cuda_device_and_a_decode_step() -> None:
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         ex.capture(2)
     first = ex.config.layers[0]
-    with pytest.raises(ValueError, match="one decode token per request"):
-        ex.step([StepRequest(0, random_input(ex.dims, first, 2, seed=0))], mode="graph")
+    with pytest.raises(ValueError, match="one decode token per request; run prefill and mixed eagerly"):
+        ex.step([StepRequest(0, random_input(ex.dims, first, 2, seed=0), prefill=True)], mode="graph")
+
+
+def test_a_multi_token_decode_request_needs_a_speculative_stack() -> None:
+    """Several decode tokens of one request are a verify step; a stack without speculative tokens used to run them
+    token by token as if they were, which no check would have noticed."""
+    ex = build()
+    first = ex.config.layers[0]
+    two = random_input(ex.dims, first, 2, seed=0)
+    with pytest.raises(ValueError, match=r"decode requests \[\(0, 2\)\] .* num_speculative_tokens=1 for verify"):
+        ex.step([StepRequest(0, two), StepRequest(1, random_input(ex.dims, first, 1, seed=1))])
+    assert ex.state.context_lens[:2] == [0, 0] and not ex.ledger.records()
+    ex.step([StepRequest(0, two, prefill=True), StepRequest(1, random_input(ex.dims, first, 1, seed=1))])  # mixed
 
 
 @pytest.mark.parametrize(
