@@ -1,10 +1,10 @@
-"""MXFP4 routed experts as W4A16 grouped GEMMs: FC1 (w13) with SiTU-and-mul, FC2 (w2) with the routing weight,
-then the sum over the top-k slots.
+"""MXFP4 routed experts as W4A16 grouped GEMMs: FC1 (w13), SiTU-and-mul, FC2 (w2) with the routing weight, then
+the sum over the top-k slots.
 
 Stand-in for vLLM 0.33.0's H200 path (vllm/model_executor/layers/fused_moe/oracle/mxfp4.py falls through to the
 Marlin/Humming MXFP4 MoE on SM90): 16-bit activations, MXFP4 weights dequantized on the fly in registers, FP32
-accumulation, tokens grouped by expert so each selected expert's weights are read once. Same launch structure as
-vLLM's fused Marlin MoE (align, FC1, activation, FC2, sum) less the activation launch, which rides in FC1's epilogue.
+accumulation, tokens grouped by expert so each selected expert's weights are read once. The launch structure of
+vLLM's fused Marlin MoE: align, FC1, activation, FC2, sum.
 
 Why the previous kernel ran at 8-15 % of the HBM roofline (measured on the H200: 84 / 434 / 2214 us for 16 / ~120 /
 ~600 experts at TP8 B 1 / 8 / 64, docs/stock-path.md "MoE"), read from its sm_90 SASS (compiled on the CPU):
@@ -33,7 +33,7 @@ What this version does (counts from the sm_90 SASS, tests/k3_decode/stock/test_m
   result once per output element.
 - Weights are the MMA's M operand (64 rows per warpgroup, swap-AB as decode GEMMs do) and the <= 16 tokens of an
   expert block its N operand, so wgmma runs with the weights in registers and the tiny x tile in shared memory.
-  FC1's 64 rows are 32 gate and 32 up rows of the same intermediate columns, so SiTU stays in its epilogue.
+  FC1's 64 rows are 32 gate and 32 up rows of the same intermediate columns.
 - 16-byte weight loads (16 packed bytes = one scale block per thread); a K step's weights, scales and activations
   are requested together (FC1 at B <= 8: 512 K elements, 16 KB per program), and the other programs resident on
   the SM (4-5 at ~100-130 registers) cover the latency. A prefetch of the next step held across the loop made
@@ -41,8 +41,14 @@ What this version does (counts from the sm_90 SASS, tests/k3_decode/stock/test_m
   Triton's own cp.async pipelining (num_stages 3) added shared-memory round trips (4.9): both measured in SASS and
   dropped.
 The main loops come to 3.8-3.9 (FC1) and 4.2 (FC2) instructions per weight, from 26; tiles.toml picks BK per batch.
-Expected on the H200 (not yet measured): issue-bound at ~3.9 instructions per weight the loops need ~90 % of the
-HBM time, so about 60-80 % of the roofline per GEMM; B1 and B8 add the four launches and the one-program align.
+Measured on the H200 (a3ad2f6) they reached 18 / 29 / 36 % of the experts' roofline at TP8 B 1 / 8 / 64, not the
+60-80 % the instruction count alone allowed: a program waits for each K step's loads before its decode, and at
+small batches FC1 had too few programs (TP8 B1: 192 for 132 SMs, 4 warps each) to fill an SM's schedulers.
+So FC1 splits its K loop at small batches (tiles.toml fc1_splits; each split a compile-time number of whole steps):
+its programs write FP32 gate and up partials, and `k3_moe_situ` sums them in split order before SiTU, vLLM's
+separate activation launch. TP8 B1: 1,344 programs of one 512-wide step, FC1 26.9 -> 20.6 us; with the align
+kernel's register-only path (routing.py) the experts took 37 us instead of 47 (fda4029, docs/stock-path.md). FC2
+can split the same way (the slot sum adds its partials) but measured no gain.
 
 Interpreted (TRITON_INTERPRET=1, CPU tensors) the inline PTX cannot run: the same codes become FP32 bit patterns with
 the same value (value * 2^-126) and are scaled by the same power of two in FP32, and the dot runs in FP32 (exact
@@ -343,8 +349,8 @@ def experts(
 ) -> Tensor:
     """This rank's routed sum [B, L] BF16: sum_k weights[b, k] * expert_{ids[b, k]}(latent[b]).
 
-    latent [B, L] BF16; ids [B, k] int32 and weights [B, k] FP32 as `routing.route` makes them. Four launches
-    (align, FC1 + SiTU, FC2, slot sum) per chunk of at most MAX_PAIRS pairs.
+    latent [B, L] BF16; ids [B, k] int32 and weights [B, k] FP32 as `routing.route` makes them. Five launches
+    (align, FC1, SiTU, FC2, slot sum) per chunk of at most MAX_PAIRS pairs.
     """
     batch, lat = latent.shape
     top_k = ids.shape[1]
