@@ -398,7 +398,8 @@ def _experts_chunk(
     group = align(ids.contiguous(), num_experts, tiles.block_m)
     dev = latent.device
     asm = dev.type != "cpu"  # CPU tensors: the kernels run under TRITON_INTERPRET=1, where inline PTX cannot
-    splits = k_splits(triton.cdiv(lat, tiles.fc1_block_k), tiles.fc1_splits)
+    fc1_steps = triton.cdiv(lat, tiles.fc1_block_k)
+    splits = k_splits(fc1_steps, tiles.fc1_splits)
     part = torch.empty(splits, pairs, 2 * inter, dtype=torch.float32, device=dev)
     k3_moe_fc1[(group.max_blocks, triton.cdiv(inter, tiles.fc1_block_n), splits)](
         latent,
@@ -421,7 +422,7 @@ def _experts_chunk(
         BM=tiles.block_m,
         BN=tiles.fc1_block_n,
         BK=tiles.fc1_block_k,
-        STEPS=triton.cdiv(lat, tiles.fc1_block_k) // splits,
+        STEPS=fc1_steps // splits,
         SHIFT=WEIGHT_SHIFT,
         EVEN_K=lat % tiles.fc1_block_k == 0,
         ASM=asm,
