@@ -151,7 +151,8 @@ def kda_o_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
 
 
 def kda_in_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
-    """x [batches, hidden] @ W[rows, hidden]^T at the rank's packed rows for `tp`. Returns the launches made."""
+    """x [batches, hidden] @ W[rows, hidden]^T at the rank's packed rows for `tp`, once with each build (the
+    CUDA-core and the tensor-core kernel share the provider's kernel name). Returns the launches made."""
     from k3_decode.config import RankShapes, load_dims
     from k3_decode.kernels import kda_in_proj_op
 
@@ -160,8 +161,10 @@ def kda_in_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
     rows = RankShapes.for_tp(dims, int(axes["tp"])).kda_in_proj_rows
     gen = _generator(plan, cell)
     x = _bf16(gen, device, int(axes["batches"]), dims.hidden_size)
-    kda_in_proj_op.linear(x, _bf16(gen, device, rows, dims.hidden_size, scale=0.02))
-    return 1
+    w = _bf16(gen, device, rows, dims.hidden_size, scale=0.02)
+    for kernel in kda_in_proj_op.KERNELS:
+        kda_in_proj_op.linear(x, w, kernel=kernel)
+    return len(kda_in_proj_op.KERNELS)
 
 
 def _kda_step_inputs(

@@ -9,6 +9,12 @@ can run (CuTe DSL and an sm_90 GPU). Every kernel is also compiled and checked o
   launch plan without CuTe DSL; attn_res_op.py: the kernel on torch tensors (the provider and the GPU test).
 - kda_in_proj.py: the KDA input projection x[B, 7168] @ W[R, 7168]^T as a weight stream for decode batches;
   kda_in_proj_plan.py: its launch plan; kda_in_proj_op.py: on torch tensors (the provider and the GPU test).
-- providers.py: the two as runtime providers (ops attn_res and in_proj of KDA layers) and when they register.
+- kda_in_proj_mma.py: the same projection on tensor cores (mma.sync); kda_in_proj_mma_plan.py: its launch plan;
+  kda_in_proj_choice.toml: which of the two builds serves a weight and batch.
+- kda_o_proj.py: o_proj with the AttnRes after attention in one launch; kda_step.py: the fused KDA decode and
+  verify step; each with its _plan.py and _op.py.
+- primitives.py: the device helpers the kernels share (16-byte loads, warp sums, the resident PDL launch).
+- providers.py: the four kernels as runtime providers (ops attn_res, in_proj, kda, o_proj of KDA layers) and when
+  they register.
 - cutedsl.py: compiling without a GPU (toolchain check, fake tensors, PTX/cubin/SASS); builds.py: the build set.
 """

@@ -17,6 +17,8 @@ from harness.kernels_cmd import KernelArtifacts
 from k3_decode.config import ShardError, load_dims
 from k3_decode.kernels import cutedsl
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
+from k3_decode.kernels.kda_in_proj_mma_plan import STEP as MMA_STEP
+from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
 from k3_decode.kernels.kda_step_plan import ROWS_PER_WARP, KdaStepPlan, KdaVerifyPlan
@@ -84,6 +86,7 @@ class KdaInProjBuild:
     tp: int
     plan: InProjPlan
     op: str = "kda_in_proj"
+    choice = "cuda_core"  # kda_in_proj_op.KERNELS
 
     @property
     def kernel(self) -> str:
@@ -133,6 +136,62 @@ class KdaInProjBuild:
         from k3_decode.kernels.kda_in_proj import KdaInProjKernel, compile_args  # imports CuTe DSL
 
         return cutedsl.compile_artifacts(KdaInProjKernel(self.plan), compile_args(self.plan), arch)
+
+
+@dataclass(frozen=True)
+class KdaInProjMmaBuild:
+    """The tensor-core KDA input projection (kda_in_proj_mma.py) at one rank's rows and one batch."""
+
+    tp: int
+    plan: InProjMmaPlan
+    op: str = "kda_in_proj_mma"
+    choice = "tensor_core"  # kda_in_proj_op.KERNELS
+    kernel = "kda_in_proj_mma"
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}/tp{self.tp}/b{self.plan.batch}"
+
+    @property
+    def tags(self) -> dict[str, Any]:
+        """Facts the expectations select on, and the instruction counts the plan implies for the code.
+
+        Counts are of instructions in the code: each pass over W is its own code (unrolled), its k loop one rolled
+        body unrolled `depth` steps deep, whose W refill the compiler drops when one group covers the slice."""
+        p = self.plan
+        ahead = 4 * p.depth  # 16-byte W loads that fill every slot: two vectors of two rows per step
+        tiles = [-(-count // 8) for count in p.passes]
+        # Accumulators whose outputs can exist: c1 and c3 hold batch column 2t + 1, which a one-row tile never has
+        # (the compiler drops their sums and stores).
+        live = sum(2 * (1 + (min(8, count - 8 * i) >= 2)) for count in p.passes for i in range(-(-count // 8)))
+        w_loads = len(tiles) * ahead + (len(tiles) * ahead if p.groups > 1 else 0)
+        x_loads = sum(2 * n * (p.x_depth + p.depth) for n in tiles)  # the x steps ahead, then one refill per step
+        return {
+            "tp": self.tp,
+            "batch": p.batch,
+            "rows": p.rows,
+            "ctas": p.ctas,
+            "threads": p.threads,
+            "m_tiles": p.m_tiles,
+            "k_splits": p.k_splits,
+            "depth": p.depth,
+            "passes": len(tiles),
+            "masked": p.masked,
+            "weight_bytes": p.weight_bytes,
+            "weight_loads_ahead": ahead,
+            "global_loads": w_loads + x_loads,
+            "mmas": sum(4 * p.depth * n for n in tiles),
+            "partial_stores": sum(4 * n for n in tiles),
+            "partial_loads": live * p.k_splits,
+            "out_stores": live,
+            "barriers": 2 * len(tiles) - 1,
+            "k_step": MMA_STEP,
+        }
+
+    def compile(self, arch: str) -> KernelArtifacts:
+        from k3_decode.kernels.kda_in_proj_mma import KdaInProjKernelMma, compile_args  # imports CuTe DSL
+
+        return cutedsl.compile_artifacts(KdaInProjKernelMma(self.plan), compile_args(self.plan), arch)
 
 
 @dataclass(frozen=True)
@@ -345,10 +404,11 @@ class K3KernelBuilds:
 
     def builds(
         self, arch: str
-    ) -> list[AttnResBuild | KdaInProjBuild | KdaOProjBuild | KdaStepBuild | KdaStepVerifyBuild]:
+    ) -> list[AttnResBuild | KdaInProjBuild | KdaInProjMmaBuild | KdaOProjBuild | KdaStepBuild | KdaStepVerifyBuild]:
         return [
             *self.attn_res_builds(),
             *self.kda_in_proj_builds(),
+            *self.kda_in_proj_mma_builds(),
             *self.kda_o_proj_builds(),
             *self.kda_step_builds(),
             *self.kda_step_verify_builds(),
@@ -391,6 +451,21 @@ class K3KernelBuilds:
     def kda_in_proj_builds(self) -> list[KdaInProjBuild]:
         """The packed input projection: x[B, hidden] @ W[rows, hidden]^T per rank."""
         return self._projection_builds("kda_in_proj", lambda shard: (shard.kda_in_proj_rows, shard.hidden))
+
+    def kda_in_proj_mma_builds(self) -> list[KdaInProjMmaBuild]:
+        """The tensor-core input projection at the rows and batches of builds.toml's [kda_in_proj_mma]."""
+        dims = load_dims(self.table["model"])
+        spec = self.table["kda_in_proj_mma"]
+        builds = []
+        for tp in spec["tp"]:
+            try:
+                shard = dims.shard(tp)
+            except ShardError as exc:
+                raise ValueError(f"builds.toml kda_in_proj_mma.tp: {exc}") from None
+            for batch in spec["batches"]:
+                plan = InProjMmaPlan.for_shape(shard.kda_in_proj_rows, shard.hidden, batch, spec["sm_count"])
+                builds.append(KdaInProjMmaBuild(tp, plan))
+        return builds
 
     def kda_o_proj_builds(self) -> list[KdaOProjBuild]:
         """o_proj with the AttnRes after attention fused: [B, proj] @ W[hidden, proj]^T per rank, then the AttnRes

@@ -70,7 +70,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 
 from k3_decode.kernels import cutedsl
-from k3_decode.kernels.kda_in_proj_plan import VECTOR, WARP, InProjPlan
+from k3_decode.kernels.kda_in_proj_plan import InProjPlan, WeightStream
+from k3_decode.kernels.primitives import VECTOR, WARP, copy8, launch_resident, load8, load8_value, to_f32, warp_sum
 
 
 def compile_args(plan: InProjPlan) -> tuple[Any, ...]:
@@ -96,17 +97,15 @@ class KdaInProjKernel:
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, launches: cute.Tensor, stream: Any):
         plan = self.plan
-        self.kernel(x, w, out, launches).launch(
+        # B <= 8: two CTAs per SM (128 registers, .minnctapersm 2) and the whole shared memory asked for, so that
+        # two staged x chunks fit.
+        launch_resident(
+            self.kernel(x, w, out, launches),
             grid=[plan.ctas, 1, 1],
-            block=[plan.threads, 1, 1],
+            threads=plan.threads,
+            ctas_per_sm=plan.ctas_per_sm,
             smem=plan.smem_bytes,
-            # B <= 8: two CTAs per SM, so ptxas caps registers at 128 (.minnctapersm 2) and the whole shared
-            # memory is asked for, so that two staged x chunks fit. Naming the carveout also keeps CuTe DSL from
-            # asking the driver for the SM's shared memory at compile time, which a CPU build cannot answer.
-            min_blocks_per_mp=plan.ctas_per_sm,
-            preferred_smem_carveout=100,
             stream=stream,
-            use_pdl=True,
         )
 
     @cute.kernel
@@ -122,14 +121,10 @@ class KdaInProjKernel:
         xs = smem.allocate_tensor(
             BFloat16, cute.make_layout((plan.chunk_rows, plan.k), stride=(plan.k, 1)), byte_alignment=16
         )
-        # The weight vectors in flight: slot j holds step g * depth + j of every row of the warp. Only constant
-        # indices touch them, so they live in registers.
-        slots = [
-            [cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(plan.rows_per_warp)] for _ in range(plan.depth)
-        ]
+        slots = weight_slots(plan)
 
         # Weights first: they do not depend on the previous kernel, so they stream while it finishes.
-        self._load_group(w, slots, row0, lane, Int32(0))
+        load_group(plan, w, slots, row0, lane, Int32(0))
         cute.arch.griddepcontrol_wait()
         if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
             cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
@@ -139,20 +134,12 @@ class KdaInProjKernel:
         middle = [c for c in chunks[1:] if c == chunks[0]]
         for c in cutlass.range(len(middle), unroll=1):  # batches above 8: one rolled body for every full chunk
             cute.arch.sync_threads()  # every warp is done reading the previous chunk
-            self._load_group(w, slots, row0, lane, Int32(0))
+            load_group(plan, w, slots, row0, lane, Int32(0))
             self._chunk(x, w, out, xs, slots, row0, lane, tidx, (c + 1) * chunks[0], chunks[0], False)
         if const_expr(len(chunks) > 1 + len(middle)):  # a last, partial chunk
             cute.arch.sync_threads()
-            self._load_group(w, slots, row0, lane, Int32(0))
+            load_group(plan, w, slots, row0, lane, Int32(0))
             self._chunk(x, w, out, xs, slots, row0, lane, tidx, Int32(plan.batch - chunks[-1]), chunks[-1], False)
-
-    @cute.jit
-    def _load_group(self, w: cute.Tensor, slots: list, row0: Int32, lane: Int32, group: Int32):
-        """Issue the weight loads of k steps group * depth .. + depth - 1 into the slots."""
-        plan = self.plan
-        for j in cutlass.range_constexpr(plan.depth):
-            for r in cutlass.range_constexpr(plan.rows_per_warp):
-                _load8(w[row0 + r, None], lane + WARP * (group * plan.depth + j), slots[j][r])
 
     @cute.jit
     def _chunk(
@@ -171,83 +158,88 @@ class KdaInProjKernel:
     ):
         """out[first .. first + chunk - 1, the warp's rows], with group 0 of the weights already in the slots."""
         plan = self.plan
-        rows = plan.rows_per_warp
-        self._stage(x, xs, first, chunk, tidx)
+        stage(plan, x, xs, first, chunk, plan.fill_loads(chunk), tidx)
         cute.arch.sync_threads()
         if const_expr(is_first):
             cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
+        multiply(plan, w, out, xs, slots, row0, lane, first, chunk)
 
-        acc = cute.make_rmem_tensor((rows * chunk,), Float32)
-        acc.fill(0.0)
-        for g in cutlass.range(plan.groups, unroll=1):
-            for j in cutlass.range_constexpr(plan.depth):
-                wv = [_to_f32(slots[j][r].load()) for r in range(rows)]
-                if g + 1 < plan.groups:  # refill the slot just read: the stream runs `depth` steps ahead
-                    for r in cutlass.range_constexpr(rows):
-                        _load8(w[row0 + r, None], lane + WARP * ((g + 1) * plan.depth + j), slots[j][r])
-                step = g * plan.depth + j
-                for b in cutlass.range_constexpr(chunk):
-                    xv = _to_f32(_load(xs[b, None], lane + WARP * step))
-                    for r in cutlass.range_constexpr(rows):
-                        a = acc[r * chunk + b]
-                        for i in cutlass.range_constexpr(VECTOR):
-                            a = a + wv[r][i] * xv[i]
-                        acc[r * chunk + b] = a
 
-        # Lane r * chunk + b writes out[first + b, row0 + r]; every lane holds every warp total.
-        for r in cutlass.range_constexpr(rows):
-            for b in cutlass.range_constexpr(chunk):
-                total = _warp_sum(acc[r * chunk + b])
-                if lane == r * chunk + b:
-                    out[first + b, row0 + r] = total.to(BFloat16)
-
-    @cute.jit
-    def _stage(self, x: cute.Tensor, xs: cute.Tensor, first: Int32, chunk: cutlass.Constexpr[int], tidx: Int32):
-        """Copy x rows first .. first + chunk - 1 into shared memory, one 16-byte vector per thread and pass."""
-        plan = self.plan
-        per_row = plan.k // VECTOR
-        for i in cutlass.range_constexpr(plan.fill_loads(chunk)):
-            v = tidx + plan.threads * i
-            if const_expr(plan.threads * (i + 1) <= chunk * per_row):
-                _copy8(x[first + v // per_row, None], xs[v // per_row, None], v % per_row)
-            else:
-                if v < chunk * per_row:  # the last pass of a chunk that does not fill every thread
-                    _copy8(x[first + v // per_row, None], xs[v // per_row, None], v % per_row)
+# --- the weight stream, shared with the fused o_proj kernel (kda_o_proj.py) -----------------------------------
 
 
 @cute.jit
-def _load8(row: cute.Tensor, vec: Int32, frag: cute.Tensor):
-    """The 8 BF16 elements of column group `vec` of a row into `frag`, in one 16-byte load."""
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), row.element_type, num_bits_per_copy=128)
-    cute.copy(atom, cute.local_tile(row, (VECTOR,), (vec,)), frag)
+def weight_slots(plan: WeightStream) -> list[list[cute.Tensor]]:
+    """The weight vectors in flight: slot j holds step g * depth + j of every row of the warp. Only constant
+    indices touch them, so they live in registers."""
+    return [[cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(plan.rows_per_warp)] for _ in range(plan.depth)]
 
 
 @cute.jit
-def _load(row: cute.Tensor, vec: Int32) -> cute.TensorSSA:
-    frag = cute.make_rmem_tensor((VECTOR,), row.element_type)
-    _load8(row, vec, frag)
-    return frag.load()
+def load_group(plan: WeightStream, w: cute.Tensor, slots: list, row0: Int32, lane: Int32, group: Int32):
+    """Issue the weight loads of k steps group * depth .. + depth - 1 into the slots."""
+    for j in cutlass.range_constexpr(plan.depth):
+        for r in cutlass.range_constexpr(plan.rows_per_warp):
+            load8(w[row0 + r, None], lane + WARP * (group * plan.depth + j), slots[j][r])
 
 
 @cute.jit
-def _copy8(src: cute.Tensor, dst: cute.Tensor, vec: Int32):
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), src.element_type, num_bits_per_copy=128)
-    frag = cute.make_rmem_tensor((VECTOR,), src.element_type)
-    cute.copy(atom, cute.local_tile(src, (VECTOR,), (vec,)), frag)
-    cute.copy(atom, frag, cute.local_tile(dst, (VECTOR,), (vec,)))
+def stage(
+    plan: WeightStream,
+    src: cute.Tensor,
+    staged: cute.Tensor,
+    first: Int32 | int,
+    batch: cutlass.Constexpr[int],
+    loads: cutlass.Constexpr[int],
+    tidx: Int32,
+):
+    """Copy rows first .. first + batch - 1 of `src` into shared memory (`staged`), one 16-byte vector per thread
+    and pass, in `loads` passes."""
+    per_row = plan.k // VECTOR
+    for i in cutlass.range_constexpr(loads):
+        v = tidx + plan.threads * i
+        if const_expr(plan.threads * (i + 1) <= batch * per_row):
+            copy8(src[first + v // per_row, None], staged[v // per_row, None], v % per_row)
+        else:
+            if v < batch * per_row:  # the last pass, when it does not fill every thread
+                copy8(src[first + v // per_row, None], staged[v // per_row, None], v % per_row)
 
 
 @cute.jit
-def _to_f32(v: cute.TensorSSA) -> cute.Tensor:
-    """8 BF16 values as FP32 registers, indexable one by one (exact: BF16 is FP32 with a shorter significand)."""
-    frag = cute.make_rmem_tensor((VECTOR,), Float32)
-    frag.store(v.to(Float32))
-    return frag
+def multiply(
+    plan: WeightStream,
+    w: cute.Tensor,
+    out: cute.Tensor,
+    staged: cute.Tensor,
+    slots: list,
+    row0: Int32,
+    lane: Int32,
+    first: Int32 | int,
+    batch: cutlass.Constexpr[int],
+):
+    """out[first .. first + batch - 1, the warp's rows] = the staged rows @ W[the warp's rows]^T, with group 0 of
+    the weights already in the slots."""
+    rows = plan.rows_per_warp
+    acc = cute.make_rmem_tensor((rows * batch,), Float32)
+    acc.fill(0.0)
+    for g in cutlass.range(plan.groups, unroll=1):
+        for j in cutlass.range_constexpr(plan.depth):
+            wv = [to_f32(slots[j][r].load()) for r in range(rows)]
+            if g + 1 < plan.groups:  # refill the slot just read: the stream runs `depth` steps ahead
+                for r in cutlass.range_constexpr(rows):
+                    load8(w[row0 + r, None], lane + WARP * ((g + 1) * plan.depth + j), slots[j][r])
+            step = g * plan.depth + j
+            for b in cutlass.range_constexpr(batch):
+                xv = to_f32(load8_value(staged[b, None], lane + WARP * step))
+                for r in cutlass.range_constexpr(rows):
+                    a = acc[r * batch + b]
+                    for i in cutlass.range_constexpr(VECTOR):
+                        a = a + wv[r][i] * xv[i]
+                    acc[r * batch + b] = a
 
-
-@cute.jit
-def _warp_sum(x: Float32) -> Float32:
-    """Butterfly sum: every lane ends with the same bits (each step adds the same pair, in either order)."""
-    for i in cutlass.range_constexpr(5):
-        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << i)
-    return x
+    # Lane r * batch + b writes out[first + b, row0 + r]; every lane holds every warp total.
+    for r in cutlass.range_constexpr(rows):
+        for b in cutlass.range_constexpr(batch):
+            total = warp_sum(acc[r * batch + b])
+            if lane == r * batch + b:
+                out[first + b, row0 + r] = total.to(BFloat16)

@@ -1,4 +1,5 @@
-"""The CuTe DSL KDA input projection (k3_decode/kernels/kda_in_proj.py) called on torch tensors.
+"""The CuTe DSL KDA input projection called on torch tensors: the CUDA-core weight stream (kda_in_proj.py) or the
+tensor-core one (kda_in_proj_mma.py), whichever kda_in_proj_choice.toml picks for the weight and batch.
 
 The provider of its op (providers.py) calls it; so does its GPU test, which it passed on an H200 before it became one.
 
@@ -9,27 +10,50 @@ weight [R, K] in BF16, out [B, R] BF16 = x @ weight^T with FP32 accumulation. Th
 
 from __future__ import annotations
 
+import tomllib
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from k3_decode.kernels.counters import device_counter
+from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 
 _COUNTERS: dict[int, Tensor] = {}
 DTYPE = torch.bfloat16
 ALIGN = 16  # bytes: x and the weight are read in 16-byte vectors
+KERNELS = ("cuda_core", "tensor_core")
+CHOICE = Path(__file__).with_name("kda_in_proj_choice.toml")
 
 
 @cache
-def _compiled(plan: InProjPlan) -> Any:
+def _cuda_core_max_batch() -> dict[str, int]:
+    return {str(k): int(v) for k, v in tomllib.loads(CHOICE.read_text())["cuda_core_max_batch"].items()}
+
+
+def kernel_for_rows(batch: int, weight_rows: int) -> str:
+    """The build that serves `batch` rows of x against a weight of `weight_rows` rows (kda_in_proj_choice.toml):
+    the CUDA-core stream while its FMAs hide under the weight stream, tensor cores above."""
+    limits = _cuda_core_max_batch()
+    return "cuda_core" if batch <= limits.get(str(weight_rows), limits["default"]) else "tensor_core"
+
+
+@cache
+def _compiled(plan: InProjPlan | InProjMmaPlan) -> Any:
     import cutlass.cute as cute
 
-    from k3_decode.kernels.kda_in_proj import KdaInProjKernel, compile_args
+    if isinstance(plan, InProjMmaPlan):
+        from k3_decode.kernels import kda_in_proj_mma as module
 
-    return cute.compile(KdaInProjKernel(plan), *compile_args(plan))
+        kernel: Any = module.KdaInProjKernelMma(plan)
+    else:
+        from k3_decode.kernels import kda_in_proj as module
+
+        kernel = module.KdaInProjKernel(plan)
+    return cute.compile(kernel, *module.compile_args(plan))
 
 
 def _check_tensor(name: str, t: Tensor, device: torch.device) -> None:
@@ -39,8 +63,11 @@ def _check_tensor(name: str, t: Tensor, device: torch.device) -> None:
         raise ValueError(f"KDA in_proj {name} must be contiguous and {ALIGN}-byte aligned; pass .contiguous()")
 
 
-def plan_for(x: Tensor, weight: Tensor) -> InProjPlan:
-    """The plan that runs x @ weight^T on x's device; raises for what the kernel cannot take."""
+def plan_for(x: Tensor, weight: Tensor, kernel: str | None = None) -> InProjPlan | InProjMmaPlan:
+    """The plan that runs x @ weight^T on x's device with `kernel` (one of KERNELS; None: the one for the batch);
+    raises for what the kernel cannot take."""
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"KDA in_proj kernel {kernel!r} is not one of {', '.join(KERNELS)}")
     if x.device.type != "cuda":
         raise ValueError(f"the CuTe DSL KDA in_proj runs on a CUDA device, got {x.device}; use the stock op")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -48,12 +75,14 @@ def plan_for(x: Tensor, weight: Tensor) -> InProjPlan:
     _check_tensor("x", x, x.device)
     _check_tensor("weight", weight, x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    return InProjPlan.for_shape(weight.shape[0], weight.shape[1], x.shape[0], sms)
+    chosen = kernel or kernel_for_rows(x.shape[0], weight.shape[0])
+    plan_type = InProjMmaPlan if chosen == "tensor_core" else InProjPlan
+    return plan_type.for_shape(weight.shape[0], weight.shape[1], x.shape[0], sms)
 
 
-def linear(x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
-    """x [B, K] @ weight[R, K]^T -> [B, R] BF16, on the current stream of x's device."""
-    plan = plan_for(x, weight)
+def linear(x: Tensor, weight: Tensor, out: Tensor | None = None, kernel: str | None = None) -> Tensor:
+    """x [B, K] @ weight[R, K]^T -> [B, R] BF16, on the current stream of x's device (`kernel`: see plan_for)."""
+    plan = plan_for(x, weight, kernel)
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=DTYPE, device=x.device)
     elif tuple(out.shape) != (x.shape[0], weight.shape[0]):

@@ -21,8 +21,36 @@ ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
 H200_SMS = 132
 
 
+class WeightStream:
+    """The k loop of the weight stream (kda_in_proj.py), for the plans of the kernels that run it: the input
+    projection's and the fused o_proj's (kda_o_proj_plan.py). A plan has K, the rows each warp streams and the
+    threads of its CTA."""
+
+    k: int
+    rows_per_warp: int
+    threads: int
+
+    @property
+    def steps(self) -> int:
+        """k steps per row: each is one 16-byte weight load per lane and row."""
+        return self.k // STEP
+
+    @property
+    def depth(self) -> int:
+        """k steps of weights a thread has in flight: its register slots, refilled each group of `depth` steps.
+        The smallest divisor of `steps` that keeps LOADS_IN_FLIGHT loads outstanding (all of K when it has fewer
+        steps), so every group is whole."""
+        want = -(-LOADS_IN_FLIGHT // self.rows_per_warp)
+        return next(d for d in range(1, self.steps + 1) if self.steps % d == 0 and d >= min(want, self.steps))
+
+    @property
+    def groups(self) -> int:
+        """Trips of the k loop: each multiplies `depth` steps and issues the loads of the next `depth`."""
+        return self.steps // self.depth
+
+
 @dataclass(frozen=True)
-class InProjPlan:
+class InProjPlan(WeightStream):
     rows: int  # R, the output features of this rank
     k: int  # K, the hidden size
     batch: int
@@ -68,23 +96,6 @@ class InProjPlan:
     @property
     def ctas(self) -> int:
         return self.rows // self.rows_per_cta
-
-    @property
-    def steps(self) -> int:
-        """k steps per row: each is one 16-byte weight load per lane and row."""
-        return self.k // STEP
-
-    @property
-    def depth(self) -> int:
-        """k steps of weights a thread has in flight: its register slots, refilled each group of `depth` steps.
-        The smallest divisor of `steps` that keeps LOADS_IN_FLIGHT loads outstanding, so every group is whole."""
-        want = -(-LOADS_IN_FLIGHT // self.rows_per_warp)
-        return next(d for d in range(1, self.steps + 1) if self.steps % d == 0 and d >= min(want, self.steps))
-
-    @property
-    def groups(self) -> int:
-        """Trips of the k loop: each multiplies `depth` steps and issues the loads of the next `depth`."""
-        return self.steps // self.depth
 
     @property
     def chunks(self) -> tuple[int, ...]:

@@ -101,8 +101,9 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 from k3_decode.kernels import cutedsl
 from k3_decode.kernels.attn_res import AttnResKernel
 from k3_decode.kernels.attn_res import _load8 as _row_vector
-from k3_decode.kernels.kda_in_proj import _copy8, _load, _load8, _to_f32, _warp_sum
-from k3_decode.kernels.kda_o_proj_plan import VECTOR, WARP, OProjPlan
+from k3_decode.kernels.kda_in_proj import load_group, multiply, stage, weight_slots
+from k3_decode.kernels.kda_o_proj_plan import OProjPlan
+from k3_decode.kernels.primitives import launch_resident
 
 
 def compile_args(plan: OProjPlan, capacity: int) -> tuple[Any, ...]:
@@ -164,18 +165,15 @@ class KdaOProjKernel:
         stream: Any,
     ):
         plan = self.plan
-        self.kernel(
-            o, w, attn_out, prefix, blocks, out, res_norm, res_proj, out_norm, arrivals, launches, save_index, eps
-        ).launch(
+        launch_resident(
+            self.kernel(
+                o, w, attn_out, prefix, blocks, out, res_norm, res_proj, out_norm, arrivals, launches, save_index, eps
+            ),
             grid=[plan.cluster, plan.clusters, 1],
-            block=[plan.threads, 1, 1],
+            threads=plan.threads,
             cluster=[plan.cluster, 1, 1],
-            # All CTAs resident at once (ctas_per_sm per SM): ptxas caps registers to fit them. Naming the carveout
-            # keeps CuTe DSL from asking the driver for the SM's shared memory at compile time (a CPU build).
-            min_blocks_per_mp=plan.ctas_per_sm,
-            preferred_smem_carveout=100,
+            ctas_per_sm=plan.ctas_per_sm,  # all CTAs resident at once: the grid-wide point needs it
             stream=stream,
-            use_pdl=True,
         )
 
     @cute.kernel
@@ -209,19 +207,17 @@ class KdaOProjKernel:
             BFloat16, cute.make_layout((plan.batch, plan.k), stride=(plan.k, 1)), byte_alignment=16
         )
         cute.arch.cluster_arrive_relaxed()  # publishes the epilogue's barriers to the cluster, long before use
-        slots = [
-            [cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(plan.rows_per_warp)] for _ in range(plan.depth)
-        ]
+        slots = weight_slots(plan)
 
         # Weights first: they do not depend on the previous kernel, so they stream while it finishes.
-        self._load_group(w, slots, row0, lane, Int32(0))
+        load_group(plan, w, slots, row0, lane, Int32(0))
         cute.arch.griddepcontrol_wait()
         if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
             cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
-        self._stage(o, staged, tidx)
+        stage(plan, o, staged, 0, plan.batch, plan.fill_loads, tidx)
         cute.arch.sync_threads()
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
-        self._stream(w, attn_out, staged, slots, row0, lane)
+        multiply(plan, w, attn_out, staged, slots, row0, lane, 0, plan.batch)  # attn_out[:, the warp's rows]
 
         # The grid-wide point: this CTA's share of attn_out is stored; it says so on the arrival word.
         cute.arch.cluster_wait()  # the epilogue's barriers are published (the arrive above is long done)
@@ -254,58 +250,6 @@ class KdaOProjKernel:
             while (now ^ seen) >= 0:  # the same top bit: the launch's adds have not all landed
                 now = cute.arch.load(arrivals.iterator, Int32, sem="acquire", scope="gpu")
         cute.arch.sync_threads()
-
-    @cute.jit
-    def _load_group(self, w: cute.Tensor, slots: list, row0: Int32, lane: Int32, group: Int32):
-        """Issue the weight loads of k steps group * depth .. + depth - 1 into the slots."""
-        plan = self.plan
-        for j in cutlass.range_constexpr(plan.depth):
-            for r in cutlass.range_constexpr(plan.rows_per_warp):
-                _load8(w[row0 + r, None], lane + WARP * (group * plan.depth + j), slots[j][r])
-
-    @cute.jit
-    def _stage(self, o: cute.Tensor, staged: cute.Tensor, tidx: Int32):
-        """Copy the batch rows of o into shared memory, one 16-byte vector per thread and pass."""
-        plan = self.plan
-        per_row = plan.k // VECTOR
-        for i in cutlass.range_constexpr(plan.fill_loads):
-            v = tidx + plan.threads * i
-            if const_expr(plan.threads * (i + 1) <= plan.batch * per_row):
-                _copy8(o[v // per_row, None], staged[v // per_row, None], v % per_row)
-            else:
-                if v < plan.batch * per_row:  # the last pass, when it does not fill every thread
-                    _copy8(o[v // per_row, None], staged[v // per_row, None], v % per_row)
-
-    @cute.jit
-    def _stream(
-        self, w: cute.Tensor, attn_out: cute.Tensor, staged: cute.Tensor, slots: list, row0: Int32, lane: Int32
-    ):
-        """attn_out[:, the warp's rows] = o @ W[the warp's rows]^T, with group 0 of the weights already in flight."""
-        plan = self.plan
-        rows, batch = plan.rows_per_warp, plan.batch
-        acc = cute.make_rmem_tensor((rows * batch,), Float32)
-        acc.fill(0.0)
-        for g in cutlass.range(plan.groups, unroll=1):
-            for j in cutlass.range_constexpr(plan.depth):
-                wv = [_to_f32(slots[j][r].load()) for r in range(rows)]
-                if g + 1 < plan.groups:  # refill the slot just read: the stream runs `depth` steps ahead
-                    for r in cutlass.range_constexpr(rows):
-                        _load8(w[row0 + r, None], lane + WARP * ((g + 1) * plan.depth + j), slots[j][r])
-                step = g * plan.depth + j
-                for b in cutlass.range_constexpr(batch):
-                    xv = _to_f32(_load(staged[b, None], lane + WARP * step))
-                    for r in cutlass.range_constexpr(rows):
-                        a = acc[r * batch + b]
-                        for i in cutlass.range_constexpr(VECTOR):
-                            a = a + wv[r][i] * xv[i]
-                        acc[r * batch + b] = a
-
-        # Lane r * batch + b writes attn_out[b, row0 + r]; every lane holds every warp total.
-        for r in cutlass.range_constexpr(rows):
-            for b in cutlass.range_constexpr(batch):
-                total = _warp_sum(acc[r * batch + b])
-                if lane == r * batch + b:
-                    attn_out[b, row0 + r] = total.to(BFloat16)
 
     @cute.jit
     def _epilogue(

@@ -15,12 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
+from k3_decode.kernels.kda_in_proj_plan import STEP, VECTOR, WeightStream
 
-VECTOR = 8  # BF16 elements in one 16-byte load
-WARP = 32
-STEP = WARP * VECTOR  # the columns of W one warp covers per k step
 MAX_BATCH = 4  # accumulators: rows_per_warp x batch per lane beside 12 weight vectors in flight, under 128 registers
-LOADS_IN_FLIGHT = 12  # 16-byte weight loads a thread keeps outstanding (as the input projection's plan)
 ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
 MAX_CTAS_PER_SM = 4  # 4 x 128 threads x 128 registers = an SM's 64K registers
 H200_SMS = 132
@@ -28,7 +25,7 @@ ARRIVAL_TOP = 1 << 31  # the arrival word's top bit flips once per launch (see k
 
 
 @dataclass(frozen=True)
-class OProjPlan:
+class OProjPlan(WeightStream):
     hidden: int  # H: o_proj's output features, the AttnRes row width
     k: int  # K: o_proj's input features on this rank
     batch: int
@@ -103,23 +100,6 @@ class OProjPlan:
     def arrival_master(self) -> int:
         """What CTA 0 adds to the arrival word; every other CTA adds 1. All of a launch's adds total 2^31."""
         return ARRIVAL_TOP - (self.ctas - 1)
-
-    @property
-    def steps(self) -> int:
-        """k steps per row: each is one 16-byte weight load per lane and row."""
-        return self.k // STEP
-
-    @property
-    def depth(self) -> int:
-        """k steps of weights a thread has in flight: the smallest divisor of `steps` that keeps LOADS_IN_FLIGHT
-        loads outstanding (all of K when it has fewer steps), so every group is whole."""
-        want = -(-LOADS_IN_FLIGHT // self.rows_per_warp)
-        return next(d for d in range(1, self.steps + 1) if self.steps % d == 0 and d >= min(want, self.steps))
-
-    @property
-    def groups(self) -> int:
-        """Trips of the k loop: each multiplies `depth` steps and issues the loads of the next `depth`."""
-        return self.steps // self.depth
 
     @property
     def fill_loads(self) -> int:

@@ -175,9 +175,9 @@ def test_the_child_builds_inputs_the_ops_take_each_in_its_own_allocation(monkeyp
         calls.append((site, buffers.prefix.shape[0], buffers.capacity))
         return stock_attn_res.apply(buffers, site, delta, weights, eps)
 
-    def linear(x, w):
+    def linear(x, w, kernel=None):
         assert own_allocation(x) and own_allocation(w) and x.dtype == w.dtype == torch.bfloat16
-        calls.append(InProjPlan.for_shape(w.shape[0], w.shape[1], x.shape[0]))
+        calls.append((kernel, InProjPlan.for_shape(w.shape[0], w.shape[1], x.shape[0])))
         return x.float() @ w.float().T
 
     def decode_step(spec, weights, packed, cache, slots):
@@ -209,8 +209,9 @@ def test_the_child_builds_inputs_the_ops_take_each_in_its_own_allocation(monkeyp
     assert all(batch == 3 and capacity == K3.num_attn_res_blocks for _, batch, capacity in calls)
     assert saves and saves[0].save_index == K3.num_attn_res_blocks - 1  # writes the bank's last block
     calls.clear()
-    assert sanitize_child.kda_in_proj_cell(cute["cute_kda_in_proj"], PLAN, cpu) == len(calls) == 1
-    assert (calls[0].rows, calls[0].k, calls[0].batch) == (3216, K3.hidden_size, 3)
+    assert sanitize_child.kda_in_proj_cell(cute["cute_kda_in_proj"], PLAN, cpu) == len(calls) == 2
+    assert [kernel for kernel, _ in calls] == ["cuda_core", "tensor_core"]  # both builds, by name
+    assert all((p.rows, p.k, p.batch) == (3216, K3.hidden_size, 3) for _, p in calls)
     calls.clear()
     assert sanitize_child.kda_step_cell(cute["cute_kda_step"], PLAN, cpu) == len(calls) == 2
     (spec, slots, out, (conv, recurrent), cache), verify = calls

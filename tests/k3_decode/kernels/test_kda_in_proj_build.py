@@ -100,7 +100,7 @@ def test_build_tags_count_what_the_code_must_hold():
 
 def test_expectations_judge_every_in_proj_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
-    builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_in_proj*")  # every named tag exists
+    builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_in_proj/*")  # every named tag exists
     assert len(builds) == 12
     assert expectations["kda_in_proj"].max_registers == 128 and expectations["kda_in_proj"].max_frame_bytes == 0
     assert expectations["kda_in_proj_chunked"].max_frame_bytes == 0
@@ -122,7 +122,7 @@ def test_a_tp_the_model_cannot_shard_is_a_build_table_error(tmp_path, monkeypatc
 @needs_cutedsl
 def test_every_in_proj_build_compiles_and_meets_its_expectations(tmp_path):
     out = tmp_path / "out"
-    proc = build_command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "kda_in_proj*")
+    proc = build_command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "kda_in_proj/*")
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)["subjects"]["K3_KERNEL_BUILDS"]
     assert report["ok"] and len(report["builds"]) == 12

@@ -1,7 +1,7 @@
-"""The CuTe DSL KDA input projection on an H200 against torch's linear, at every shape CI compiles (the packed input
-projection and, with the same kernel, o_proj).
+"""The CuTe DSL KDA input projection on an H200 against torch's linear, at every shape CI compiles: the CUDA-core
+build (kda_in_proj.py) and the tensor-core one (kda_in_proj_mma.py), each called by name through the op.
 
-This must pass on a GPU before the kernel may be registered as a specialized provider (it is not registered now).
+A build must pass here on a GPU before the provider may use it (kda_in_proj_op.kernel_for_rows picks the build).
 
 Tolerance (elementwise, stated from the arithmetic, so it holds for any FP32 summation order): with e the exact
 dot product (FP64, exact for BF16 products at this K) and a = sum |x_k w_k|,
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from k3_decode.kernels import kda_in_proj_op
-from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaInProjBuild
+from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaInProjBuild, KdaInProjMmaBuild
 from k3_decode.kernels.providers import max_rows
 
 pytestmark = [
@@ -40,8 +40,8 @@ pytestmark = [
 ]
 
 DEV = "cuda"
-BUILDS = [b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, KdaInProjBuild)]  # what CI compiles
-SHAPES = [(b.tp, b.plan.rows, b.plan.k, b.plan.batch) for b in BUILDS]
+BUILDS = [b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, KdaInProjBuild | KdaInProjMmaBuild)]
+SHAPES = [(b.choice, b.tp, b.plan.rows, b.plan.k, b.plan.batch) for b in BUILDS]  # what CI compiles
 SPARE = 3  # rows after x and W, and elements after out, that the kernel must neither read into a result nor write
 BIT_EQUAL_FLOOR = 0.98
 NOISE = 1.03  # graph-replay timings of the same kernel differ by up to ~2% between runs on the H200
@@ -79,11 +79,11 @@ def bound(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     return exact, exact.abs() * 2.0**-8 + absolute * (2.0 * k * 2.0**-24)
 
 
-@pytest.mark.parametrize("tp, rows, k, batch", SHAPES, ids=[b.name for b in BUILDS])
-def test_kernel_matches_linear_within_one_bf16_rounding(tp: int, rows: int, k: int, batch: int):
+@pytest.mark.parametrize("kernel, tp, rows, k, batch", SHAPES, ids=[b.name for b in BUILDS])
+def test_kernel_matches_linear_within_one_bf16_rounding(kernel: str, tp: int, rows: int, k: int, batch: int):
     x, w, out, obuf = operands(rows, k, batch, seed=tp * 100 + batch)
     tail = obuf[batch * rows :].clone()
-    got = kda_in_proj_op.linear(x, w, out)
+    got = kda_in_proj_op.linear(x, w, out, kernel=kernel)
     want = linear_fp32_reduction(x, w)
     torch.cuda.synchronize()
 
@@ -96,24 +96,38 @@ def test_kernel_matches_linear_within_one_bf16_rounding(tp: int, rows: int, k: i
     assert worst <= 1.0, f"{tp=} {batch=}: error reaches {worst:.2f}x the bound"
     assert ((got.double() - want.double()).abs() <= 2 * tol).all(), "farther from cuBLAS than two roundings"
     same = (got == want).double().mean().item()
-    print(f"METRIC KDA in_proj TP{tp} B{batch}: error/bound max {worst:.3f}, bit-equal to cuBLAS {same:.4f}")
+    print(f"METRIC KDA in_proj {kernel} TP{tp} B{batch}: error/bound max {worst:.3f}, bit-equal to cuBLAS {same:.4f}")
     assert same >= BIT_EQUAL_FLOOR, f"only {same:.4f} of outputs equal cuBLAS's bits (FP32 sum, one RTNE rounding)"
 
 
-def test_runs_are_deterministic_and_replay_in_a_cuda_graph():
+@pytest.mark.parametrize("kernel", kda_in_proj_op.KERNELS)
+def test_runs_are_deterministic_and_replay_in_a_cuda_graph(kernel: str):
     """Same inputs, same bits: eagerly twice and from a captured graph (a PDL launch inside a graph)."""
-    build = next(b for b in BUILDS if b.op == "kda_in_proj" and b.tp == 8 and b.plan.batch == 8)
+    build = next(b for b in BUILDS if b.choice == kernel and b.tp == 16 and b.plan.batch == 8)
     x, w, out, _ = operands(build.plan.rows, build.plan.k, build.plan.batch, seed=5)
-    first = kda_in_proj_op.linear(x, w).clone()
-    second = kda_in_proj_op.linear(x, w).clone()
+    first = kda_in_proj_op.linear(x, w, kernel=kernel).clone()
+    second = kda_in_proj_op.linear(x, w, kernel=kernel).clone()
     assert torch.equal(first, second), "two eager runs differ"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kda_in_proj_op.linear(x, w, out)
+        kda_in_proj_op.linear(x, w, out, kernel=kernel)
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, first), "the graph replay differs from the eager run"
+
+
+def test_the_tensor_core_build_is_batch_invariant():
+    """A row's output does not depend on the batch around it: row 0 alone, among 8 and among 64 (several passes),
+    and the last row of a ragged batch, give the same bits."""
+    rows, k = 3216, 7168
+    x, w, _, _ = operands(rows, k, 64, seed=9)
+    alone = kda_in_proj_op.linear(x[:1].contiguous(), w, kernel="tensor_core")
+    for batch in (8, 13, 64):
+        many = kda_in_proj_op.linear(x[:batch].contiguous(), w, kernel="tensor_core")
+        assert torch.equal(many[:1], alone), f"row 0 changes with the batch around it (B = {batch})"
+    last = kda_in_proj_op.linear(x[12:13].contiguous(), w, kernel="tensor_core")
+    assert torch.equal(kda_in_proj_op.linear(x[:13].contiguous(), w, kernel="tensor_core")[12:], last)
 
 
 def test_inputs_the_kernel_cannot_take_are_refused():
@@ -131,6 +145,10 @@ def test_inputs_the_kernel_cannot_take_are_refused():
         kda_in_proj_op.linear(x, w[:3212])
     with pytest.raises(ValueError, match="out"):
         kda_in_proj_op.linear(x, w, torch.empty(2, 3200, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kda_in_proj_op.linear(x, w[:3208], kernel="tensor_core")
+    with pytest.raises(ValueError, match="is not one of cuda_core, tensor_core"):
+        kda_in_proj_op.linear(x, w, kernel="wgmma")
 
 
 # --- bandwidth (measured, printed, nothing written) ---------------------------------------------------------------
@@ -180,37 +198,46 @@ def copy_bandwidth() -> float:
 
 @pytest.mark.parametrize("tp", [8, 16])
 def test_bandwidth_fraction_of_copy(tp: int):
+    """Times both builds and cuBLAS at every batch built; asserts that kernel_for_rows picks the faster build and
+    that providers.toml lets the provider serve only batches where its build is not slower than cuBLAS."""
     copy = copy_bandwidth()
     l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
     missed = []
-    for build in (b for b in BUILDS if b.tp == tp):
-        p = build.plan
+    batches = sorted({b.plan.batch for b in BUILDS if b.tp == tp})
+    for batch in batches:
+        builds = {b.choice: b for b in BUILDS if b.tp == tp and b.plan.batch == batch}
+        p = next(iter(builds.values())).plan
         # Enough distinct weights that each call streams its weight from HBM, not from L2 (TP16's fits in L2).
         copies = max(2, math.ceil(3 * l2 / p.weight_bytes))
-        x, _, out, _ = operands(p.rows, p.k, p.batch, seed=1)
+        x, _, out, _ = operands(p.rows, p.k, batch, seed=1)
         weights = [(torch.randn(p.rows, p.k, device=DEV) * 0.02).bfloat16() for _ in range(copies)]
         moved = p.weight_bytes + x.numel() * 2 + out.numel() * 2
-        timed = {}
-        for name, fn in (
-            ("cute", lambda i, x=x, ws=weights, out=out: kda_in_proj_op.linear(x, ws[i % len(ws)], out)),
-            ("cublas", lambda i, x=x, ws=weights, out=out: torch.matmul(x, ws[i % len(ws)].T, out=out)),
-        ):
-            timed[name] = _graph_seconds_per_call(fn, 4 * copies)
-        eager = _eager_seconds_per_call(
-            lambda i, x=x, ws=weights, out=out: kda_in_proj_op.linear(x, ws[i % len(ws)], out), 20
-        )
-        fraction = moved / timed["cute"] / copy
+        fns = {
+            name: lambda i, x=x, ws=weights, out=out, name=name: kda_in_proj_op.linear(x, ws[i % len(ws)], out, name)
+            for name in builds
+        }
+        fns["cublas"] = lambda i, x=x, ws=weights, out=out: torch.matmul(x, ws[i % len(ws)].T, out=out)
+        timed = {name: _graph_seconds_per_call(fn, 4 * copies) for name, fn in fns.items()}
         print(
-            f"METRIC {build.op} TP{tp} B{p.batch}: graph {timed['cute'] * 1e6:.1f} us "
-            f"({moved / timed['cute'] / 1e12:.2f} TB/s, {fraction:.1%} of copy {copy / 1e12:.2f} TB/s); "
-            f"cuBLAS graph {timed['cublas'] * 1e6:.1f} us ({moved / timed['cublas'] / copy:.1%}); "
-            f"eager {eager * 1e6:.1f} us per call"
+            f"METRIC kda_in_proj TP{tp} B{batch}: "
+            + "; ".join(f"{n} {t * 1e6:.1f} us ({moved / t / copy:.1%} of copy)" for n, t in timed.items())
+            + f"; copy {copy / 1e12:.2f} TB/s"
         )
         del weights
+        chosen = kda_in_proj_op.kernel_for_rows(batch, p.rows)
+        if chosen not in timed:
+            missed.append(f"B{batch}: kernel_for_rows picks {chosen}, which is not built at this batch")
+            continue
+        for other in builds:
+            if timed[chosen] > timed[other] * NOISE:
+                missed.append(
+                    f"B{batch}: kernel_for_rows picks {chosen} ({timed[chosen] * 1e6:.1f} us) over "
+                    f"{other} ({timed[other] * 1e6:.1f} us) — fix kda_in_proj_choice.toml"
+                )
         served = max_rows("in_proj", "", tp)
-        if (served is None or p.batch <= served[0]) and timed["cute"] > timed["cublas"] * NOISE:
-            missed.append(f"{build.op} B{p.batch}: {timed['cute'] * 1e6:.1f} vs cuBLAS {timed['cublas'] * 1e6:.1f} us")
-    assert not missed, (
-        f"TP{tp}: providers.toml has the kernel serve rows where cuBLAS is faster: {'; '.join(missed)} — lower "
-        "max_rows there"
-    )
+        if (served is None or batch <= served[0]) and timed[chosen] > timed["cublas"] * NOISE:
+            missed.append(
+                f"B{batch}: {chosen} {timed[chosen] * 1e6:.1f} vs cuBLAS {timed['cublas'] * 1e6:.1f} us — "
+                "lower providers.toml's max_rows there"
+            )
+    assert not missed, f"TP{tp}: {'; '.join(missed)}"

@@ -1,0 +1,251 @@
+"""The KDA input projection on tensor cores for Hopper (sm_90a) in CuTe DSL: out[B, R] = x[B, K] @ W[R, K]^T.
+
+The CUDA-core build (kda_in_proj.py) streams W at 90-99% of the copy bandwidth for B <= 4 but is bound by its FMAs
+from B = 8 on (rows x batch x 8 FMAs per 16 bytes of weight). This build does the products with `mma.sync`
+m16n8k16 (BF16 x BF16 -> FP32), so an MMA instruction takes 256 weights x 8 batch rows and the inner product costs
+a few instructions per 16-byte load at any batch up to 32 (more rows take more passes over W). Semantics are the
+CUDA-core build's: every output is an FP32 sum of the K products, rounded once to BF16 (round to nearest even).
+
+Why this design (the plan's numbers: kda_in_proj_mma_plan.py):
+- W is the A operand, straight from HBM into the MMA's registers, no shared memory. The dot product may take K in
+  any order as long as x and W use the same one, so each lane's A fragment is made of whole 16-byte vectors: for
+  a k step of 64 columns, lane (g, t) (g = lane / 4, t = lane % 4) loads columns 8t..8t+7 and 32+8t..32+8t+7 of
+  its two rows (g and g + 8 of the tile), and MMA j of the step takes four consecutive of those 16 columns as its
+  logical k = 2t, 2t+1, 2t+8, 2t+9. A warp's load instruction then reads 64 contiguous bytes of 8 rows: whole
+  32-byte sectors. x (the B operand, 8 batch rows a tile) is loaded the same way, from L2 (and L1: the CTA's
+  m-tiles read the same x columns), so the column permutation is the same on both sides.
+- One wave, rows spread evenly. CTA c owns ceil(R / SMs) consecutive rows (48 at TP8: 131 CTAs; 25 at TP16: 129),
+  so no SM streams more than one row above the average. Its warps are m_tiles x k_splits: warp (m, s) holds the
+  rows m, m + m_tiles, ... of the CTA (interleaved, so a CTA whose rows are not a multiple of 16 gives every
+  m-tile nearly the same number of real rows) over slice s of K. A lane whose row lies past the CTA's rows loads
+  the CTA's last row instead (an L1 hit) and its sums are never stored.
+- Loads in flight. Each lane keeps `depth` k steps of W in registers (16 loads of 16 bytes), refilled right after
+  a step's MMAs, in a rolled loop over groups of `depth` steps: 12 warps x 32 lanes x 256 bytes = 96 KB per SM at
+  TP8, 3x the ~30 KB that the HBM's bandwidth x latency needs. x is held `x_depth` steps ahead (it is nearer).
+- Fixed-order sums. The k_splits partials of each output go through shared memory and warp (m, 0) adds them in
+  slice order, so results are deterministic and do not depend on scheduling or on the batch (each output column
+  of an MMA is summed the same way whatever the other columns hold).
+- Programmatic dependent launch. The first `depth` steps of W are issued before `griddepcontrol.wait` (they do not
+  depend on the previous kernel); x is read after it, with plain loads (an invariant load could be hoisted above
+  the wait). `griddepcontrol.launch_dependents` follows the first x loads.
+- Batches above 32 take several passes over W (MAX_N_TILES batch tiles of accumulators and x fragments per pass).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, const_expr
+
+from k3_decode.kernels import cutedsl
+from k3_decode.kernels.kda_in_proj_mma_plan import STEP, TILE_N, VECTOR, WARP, InProjMmaPlan
+from k3_decode.kernels.primitives import launch_resident, load8
+
+
+def compile_args(plan: InProjMmaPlan) -> tuple[Any, ...]:
+    """Fake arguments of one compile: x [B, K], W [R, K], out [B, R], all BF16, row-major, 16-byte aligned, and the
+    Int32 launch counter."""
+    return (
+        cutedsl.fake_tensor(BFloat16, (plan.batch, plan.k)),
+        cutedsl.fake_tensor(BFloat16, (plan.rows, plan.k)),
+        cutedsl.fake_tensor(BFloat16, (plan.batch, plan.rows)),
+        cutedsl.fake_tensor(Int32, (1,)),
+        cutedsl.fake_stream(),
+    )
+
+
+class KdaInProjKernelMma:
+    """out = x @ W^T on tensor cores for one fixed shape (the plan); the arguments of KdaInProjKernel. The name
+    extends KdaInProjKernel's so the provider's kernel name (a substring of the CUDA name) covers both builds."""
+
+    def __init__(self, plan: InProjMmaPlan) -> None:
+        self.plan = plan
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, launches: cute.Tensor, stream: Any):
+        plan = self.plan
+        launch_resident(
+            self.kernel(x, w, out, launches),
+            grid=[plan.ctas, 1, 1],
+            threads=plan.threads,
+            ctas_per_sm=1,
+            stream=stream,
+            smem=plan.smem_bytes,
+        )
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, launches: cute.Tensor):
+        plan = self.plan
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        m = warp // plan.k_splits
+        split = warp % plan.k_splits
+        g = lane // 4
+        t = lane % 4
+
+        # The lane's two W rows (g and g + 8 of the m-tile), interleaved over the CTA's m-tiles; a row past the
+        # CTA's rows reads the CTA's last row instead and its sums are dropped.
+        first = cta * plan.rows_per_cta
+        here = cutlass.min(Int32(plan.rows_per_cta), Int32(plan.rows) - first)
+        local = [(g + 8 * h) * plan.m_tiles + m for h in range(2)]
+        rows = [first + cutlass.min(local[h], here - 1) for h in range(2)]
+        vec0 = split * (plan.split_steps * STEP // VECTOR) + t  # the lane's first 16-byte vector of its slice
+
+        smem = cutlass.utils.SmemAllocator()
+        partials = smem.allocate_tensor(
+            Float32, cute.make_layout((plan.warps * plan.partial_floats, WARP), stride=(WARP, 1)), byte_alignment=16
+        )
+        mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        # Slot j holds k step group * depth + j: [row h][vector v] of 8 BF16. Constant indices only: registers.
+        slots = [
+            [[cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(2)] for _ in range(2)]
+            for _ in range(plan.depth)
+        ]
+        xslots = [
+            [[cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(2)] for _ in range(plan.n_tiles)]
+            for _ in range(plan.x_depth)
+        ]
+
+        self._load_w(w, slots, rows, vec0, Int32(0))  # before the wait: W does not depend on the previous kernel
+        cute.arch.griddepcontrol_wait()
+        if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
+            cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
+
+        start = 0
+        for p, count in enumerate(plan.passes):
+            if const_expr(p > 0):
+                cute.arch.sync_threads()  # the previous pass's partials are read
+                self._load_w(w, slots, rows, vec0, Int32(0))
+            self._pass(
+                x,
+                w,
+                out,
+                partials,
+                mma,
+                slots,
+                xslots,
+                rows,
+                local,
+                here,
+                vec0,
+                g,
+                t,
+                lane,
+                warp,
+                m,
+                split,
+                start,
+                count,
+                p == 0,
+            )
+            start += count
+
+    @cute.jit
+    def _pass(
+        self,
+        x: cute.Tensor,
+        w: cute.Tensor,
+        out: cute.Tensor,
+        partials: cute.Tensor,
+        mma: Any,
+        slots: list,
+        xslots: list,
+        rows: list,
+        local: list,
+        here: Int32,
+        vec0: Int32,
+        g: Int32,
+        t: Int32,
+        lane: Int32,
+        warp: Int32,
+        m: Int32,
+        split: Int32,
+        start: cutlass.Constexpr[int],
+        count: cutlass.Constexpr[int],
+        is_first: cutlass.Constexpr[bool],
+    ):
+        """out[start .. start + count - 1, the CTA's rows], with group 0 of W already in the slots."""
+        plan = self.plan
+        n_tiles = -(-count // TILE_N)
+        xrows = [cutlass.min(Int32(start + TILE_N * i) + g, Int32(plan.batch - 1)) for i in range(n_tiles)]
+        for j in cutlass.range_constexpr(plan.x_depth):
+            self._load_x(x, xslots[j], xrows, vec0, Int32(j))
+        if const_expr(is_first):
+            cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
+
+        acc = [cute.make_rmem_tensor((4, 1, 1), Float32) for _ in range(n_tiles)]
+        for i in cutlass.range_constexpr(n_tiles):
+            acc[i].fill(0.0)
+        for grp in cutlass.range(plan.groups, unroll=1):
+            for j in cutlass.range_constexpr(plan.depth):
+                step = grp * plan.depth + j
+                xs = xslots[j % plan.x_depth]
+                for q in cutlass.range_constexpr(4):
+                    a = _a_fragment(slots[j], q)
+                    for i in cutlass.range_constexpr(n_tiles):
+                        cute.gemm(mma, acc[i], a, _b_fragment(xs[i], q), acc[i])
+                if grp + 1 < plan.groups:  # refill the slot just used: W runs `depth` steps ahead
+                    self._load_w(w, [slots[j]], rows, vec0, step + plan.depth)
+                if step + plan.x_depth < plan.split_steps:
+                    self._load_x(x, xs, xrows, vec0, step + plan.x_depth)
+
+        # Fixed-order sum of the slices: every warp parks its tile, warp (m, 0) adds slices 0, 1, ... in order.
+        base = warp * plan.partial_floats
+        for i in cutlass.range_constexpr(n_tiles):
+            for c in cutlass.range_constexpr(4):
+                partials[base + 4 * i + c, lane] = acc[i][c, 0, 0]
+        cute.arch.sync_threads()
+        if split == 0:
+            for i in cutlass.range_constexpr(n_tiles):
+                for c in cutlass.range_constexpr(4):
+                    total = partials[base + 4 * i + c, lane]
+                    for s in cutlass.range_constexpr(1, plan.k_splits):
+                        total = total + partials[(warp + s) * plan.partial_floats + 4 * i + c, lane]
+                    # c0, c1: row g, batch columns 2t and 2t + 1; c2, c3: row g + 8, the same columns.
+                    b = TILE_N * i + 2 * t + c % 2
+                    h = c // 2
+                    if b < count and local[h] < here:
+                        out[start + b, rows[h]] = total.to(BFloat16)
+
+    @cute.jit
+    def _load_w(self, w: cute.Tensor, slots: list, rows: list, vec0: Int32, step: Int32):
+        """k steps step, step + 1, ... of the lane's two rows into the given slots (one step each)."""
+        for j in cutlass.range_constexpr(len(slots)):
+            for h in cutlass.range_constexpr(2):
+                for v in cutlass.range_constexpr(2):
+                    load8(w[rows[h], None], vec0 + (step + j) * (STEP // VECTOR) + 4 * v, slots[j][h][v])
+
+    @cute.jit
+    def _load_x(self, x: cute.Tensor, xs: list, xrows: list, vec0: Int32, step: Int32):
+        """k step `step` of the lane's batch row of every batch tile."""
+        for i in cutlass.range_constexpr(len(xrows)):
+            for v in cutlass.range_constexpr(2):
+                load8(x[xrows[i], None], vec0 + step * (STEP // VECTOR) + 4 * v, xs[i][v])
+
+
+@cute.jit
+def _a_fragment(slot: list, q: cutlass.Constexpr[int]) -> cute.Tensor:
+    """MMA q's A registers (a0..a7 of m16n8k16): columns 4q'..4q'+3 of vector q // 2 (q' = q % 2) of rows g and
+    g + 8, as logical k = 2t, 2t + 1 (a0, a1 / a2, a3) and 2t + 8, 2t + 9 (a4, a5 / a6, a7)."""
+    frag = cute.make_rmem_tensor((8, 1, 1), BFloat16)
+    v, e = q // 2, 4 * (q % 2)
+    for half in cutlass.range_constexpr(2):
+        for h in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(2):
+                frag[4 * half + 2 * h + i, 0, 0] = slot[h][v][e + 2 * half + i]
+    return frag
+
+
+@cute.jit
+def _b_fragment(xs: list, q: cutlass.Constexpr[int]) -> cute.Tensor:
+    """MMA q's B registers (b0..b3): the same four columns of the lane's batch row, as k = 2t, 2t + 1, 2t + 8,
+    2t + 9."""
+    frag = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+    v, e = q // 2, 4 * (q % 2)
+    for i in cutlass.range_constexpr(4):
+        frag[i, 0, 0] = xs[v][e + i]
+    return frag

@@ -1,0 +1,144 @@
+"""How the tensor-core KDA input projection (k3_decode/kernels/kda_in_proj_mma.py) splits its work, without CuTe DSL.
+
+The kernel computes out[B, R] = x[B, K] @ W[R, K]^T with `mma.sync` m16n8k16 (BF16 in, FP32 accumulate): W is the
+A operand (16 rows a tile), x the B operand (8 batch rows a tile). CTA c owns the rows [c * rows_per_cta, ...)
+and one CTA runs per SM, so the grid is one wave. Its warps are `m_tiles` x `k_splits`: warp (m, s) owns 16-row
+tile m of the CTA's rows over the s-th of `k_splits` equal slices of K, and the CTA sums the slices' partials in
+shared memory, in a fixed order. A k step is 64 columns: per step a lane loads two 16-byte vectors of each of its
+two rows (rows g and g + 8 of the tile, g = lane / 4) and of each 8-row batch tile, and issues four MMAs per batch
+tile. Every number here is fixed at compile time, so listing builds needs neither CuTe DSL nor torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VECTOR = 8  # BF16 elements in one 16-byte load
+WARP = 32
+TILE_M = 16  # W rows of one MMA
+TILE_N = 8  # batch rows of one MMA
+STEP = 64  # columns of one k step: 4 lanes x 16 columns, 4 MMAs of k = 16
+# Warps per CTA, by batch tiles per pass: 12 keep 96 KB of W in flight per SM under a 168-register cap; with 3-4
+# tiles the accumulators and x fragments need more registers (16 spilled at 168, B = 32), so half the warps.
+TARGET_WARPS = {1: 12, 2: 12, 3: 6, 4: 6}
+MAX_THREADS = 512
+W_LOADS_IN_FLIGHT = 16  # 16-byte weight loads a lane keeps outstanding: 4 per step, so 4 steps ahead
+MAX_N_TILES = 4  # batch tiles one pass holds in registers (32 rows); more rows make more passes over W
+H200_SMS = 132
+
+
+@dataclass(frozen=True)
+class InProjMmaPlan:
+    rows: int  # R, the output features of this rank
+    k: int  # K, the hidden size
+    batch: int
+    sm_count: int
+
+    @classmethod
+    def for_shape(cls, rows: int, k: int, batch: int, sm_count: int = H200_SMS) -> InProjMmaPlan:
+        if rows <= 0 or rows % TILE_M:
+            raise ValueError(
+                f"the tensor-core KDA in_proj needs the rows to be a positive multiple of {TILE_M}, got {rows}"
+            )
+        if k <= 0 or k % STEP:
+            raise ValueError(f"the tensor-core KDA in_proj needs K to be a positive multiple of {STEP}, got {k}")
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}")
+        if sm_count < 1:
+            raise ValueError(f"sm_count must be at least 1, got {sm_count}")
+        return cls(rows, k, batch, sm_count)
+
+    @property
+    def rows_per_cta(self) -> int:
+        """The fewest rows per CTA that need no more CTAs than SMs: one wave, the rows spread to within one."""
+        return -(-self.rows // self.sm_count)
+
+    @property
+    def ctas(self) -> int:
+        return -(-self.rows // self.rows_per_cta)
+
+    @property
+    def last_rows(self) -> int:
+        """Rows of the last CTA (fewer than rows_per_cta when they do not divide R)."""
+        return self.rows - (self.ctas - 1) * self.rows_per_cta
+
+    @property
+    def m_tiles(self) -> int:
+        return -(-self.rows_per_cta // TILE_M)
+
+    @property
+    def masked(self) -> bool:
+        """Whether some lanes' rows lie past the CTA's rows (or R): their loads are skipped and their sums unused."""
+        return self.rows_per_cta % TILE_M != 0 or self.last_rows != self.rows_per_cta
+
+    @property
+    def steps(self) -> int:
+        return self.k // STEP
+
+    @property
+    def k_splits(self) -> int:
+        """Slices of K per CTA: the divisor of the steps whose warp count is nearest TARGET_WARPS for the batch
+        tiles (more on a tie: more loads in flight), within MAX_THREADS."""
+        fits = [d for d in range(1, self.steps + 1) if self.steps % d == 0 and self.m_tiles * d * WARP <= MAX_THREADS]
+        target = TARGET_WARPS[self.n_tiles]
+        return min(fits, key=lambda d: (abs(self.m_tiles * d - target), -d))
+
+    @property
+    def warps(self) -> int:
+        return self.m_tiles * self.k_splits
+
+    @property
+    def threads(self) -> int:
+        return self.warps * WARP
+
+    @property
+    def split_steps(self) -> int:
+        """k steps of one warp's slice."""
+        return self.steps // self.k_splits
+
+    @property
+    def depth(self) -> int:
+        """k steps of weights a lane has in flight (its register slots): the smallest divisor of the slice's steps
+        that keeps W_LOADS_IN_FLIGHT loads outstanding, so every group of the rolled loop is whole."""
+        want = -(-W_LOADS_IN_FLIGHT // 4)
+        s = self.split_steps
+        return next(d for d in range(1, s + 1) if s % d == 0 and d >= min(want, s))
+
+    @property
+    def groups(self) -> int:
+        return self.split_steps // self.depth
+
+    @property
+    def n_tiles(self) -> int:
+        """Batch tiles of 8 rows per pass over W."""
+        return min(-(-self.batch // TILE_N), MAX_N_TILES)
+
+    @property
+    def passes(self) -> tuple[int, ...]:
+        """Batch rows of each pass over W, in order (one pass up to 32 rows)."""
+        per = self.n_tiles * TILE_N
+        full, rest = divmod(self.batch, per)
+        return (per,) * full + ((rest,) if rest else ())
+
+    @property
+    def x_depth(self) -> int:
+        """k steps of x a lane holds ahead (x comes from L2 or L1, nearer than W)."""
+        return 2 if self.depth % 2 == 0 else 1
+
+    @property
+    def partial_floats(self) -> int:
+        """FP32 accumulators per lane: 4 per batch tile (an m16n8 tile over 32 lanes)."""
+        return 4 * self.n_tiles
+
+    @property
+    def smem_bytes(self) -> int:
+        """The slices' partial sums, one FP32 tile per warp and batch tile, for the fixed-order sum."""
+        return self.warps * self.partial_floats * WARP * 4
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.rows * self.k * 2
+
+    @property
+    def tag(self) -> str:
+        return f"r{self.rows}/b{self.batch}"

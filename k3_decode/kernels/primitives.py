@@ -1,0 +1,85 @@
+"""CuTe DSL building blocks that several kernels of this package share: 16-byte vector moves, BF16 to FP32
+conversion, the butterfly sum over lanes, and the launch of a kernel whose CTAs must all be resident.
+
+Every function here is traced inline into the kernel that calls it (a `cute.jit` function called while a kernel
+is being traced adds its operations where it is called), so moving code here leaves the compiled kernels as they
+were.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+VECTOR = 8  # BF16 elements in one 16-byte access
+WARP = 32
+
+
+@cute.jit
+def load8(row: cute.Tensor, vec: Int32, frag: cute.Tensor):
+    """The 8 BF16 elements of column group `vec` of a row into `frag`, in one 16-byte load."""
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), row.element_type, num_bits_per_copy=128)
+    cute.copy(atom, cute.local_tile(row, (VECTOR,), (vec,)), frag)
+
+
+@cute.jit
+def load8_value(row: cute.Tensor, vec: Int32) -> cute.TensorSSA:
+    """The 8 BF16 elements of column group `vec` of a row, in one 16-byte load, as a value."""
+    frag = cute.make_rmem_tensor((VECTOR,), row.element_type)
+    load8(row, vec, frag)
+    return frag.load()
+
+
+@cute.jit
+def copy8(src: cute.Tensor, dst: cute.Tensor, vec: Int32):
+    """Column group `vec` (8 BF16 elements) of row `src` to the same place of row `dst`, through registers."""
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), src.element_type, num_bits_per_copy=128)
+    frag = cute.make_rmem_tensor((VECTOR,), src.element_type)
+    cute.copy(atom, cute.local_tile(src, (VECTOR,), (vec,)), frag)
+    cute.copy(atom, frag, cute.local_tile(dst, (VECTOR,), (vec,)))
+
+
+@cute.jit
+def to_f32(v: cute.TensorSSA) -> cute.Tensor:
+    """8 BF16 values as FP32 registers, indexable one by one (exact: BF16 is FP32 with a shorter significand)."""
+    frag = cute.make_rmem_tensor((VECTOR,), Float32)
+    frag.store(v.to(Float32))
+    return frag
+
+
+@cute.jit
+def warp_sum(x: Float32, lanes: cutlass.Constexpr[int] = WARP) -> Float32:
+    """Butterfly sum over groups of `lanes` lanes (a power of two, at most 32): every lane of a group ends with the
+    same bits (each step adds the same pair, in either order)."""
+    for i in cutlass.range_constexpr(lanes.bit_length() - 1):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << i)
+    return x
+
+
+def launch_resident(
+    kernel: Any,
+    *,
+    grid: list[Any],
+    threads: int,
+    ctas_per_sm: int,
+    stream: Any,
+    cluster: list[int] | None = None,
+    smem: int | None = None,
+) -> None:
+    """Launch `kernel` (a traced kernel call) with programmatic dependent launch, `ctas_per_sm` CTAs of `threads`
+    threads resident on every SM at once: ptxas caps the registers to fit them (.minnctapersm). The launch names
+    the shared-memory carveout (all of it), which also keeps CuTe DSL from asking the driver for the SM's shared
+    memory at compile time, a question a CPU build cannot answer."""
+    kernel.launch(
+        grid=grid,
+        block=[threads, 1, 1],
+        cluster=cluster,
+        smem=smem,
+        min_blocks_per_mp=ctas_per_sm,
+        preferred_smem_carveout=100,
+        stream=stream,
+        use_pdl=True,
+    )

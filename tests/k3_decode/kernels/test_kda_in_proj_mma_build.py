@@ -1,0 +1,205 @@
+"""The tensor-core KDA input projection's plan and builds: how it splits the work (fast, no CuTe DSL), and the real
+sm_90a builds with their PTX, SASS and cubin checked (slow; needs CuTe DSL, `pip install 'k3gate[cutedsl]'`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+import pytest
+
+from harness.kernels_cmd import cubin_resources, parse_expectations, select_builds
+from k3_decode.config import K3
+from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaInProjMmaBuild
+from k3_decode.kernels.kda_in_proj_mma_plan import MAX_N_TILES, STEP, TILE_M, WARP, InProjMmaPlan
+from tests.k3_decode.kernels.helpers import assert_launch_reaches_the_driver, build_command, needs_cutedsl
+
+H200_SMS = 132
+REGISTERS_PER_SM = 65536
+SMEM_PER_CTA = 227 * 1024
+
+
+def mma_builds() -> list[KdaInProjMmaBuild]:
+    return [b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, KdaInProjMmaBuild)]
+
+
+def covered_rows(plan: InProjMmaPlan) -> list[int]:
+    """Every W row each (CTA, warp's m-tile, lane row) stores, as the kernel maps them (kda_in_proj_mma.py)."""
+    stored = []
+    for cta in range(plan.ctas):
+        here = min(plan.rows_per_cta, plan.rows - cta * plan.rows_per_cta)
+        for m in range(plan.m_tiles):
+            for slot in range(TILE_M):
+                local = slot * plan.m_tiles + m
+                if local < here:
+                    stored.append(cta * plan.rows_per_cta + local)
+    return stored
+
+
+# --- the plan -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp, ctas, m_tiles, k_splits", [(8, 131, 3, (4, 2)), (16, 129, 2, (7, 4))])
+def test_k3_rows_spread_over_every_sm_in_one_wave(tp, ctas, m_tiles, k_splits):
+    rows = K3.shard(tp).kda_in_proj_rows
+    for batch in (1, 8, 16, 24, 32, 64):
+        plan = InProjMmaPlan.for_shape(rows, K3.hidden_size, batch, H200_SMS)
+        # Up to two batch tiles: ~12 warps; three or four: ~6 (their registers), still >= 48 KB of W in flight.
+        assert (plan.ctas, plan.m_tiles, plan.k_splits) == (ctas, m_tiles, k_splits[batch > 16])
+        assert plan.warps * WARP * plan.depth * 4 * 16 >= 48 * 1024
+        assert plan.ctas <= H200_SMS and plan.rows_per_cta - plan.rows / H200_SMS < 1  # one wave, within a row
+        assert plan.m_tiles * TILE_M >= plan.rows_per_cta and plan.threads <= 512
+        assert plan.split_steps * plan.k_splits * STEP == K3.hidden_size
+        assert plan.depth * plan.groups == plan.split_steps and plan.depth * 4 >= 16  # 16 W loads per lane ahead
+        assert plan.smem_bytes <= SMEM_PER_CTA
+        # Every row is stored exactly once.
+        stored = covered_rows(plan)
+        assert sorted(stored) == list(range(rows))
+
+
+def test_interleaved_rows_give_every_m_tile_nearly_the_same_number_of_real_rows():
+    plan = InProjMmaPlan.for_shape(3216, 7168, 8, H200_SMS)  # 25 rows a CTA in two m-tiles of 16 slots
+    assert plan.rows_per_cta == 25 and plan.masked and plan.last_rows == 16
+    real = [sum(1 for slot in range(TILE_M) if slot * plan.m_tiles + m < plan.rows_per_cta) for m in range(2)]
+    assert real == [13, 12]
+
+
+@pytest.mark.parametrize("batch", range(1, 65))
+def test_passes_cover_the_batch(batch):
+    plan = InProjMmaPlan.for_shape(6288, 7168, batch, H200_SMS)
+    assert sum(plan.passes) == batch and all(0 < p <= MAX_N_TILES * 8 for p in plan.passes)
+    assert len(plan.passes) == -(-batch // (MAX_N_TILES * 8)) and plan.n_tiles == min(-(-batch // 8), MAX_N_TILES)
+
+
+def test_plan_rejects_shapes_the_kernel_cannot_split():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        InProjMmaPlan.for_shape(6288, 7000, 1)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        InProjMmaPlan.for_shape(6280, 7168, 1)
+    with pytest.raises(ValueError, match="batch"):
+        InProjMmaPlan.for_shape(6288, 7168, 0)
+    with pytest.raises(ValueError, match="sm_count"):
+        InProjMmaPlan.for_shape(6288, 7168, 1, 0)
+    small = InProjMmaPlan.for_shape(48, 7168, 1, H200_SMS)  # fewer rows than SMs: one row a CTA, still covered
+    assert small.ctas == 48 and sorted(covered_rows(small)) == list(range(48))
+
+
+# --- what is built ----------------------------------------------------------------------------------------------
+
+
+def test_builds_are_every_tp_and_batch_at_the_ranks_rows():
+    builds = mma_builds()
+    assert {(b.tp, b.plan.batch) for b in builds} == {(tp, b) for tp in (8, 16) for b in (1, 4, 8, 16, 32, 64)}
+    assert {b.tp: b.plan.rows for b in builds} == {8: 6288, 16: 3216}
+    assert {b.kernel for b in builds} == {"kda_in_proj_mma"} and {b.choice for b in builds} == {"tensor_core"}
+    assert len({b.name for b in builds}) == len(builds) == 12
+
+
+def test_build_tags_count_what_the_code_must_hold():
+    tags = {b.name: b.tags for b in mma_builds()}
+    b8 = tags["kda_in_proj_mma/tp8/b8"]  # one batch tile, 4 steps a loop body, 4 slices of K
+    assert (b8["weight_loads_ahead"], b8["global_loads"], b8["mmas"]) == (16, 16 + 16 + 2 * (2 + 4), 16)
+    assert (b8["partial_loads"], b8["out_stores"], b8["barriers"]) == (4 * 4, 4, 1)
+    b1 = tags["kda_in_proj_mma/tp16/b1"]  # a one-row tile: only c0 and c2 can hold an output
+    assert (b1["out_stores"], b1["partial_loads"], b1["partial_stores"]) == (2, 2 * 7, 4)
+    b64 = tags["kda_in_proj_mma/tp8/b64"]  # two passes of four tiles
+    assert (b64["passes"], b64["mmas"], b64["global_loads"], b64["barriers"]) == (2, 128, 2 * 32 + 2 * 48, 3)
+
+
+def test_expectations_judge_every_mma_build():
+    expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
+    assert len(select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_in_proj_mma/*")) == 12
+    section = expectations["kda_in_proj_mma"]
+    assert section.max_registers == 255 and section.max_frame_bytes == 0 and len(section.rules) >= 20
+
+
+# --- the real builds (CuTe DSL, no GPU) ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_every_mma_build_compiles_and_meets_its_expectations(tmp_path):
+    out = tmp_path / "out"
+    proc = build_command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "kda_in_proj_mma/*")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)["subjects"]["K3_KERNEL_BUILDS"]
+    assert report["ok"] and len(report["builds"]) == 12
+    assert all(b["ok"] and len(b["checks"]) >= 25 for b in report["builds"])
+    for b in report["builds"]:  # facts read straight from the artifacts, independent of the expectations file
+        name, tags = b["build"], b["tags"]
+        ptx = (out / name / "kernel.ptx").read_text()
+        sass = (out / name / "kernel.sass").read_text()
+        (res,) = cubin_resources((out / name / "kernel.cubin").read_bytes()).values()
+        assert re.search(r"^\.target sm_90a$", ptx, re.M) and "mma.sync.aligned.m16n8k16" in ptx, name
+        assert res.frame_bytes == 0 and not re.search(r"\b(LDL|STL)\b", sass), f"{name} spills"
+        assert res.registers * tags["threads"] <= REGISTERS_PER_SM, (name, res)  # one CTA fits an SM
+        head, _, tail = sass.partition("ACQBULK")
+        assert tail and head.count("LDG.E.128") == 16 and "HMMA" not in head, name  # W only, before the wait
+        assert sass.count("HMMA.16816.F32.BF16") == tags["mmas"] and "FFMA" not in sass, name
+
+
+def _broken(text: str) -> str:
+    """The real expectations with the MMA count one too many and the register cap too low."""
+    head, sep, section = text.partition("[sm_90a.kda_in_proj_mma]")
+    rule = 'count = "mmas"\nwhy = "the products on tensor cores'
+    assert sep and section.count(rule) == 1 and section.count("max_registers = 255") == 1
+    section = section.replace("max_registers = 255", "max_registers = 96", 1)
+    section = section.replace(rule, rule.replace('"mmas"', '"mmas + 1"'))
+    return head + sep + section
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_violated_expectation_fails_the_build(tmp_path):
+    broken = tmp_path / "broken.toml"
+    broken.write_text(_broken(K3_KERNEL_BUILDS.expectations_text()))
+    out = tmp_path / "out"
+    proc = build_command(
+        tmp_path, "--out", str(out), "--expectations", str(broken), "--match", "kda_in_proj_mma/tp8/b8"
+    )
+    assert proc.returncode == 1, proc.stderr
+    (result,) = json.loads((out / "report.json").read_text())["builds"]
+    failed = sorted(c["name"] for c in result["checks"] if not c["passed"])
+    assert failed == [r"ptx 'mma\\.sync\\.aligned\\.m16n8k16\\.row\\.col\\.f32\\.bf16\\.bf16\\.f32'", "registers"], (
+        failed
+    )
+
+
+LAUNCH_ON_CPU = """
+import torch
+from k3_decode.kernels import kda_in_proj_op
+from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
+
+compiled = kda_in_proj_op._compiled(InProjMmaPlan.for_shape(3216, 7168, 8))
+x, w, out = (torch.zeros(*s, dtype=torch.bfloat16) for s in ((8, 7168), (3216, 7168), (8, 3216)))
+try:
+    kda_in_proj_op.launch(compiled, x, w, out, torch.zeros(1, dtype=torch.int32), 0)
+except Exception as exc:
+    print("RAISED", type(exc).__name__, "cudaErrorInsufficientDriver" in str(exc))
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_the_gpu_launch_path_binds_every_argument(tmp_path):
+    assert_launch_reaches_the_driver(LAUNCH_ON_CPU, tmp_path)
+
+
+def test_the_op_picks_the_build_from_its_data(tmp_path, monkeypatch):
+    from k3_decode.kernels import kda_in_proj_op
+
+    pick = kda_in_proj_op.kernel_for_rows
+    assert [pick(b, 6288) for b in (1, 4, 5, 64)] == ["cuda_core", "cuda_core", "tensor_core", "tensor_core"]
+    assert pick(1, 3216) == "tensor_core" and pick(4, 1024) == "cuda_core" and pick(5, 1024) == "tensor_core"
+    # The choice is the data file's: a changed table changes it.
+    table = tmp_path / "choice.toml"
+    table.write_text("[cuda_core_max_batch]\n3216 = 2\ndefault = 0\n")
+    monkeypatch.setattr(kda_in_proj_op, "CHOICE", table)
+    kda_in_proj_op._cuda_core_max_batch.cache_clear()
+    try:
+        assert pick(2, 3216) == "cuda_core" and pick(3, 3216) == "tensor_core" and pick(1, 6288) == "tensor_core"
+    finally:
+        monkeypatch.undo()
+        kda_in_proj_op._cuda_core_max_batch.cache_clear()
