@@ -17,7 +17,6 @@ from harness.kernels_cmd import KernelArtifacts
 from k3_decode.config import ShardError, load_dims
 from k3_decode.kernels import cutedsl
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
-from k3_decode.kernels.kda_in_proj_mma_plan import STEP as MMA_STEP
 from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
@@ -159,13 +158,7 @@ class KdaInProjMmaBuild:
         Counts are of instructions in the code: each pass over W is its own code (unrolled), its k loop one rolled
         body unrolled `depth` steps deep, whose W refill the compiler drops when one group covers the slice."""
         p = self.plan
-        ahead = 4 * p.depth  # 16-byte W loads that fill every slot: two vectors of two rows per step
-        tiles = [-(-count // 8) for count in p.passes]
-        # Accumulators whose outputs can exist: c1 and c3 hold batch column 2t + 1, which a one-row tile never has
-        # (the compiler drops their sums and stores).
-        live = sum(2 * (1 + (min(8, count - 8 * i) >= 2)) for count in p.passes for i in range(-(-count // 8)))
-        w_loads = len(tiles) * ahead + (len(tiles) * ahead if p.groups > 1 else 0)
-        x_loads = sum(2 * n * (p.x_depth + p.depth) for n in tiles)  # the x steps ahead, then one refill per step
+        counts = p.code_counts()
         return {
             "tp": self.tp,
             "batch": p.batch,
@@ -175,17 +168,16 @@ class KdaInProjMmaBuild:
             "m_tiles": p.m_tiles,
             "k_splits": p.k_splits,
             "depth": p.depth,
-            "passes": len(tiles),
+            "passes": counts["passes"],
             "masked": p.masked,
             "weight_bytes": p.weight_bytes,
-            "weight_loads_ahead": ahead,
-            "global_loads": w_loads + x_loads,
-            "mmas": sum(4 * p.depth * n for n in tiles),
-            "partial_stores": sum(4 * n for n in tiles),
-            "partial_loads": live * p.k_splits,
-            "out_stores": live,
-            "barriers": 2 * len(tiles) - 1,
-            "k_step": MMA_STEP,
+            "weight_loads_ahead": counts["weight_loads_ahead"],
+            "global_loads": counts["weight_loads"] + counts["x_loads"],
+            "mmas": counts["mmas"],
+            "partial_stores": counts["partial_stores"],
+            "partial_loads": counts["partial_loads"],
+            "out_stores": counts["out_stores"],
+            "barriers": 2 * counts["passes"] - 1,
         }
 
     def compile(self, arch: str) -> KernelArtifacts:
@@ -222,6 +214,32 @@ class KdaOProjBuild:
         weight_loads = 2 * mix + k.out_norm  # the AttnRes weights: res_norm and res_proj when mixing, out_norm
         independent = weight_loads + k.num_blocks + (k.delta == "add")  # bank blocks, the old prefix
         stream_loads = group + (group if p.groups > 1 else 0) + p.fill_loads
+        stream = {  # the CUDA-core stream (B <= 4)
+            "depth": p.depth,
+            "groups": p.groups,
+            "weight_loads_ahead": group,
+            "o_stages": p.fill_loads,  # shared stores of the staged o
+            "o_reads": p.depth * p.batch,  # ld.shared.v4 of o, one per step and batch row
+            "stream_fmas": p.depth * p.rows_per_warp * p.batch * 8,
+            "stream_shuffles": 5 * p.rows_per_warp * p.batch,
+            "stream_mmas": 0,
+            "out_stores": p.rows_per_warp * p.batch,  # BF16 o_proj outputs per lane's warp
+        }
+        if p.tensor_cores:  # the tensor-core stream: o read in MMA fragments, no staging, no FMAs or shuffles
+            m = p.mma
+            counts = m.code_counts()
+            stream_loads = counts["weight_loads"] + counts["x_loads"]
+            stream = {
+                "depth": m.depth,
+                "groups": m.groups,
+                "weight_loads_ahead": counts["weight_loads_ahead"],
+                "o_stages": 0,
+                "o_reads": 0,
+                "stream_fmas": 0,
+                "stream_shuffles": 0,
+                "stream_mmas": counts["mmas"],
+                "out_stores": counts["out_stores"],
+            }
         return {
             "tp": self.tp,
             "batch": p.batch,
@@ -235,19 +253,13 @@ class KdaOProjBuild:
             "ctas": p.ctas,
             "clusters": p.clusters,
             "ctas_per_sm": p.ctas_per_sm,
-            "depth": p.depth,
-            "groups": p.groups,
+            "tensor_cores": p.tensor_cores,
             "weight_bytes": p.weight_bytes,
-            "weight_loads_ahead": group,  # issued before griddepcontrol.wait
-            "stream_loads": stream_loads,  # W ahead, one refill body, o's staging
+            "stream_loads": stream_loads,  # W ahead, one refill body, o's staging (or o's MMA fragments)
             # Loaded by an epilogue CTA before it waits for the grid, then the one vector after: the o_proj row.
             "epilogue_loads_before_wait": independent,
             "global_loads": stream_loads + independent + 1,
-            "o_stages": p.fill_loads,  # shared stores of the staged o
-            "o_reads": p.depth * p.batch,  # ld.shared.v4 of o, one per step and batch row
-            "stream_fmas": p.depth * p.rows_per_warp * p.batch * 8,
-            "stream_shuffles": 5 * p.rows_per_warp * p.batch,
-            "out_stores": p.rows_per_warp * p.batch,  # BF16 o_proj outputs per lane's warp
+            **stream,
             "row_stores": 2 + k.save,  # the MLP input, the prefix, the saved block
             "pushes": (k.partials // 4 if mix else 0) + k.out_norm,  # st.async per pushing lane
             "exchanges": mix + k.out_norm,

@@ -33,14 +33,14 @@ Why this design (the plan's numbers: kda_in_proj_mma_plan.py):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 
 from k3_decode.kernels import cutedsl
-from k3_decode.kernels.kda_in_proj_mma_plan import STEP, TILE_N, VECTOR, WARP, InProjMmaPlan
+from k3_decode.kernels.kda_in_proj_mma_plan import STEP, TILE_N, VECTOR, WARP, InProjMmaPlan, MmaStream
 from k3_decode.kernels.primitives import launch_resident, load8
 
 
@@ -80,37 +80,13 @@ class KdaInProjKernelMma:
         plan = self.plan
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        m = warp // plan.k_splits
-        split = warp % plan.k_splits
-        g = lane // 4
-        t = lane % 4
-
-        # The lane's two W rows (g and g + 8 of the m-tile), interleaved over the CTA's m-tiles; a row past the
-        # CTA's rows reads the CTA's last row instead and its sums are dropped.
-        first = cta * plan.rows_per_cta
-        here = cutlass.min(Int32(plan.rows_per_cta), Int32(plan.rows) - first)
-        local = [(g + 8 * h) * plan.m_tiles + m for h in range(2)]
-        rows = [first + cutlass.min(local[h], here - 1) for h in range(2)]
-        vec0 = split * (plan.split_steps * STEP // VECTOR) + t  # the lane's first 16-byte vector of its slice
-
+        lanes = lane_rows(plan, cta * plan.rows_per_cta, warp)
         smem = cutlass.utils.SmemAllocator()
-        partials = smem.allocate_tensor(
-            Float32, cute.make_layout((plan.warps * plan.partial_floats, WARP), stride=(WARP, 1)), byte_alignment=16
-        )
-        mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
-        # Slot j holds k step group * depth + j: [row h][vector v] of 8 BF16. Constant indices only: registers.
-        slots = [
-            [[cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(2)] for _ in range(2)]
-            for _ in range(plan.depth)
-        ]
-        xslots = [
-            [[cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(2)] for _ in range(plan.n_tiles)]
-            for _ in range(plan.x_depth)
-        ]
+        partials = allocate_partials(plan, smem)
+        slots, xslots = stream_slots(plan)
 
-        self._load_w(w, slots, rows, vec0, Int32(0))  # before the wait: W does not depend on the previous kernel
+        load_w(plan, w, slots, lanes, Int32(0))  # before the wait: W does not depend on the previous kernel
         cute.arch.griddepcontrol_wait()
         if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
             cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
@@ -119,112 +95,136 @@ class KdaInProjKernelMma:
         for p, count in enumerate(plan.passes):
             if const_expr(p > 0):
                 cute.arch.sync_threads()  # the previous pass's partials are read
-                self._load_w(w, slots, rows, vec0, Int32(0))
-            self._pass(
-                x,
-                w,
-                out,
-                partials,
-                mma,
-                slots,
-                xslots,
-                rows,
-                local,
-                here,
-                vec0,
-                g,
-                t,
-                lane,
-                warp,
-                m,
-                split,
-                start,
-                count,
-                p == 0,
-            )
+                load_w(plan, w, slots, lanes, Int32(0))
+            stream_pass(plan, x, w, out, partials, slots, xslots, lanes, warp, start, count, p == 0)
             start += count
 
-    @cute.jit
-    def _pass(
-        self,
-        x: cute.Tensor,
-        w: cute.Tensor,
-        out: cute.Tensor,
-        partials: cute.Tensor,
-        mma: Any,
-        slots: list,
-        xslots: list,
-        rows: list,
-        local: list,
-        here: Int32,
-        vec0: Int32,
-        g: Int32,
-        t: Int32,
-        lane: Int32,
-        warp: Int32,
-        m: Int32,
-        split: Int32,
-        start: cutlass.Constexpr[int],
-        count: cutlass.Constexpr[int],
-        is_first: cutlass.Constexpr[bool],
-    ):
-        """out[start .. start + count - 1, the CTA's rows], with group 0 of W already in the slots."""
-        plan = self.plan
-        n_tiles = -(-count // TILE_N)
-        xrows = [cutlass.min(Int32(start + TILE_N * i) + g, Int32(plan.batch - 1)) for i in range(n_tiles)]
-        for j in cutlass.range_constexpr(plan.x_depth):
-            self._load_x(x, xslots[j], xrows, vec0, Int32(j))
-        if const_expr(is_first):
-            cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
 
-        acc = [cute.make_rmem_tensor((4, 1, 1), Float32) for _ in range(n_tiles)]
-        for i in cutlass.range_constexpr(n_tiles):
-            acc[i].fill(0.0)
-        for grp in cutlass.range(plan.groups, unroll=1):
-            for j in cutlass.range_constexpr(plan.depth):
-                step = grp * plan.depth + j
-                xs = xslots[j % plan.x_depth]
-                for q in cutlass.range_constexpr(4):
-                    a = _a_fragment(slots[j], q)
-                    for i in cutlass.range_constexpr(n_tiles):
-                        cute.gemm(mma, acc[i], a, _b_fragment(xs[i], q), acc[i])
-                if grp + 1 < plan.groups:  # refill the slot just used: W runs `depth` steps ahead
-                    self._load_w(w, [slots[j]], rows, vec0, step + plan.depth)
-                if step + plan.x_depth < plan.split_steps:
-                    self._load_x(x, xs, xrows, vec0, step + plan.x_depth)
+class LaneRows(NamedTuple):
+    """Where a lane's work lies: its two W rows (g and g + 8 of its m-tile), their CTA-local indices (a row at or
+    past `here` reads row `here - 1` instead and its sums are dropped), its first 16-byte vector of its K slice,
+    g = lane / 4, t = lane % 4, and its warp's slice."""
 
-        # Fixed-order sum of the slices: every warp parks its tile, warp (m, 0) adds slices 0, 1, ... in order.
-        base = warp * plan.partial_floats
-        for i in cutlass.range_constexpr(n_tiles):
+    rows: list
+    local: list
+    here: Int32
+    vec0: Int32
+    g: Int32
+    t: Int32
+    lane: Int32
+    split: Int32
+
+
+@cute.jit
+def lane_rows(plan: MmaStream, first: Int32, warp: Int32) -> LaneRows:
+    """The lane's rows of the CTA whose rows start at `first`: m-tile m holds rows m, m + m_tiles, ... (interleaved,
+    so rows that are not a multiple of 16 leave every m-tile nearly the same number of real rows)."""
+    lane = cute.arch.lane_idx()
+    m = warp // plan.k_splits
+    split = warp % plan.k_splits
+    g, t = lane // 4, lane % 4
+    here = cutlass.min(Int32(plan.rows_per_cta), Int32(plan.rows) - first)
+    local = [(g + 8 * h) * plan.m_tiles + m for h in range(2)]
+    rows = [first + cutlass.min(local[h], here - 1) for h in range(2)]
+    vec0 = split * (plan.split_steps * STEP // VECTOR) + t
+    return LaneRows(rows, local, here, vec0, g, t, lane, split)
+
+
+def allocate_partials(plan: MmaStream, smem: Any) -> cute.Tensor:
+    """Shared memory for the K slices' FP32 tiles: [warp x accumulator, lane]."""
+    layout = cute.make_layout((plan.warps * plan.partial_floats, WARP), stride=(WARP, 1))
+    return smem.allocate_tensor(Float32, layout, byte_alignment=16)
+
+
+def stream_slots(plan: MmaStream) -> tuple[list, list]:
+    """The register slots: W slot j holds k step group * depth + j as [row h][vector v] of 8 BF16; x slot j one
+    step of every batch tile. Constant indices only touch them, so they live in registers."""
+    slots = [
+        [[cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(2)] for _ in range(2)] for _ in range(plan.depth)
+    ]
+    xslots = [
+        [[cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(2)] for _ in range(plan.n_tiles)]
+        for _ in range(plan.x_depth)
+    ]
+    return slots, xslots
+
+
+@cute.jit
+def stream_pass(
+    plan: MmaStream,
+    x: cute.Tensor,
+    w: cute.Tensor,
+    out: cute.Tensor,
+    partials: cute.Tensor,
+    slots: list,
+    xslots: list,
+    lanes: LaneRows,
+    warp: Int32,
+    start: cutlass.Constexpr[int],
+    count: cutlass.Constexpr[int],
+    is_first: cutlass.Constexpr[bool],
+):
+    """out[start .. start + count - 1, the CTA's rows] = x @ W^T, with group 0 of W already in the slots. After
+    the griddepcontrol.wait: x is the previous kernel's output."""
+    mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+    tiles = -(-count // TILE_N)
+    g, t, lane = lanes.g, lanes.t, lanes.lane
+    xrows = [cutlass.min(Int32(start + TILE_N * i) + g, Int32(plan.batch - 1)) for i in range(tiles)]
+    for j in cutlass.range_constexpr(plan.x_depth):
+        load_x(plan, x, xslots[j], xrows, lanes.vec0, Int32(j))
+    if const_expr(is_first):
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
+
+    acc = [cute.make_rmem_tensor((4, 1, 1), Float32) for _ in range(tiles)]
+    for i in cutlass.range_constexpr(tiles):
+        acc[i].fill(0.0)
+    for grp in cutlass.range(plan.groups, unroll=1):
+        for j in cutlass.range_constexpr(plan.depth):
+            step = grp * plan.depth + j
+            xs = xslots[j % plan.x_depth]
+            for q in cutlass.range_constexpr(4):
+                a = _a_fragment(slots[j], q)
+                for i in cutlass.range_constexpr(tiles):
+                    cute.gemm(mma, acc[i], a, _b_fragment(xs[i], q), acc[i])
+            if grp + 1 < plan.groups:  # refill the slot just used: W runs `depth` steps ahead
+                load_w(plan, w, [slots[j]], lanes, step + plan.depth)
+            if step + plan.x_depth < plan.split_steps:
+                load_x(plan, x, xs, xrows, lanes.vec0, step + plan.x_depth)
+
+    # Fixed-order sum of the slices: every warp parks its tile, warp (m, 0) adds slices 0, 1, ... in order.
+    base = warp * plan.partial_floats
+    for i in cutlass.range_constexpr(tiles):
+        for c in cutlass.range_constexpr(4):
+            partials[base + 4 * i + c, lane] = acc[i][c, 0, 0]
+    cute.arch.sync_threads()
+    if lanes.split == 0:
+        for i in cutlass.range_constexpr(tiles):
             for c in cutlass.range_constexpr(4):
-                partials[base + 4 * i + c, lane] = acc[i][c, 0, 0]
-        cute.arch.sync_threads()
-        if split == 0:
-            for i in cutlass.range_constexpr(n_tiles):
-                for c in cutlass.range_constexpr(4):
-                    total = partials[base + 4 * i + c, lane]
-                    for s in cutlass.range_constexpr(1, plan.k_splits):
-                        total = total + partials[(warp + s) * plan.partial_floats + 4 * i + c, lane]
-                    # c0, c1: row g, batch columns 2t and 2t + 1; c2, c3: row g + 8, the same columns.
-                    b = TILE_N * i + 2 * t + c % 2
-                    h = c // 2
-                    if b < count and local[h] < here:
-                        out[start + b, rows[h]] = total.to(BFloat16)
+                total = partials[base + 4 * i + c, lane]
+                for s in cutlass.range_constexpr(1, plan.k_splits):
+                    total = total + partials[(warp + s) * plan.partial_floats + 4 * i + c, lane]
+                # c0, c1: row g, batch columns 2t and 2t + 1; c2, c3: row g + 8, the same columns.
+                b = TILE_N * i + 2 * t + c % 2
+                h = c // 2
+                if b < count and lanes.local[h] < lanes.here:
+                    out[start + b, lanes.rows[h]] = total.to(BFloat16)
 
-    @cute.jit
-    def _load_w(self, w: cute.Tensor, slots: list, rows: list, vec0: Int32, step: Int32):
-        """k steps step, step + 1, ... of the lane's two rows into the given slots (one step each)."""
-        for j in cutlass.range_constexpr(len(slots)):
-            for h in cutlass.range_constexpr(2):
-                for v in cutlass.range_constexpr(2):
-                    load8(w[rows[h], None], vec0 + (step + j) * (STEP // VECTOR) + 4 * v, slots[j][h][v])
 
-    @cute.jit
-    def _load_x(self, x: cute.Tensor, xs: list, xrows: list, vec0: Int32, step: Int32):
-        """k step `step` of the lane's batch row of every batch tile."""
-        for i in cutlass.range_constexpr(len(xrows)):
+@cute.jit
+def load_w(plan: MmaStream, w: cute.Tensor, slots: list, lanes: LaneRows, step: Int32):
+    """k steps step, step + 1, ... of the lane's two rows into the given slots (one step each)."""
+    for j in cutlass.range_constexpr(len(slots)):
+        for h in cutlass.range_constexpr(2):
             for v in cutlass.range_constexpr(2):
-                load8(x[xrows[i], None], vec0 + step * (STEP // VECTOR) + 4 * v, xs[i][v])
+                load8(w[lanes.rows[h], None], lanes.vec0 + (step + j) * (STEP // VECTOR) + 4 * v, slots[j][h][v])
+
+
+@cute.jit
+def load_x(plan: MmaStream, x: cute.Tensor, xs: list, xrows: list, vec0: Int32, step: Int32):
+    """k step `step` of the lane's batch row of every batch tile."""
+    for i in cutlass.range_constexpr(len(xrows)):
+        for v in cutlass.range_constexpr(2):
+            load8(x[xrows[i], None], vec0 + step * (STEP // VECTOR) + 4 * v, xs[i][v])
 
 
 @cute.jit

@@ -28,60 +28,23 @@ H200_SMS = 132
 
 
 @dataclass(frozen=True)
-class InProjMmaPlan:
-    rows: int  # R, the output features of this rank
-    k: int  # K, the hidden size
+class MmaStream:
+    """The tensor-core weight stream of one CTA: `m_tiles` x `k_splits` warps over `rows_per_cta` rows of W, for
+    `batch` rows of x. kda_in_proj_mma.py runs it for the input projection; kda_o_proj.py for o_proj (one m-tile of
+    16 rows per CTA, K split over the cluster CTA's warps)."""
+
+    rows: int  # R, W's rows (the outputs)
+    k: int  # K
     batch: int
-    sm_count: int
-
-    @classmethod
-    def for_shape(cls, rows: int, k: int, batch: int, sm_count: int = H200_SMS) -> InProjMmaPlan:
-        if rows <= 0 or rows % TILE_M:
-            raise ValueError(
-                f"the tensor-core KDA in_proj needs the rows to be a positive multiple of {TILE_M}, got {rows}"
-            )
-        if k <= 0 or k % STEP:
-            raise ValueError(f"the tensor-core KDA in_proj needs K to be a positive multiple of {STEP}, got {k}")
-        if batch < 1:
-            raise ValueError(f"batch must be at least 1, got {batch}")
-        if sm_count < 1:
-            raise ValueError(f"sm_count must be at least 1, got {sm_count}")
-        return cls(rows, k, batch, sm_count)
-
-    @property
-    def rows_per_cta(self) -> int:
-        """The fewest rows per CTA that need no more CTAs than SMs: one wave, the rows spread to within one."""
-        return -(-self.rows // self.sm_count)
-
-    @property
-    def ctas(self) -> int:
-        return -(-self.rows // self.rows_per_cta)
-
-    @property
-    def last_rows(self) -> int:
-        """Rows of the last CTA (fewer than rows_per_cta when they do not divide R)."""
-        return self.rows - (self.ctas - 1) * self.rows_per_cta
-
-    @property
-    def m_tiles(self) -> int:
-        return -(-self.rows_per_cta // TILE_M)
-
-    @property
-    def masked(self) -> bool:
-        """Whether some lanes' rows lie past the CTA's rows (or R): their loads are skipped and their sums unused."""
-        return self.rows_per_cta % TILE_M != 0 or self.last_rows != self.rows_per_cta
+    rows_per_cta: int
+    m_tiles: int
+    k_splits: int
+    w_loads_in_flight: int = W_LOADS_IN_FLIGHT  # 16-byte W loads a lane keeps outstanding (4 per k step)
+    x_steps_ahead: int = 2  # k steps of x a lane holds at most
 
     @property
     def steps(self) -> int:
         return self.k // STEP
-
-    @property
-    def k_splits(self) -> int:
-        """Slices of K per CTA: the divisor of the steps whose warp count is nearest TARGET_WARPS for the batch
-        tiles (more on a tie: more loads in flight), within MAX_THREADS."""
-        fits = [d for d in range(1, self.steps + 1) if self.steps % d == 0 and self.m_tiles * d * WARP <= MAX_THREADS]
-        target = TARGET_WARPS[self.n_tiles]
-        return min(fits, key=lambda d: (abs(self.m_tiles * d - target), -d))
 
     @property
     def warps(self) -> int:
@@ -99,8 +62,8 @@ class InProjMmaPlan:
     @property
     def depth(self) -> int:
         """k steps of weights a lane has in flight (its register slots): the smallest divisor of the slice's steps
-        that keeps W_LOADS_IN_FLIGHT loads outstanding, so every group of the rolled loop is whole."""
-        want = -(-W_LOADS_IN_FLIGHT // 4)
+        that keeps `w_loads_in_flight` loads outstanding, so every group of the rolled loop is whole."""
+        want = -(-self.w_loads_in_flight // 4)
         s = self.split_steps
         return next(d for d in range(1, s + 1) if s % d == 0 and d >= min(want, s))
 
@@ -111,7 +74,7 @@ class InProjMmaPlan:
     @property
     def n_tiles(self) -> int:
         """Batch tiles of 8 rows per pass over W."""
-        return min(-(-self.batch // TILE_N), MAX_N_TILES)
+        return n_tiles(self.batch)
 
     @property
     def passes(self) -> tuple[int, ...]:
@@ -122,8 +85,9 @@ class InProjMmaPlan:
 
     @property
     def x_depth(self) -> int:
-        """k steps of x a lane holds ahead (x comes from L2 or L1, nearer than W)."""
-        return 2 if self.depth % 2 == 0 else 1
+        """k steps of x a lane holds ahead (x comes from L2 or L1, nearer than W): x slot j % x_depth serves step j
+        of a group, so it must divide `depth`."""
+        return min(self.x_steps_ahead, 2 if self.depth % 2 == 0 else 1)
 
     @property
     def partial_floats(self) -> int:
@@ -138,6 +102,76 @@ class InProjMmaPlan:
     @property
     def weight_bytes(self) -> int:
         return self.rows * self.k * 2
+
+    def code_counts(self) -> dict[str, int]:
+        """Instructions the stream's code holds (each pass is its own code, its k loop one rolled body unrolled
+        `depth` steps deep, whose W refill the compiler drops when one group covers the slice; accumulators c1 and
+        c3 hold batch column 2t + 1, which a one-row tile never has, so the compiler drops their sums and stores)."""
+        ahead = 4 * self.depth  # 16-byte W loads that fill every slot: two vectors of two rows per step
+        tiles = [-(-count // TILE_N) for count in self.passes]
+        live = sum(
+            2 * (1 + (min(TILE_N, count - TILE_N * i) >= 2)) for count in self.passes for i in range(n_tiles(count))
+        )
+        return {
+            "weight_loads_ahead": ahead,
+            "weight_loads": len(tiles) * ahead + (len(tiles) * ahead if self.groups > 1 else 0),
+            # x: the steps ahead, then one refill per step but the last x_depth of the slice (the compiler drops
+            # those when one group covers the slice: their condition is then a constant)
+            "x_loads": sum(2 * n * (self.depth + (self.x_depth if self.groups > 1 else 0)) for n in tiles),
+            "mmas": sum(4 * self.depth * n for n in tiles),
+            "partial_stores": sum(4 * n for n in tiles),
+            "partial_loads": live * self.k_splits,
+            "out_stores": live,
+            "passes": len(tiles),
+        }
+
+
+def n_tiles(batch: int) -> int:
+    return min(-(-batch // TILE_N), MAX_N_TILES)
+
+
+def check_shape(what: str, rows: int, k: int, batch: int) -> None:
+    if rows <= 0 or rows % TILE_M:
+        raise ValueError(f"the tensor-core {what} needs the rows to be a positive multiple of {TILE_M}, got {rows}")
+    if k <= 0 or k % STEP:
+        raise ValueError(f"the tensor-core {what} needs K to be a positive multiple of {STEP}, got {k}")
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
+
+
+@dataclass(frozen=True)
+class InProjMmaPlan(MmaStream):
+    sm_count: int = H200_SMS
+
+    @classmethod
+    def for_shape(cls, rows: int, k: int, batch: int, sm_count: int = H200_SMS) -> InProjMmaPlan:
+        """One CTA per SM over the fewest rows per CTA that need no more CTAs than SMs (one wave, the rows spread
+        to within one); K split over the CTA's warps (the divisor of the steps whose warp count is nearest
+        TARGET_WARPS for the batch tiles, more on a tie: more loads in flight; within MAX_THREADS)."""
+        check_shape("KDA in_proj", rows, k, batch)
+        if sm_count < 1:
+            raise ValueError(f"sm_count must be at least 1, got {sm_count}")
+        per_cta = -(-rows // sm_count)
+        m_tiles = -(-per_cta // TILE_M)
+        steps = k // STEP
+        fits = [d for d in range(1, steps + 1) if steps % d == 0 and m_tiles * d * WARP <= MAX_THREADS]
+        target = TARGET_WARPS[n_tiles(batch)]
+        k_splits = min(fits, key=lambda d: (abs(m_tiles * d - target), -d))
+        return cls(rows, k, batch, per_cta, m_tiles, k_splits, sm_count=sm_count)
+
+    @property
+    def ctas(self) -> int:
+        return -(-self.rows // self.rows_per_cta)
+
+    @property
+    def last_rows(self) -> int:
+        """Rows of the last CTA (fewer than rows_per_cta when they do not divide R)."""
+        return self.rows - (self.ctas - 1) * self.rows_per_cta
+
+    @property
+    def masked(self) -> bool:
+        """Whether some lanes' rows lie past the CTA's rows (or R): they read the CTA's last row, their sums unused."""
+        return self.rows_per_cta % TILE_M != 0 or self.last_rows != self.rows_per_cta
 
     @property
     def tag(self) -> str:

@@ -4,7 +4,7 @@ Compiled for sm_90a on the CPU with its PTX and SASS checked by `k3gate kernels 
 (tests/k3_decode/kernels/test_kda_o_proj_gpu.py) passed on an H200 at a3ad2f6, and its provider is registered
 (providers.py, CuteKdaOProjProvider).
 
-Semantics, per decode step of B <= 4 rows: attn_out = o @ W^T with W = o_proj [H = 7168, K] (K = 1536 at TP8, 768
+Semantics, per decode step of B <= 16 rows: attn_out = o @ W^T with W = o_proj [H = 7168, K] (K = 1536 at TP8, 768
 at TP16), every output an FP32 sum of the K products rounded once to BF16, as the input projection's weight stream
 (kda_in_proj.py) computes it; attn_out is this rank's o_proj partial, on one rank the attention output. Then, per
 row, the AttnRes after attention (attn_res.py; k3_decode/reference/attn_res.py `after_attention`) with delta =
@@ -39,7 +39,7 @@ path of every launch.
 
 Deadlock freedom. A waiting CTA waits only for arrivals, and a CTA arrives after nothing but the previous kernel
 (griddepcontrol.wait), its own loads and a CTA barrier, so every resident CTA reaches its arrival. A CTA not yet
-resident needs a free slot; the waiting clusters hold at most B <= 4 cluster slots and every other cluster frees
+resident needs a free slot; the waiting clusters hold at most B <= 16 cluster slots and every other cluster frees
 its slots as soon as it has arrived, so the grid finishes whenever the device can hold more than B clusters at
 once. An H200 holds far more: four CTAs of 128 threads per SM (ptxas caps registers at 128 for that, and the build
 checks it), so 528 CTA slots on 132 SMs, and the grid is 448 CTAs (64 clusters): it is resident in one wave and
@@ -82,7 +82,11 @@ griddepcontrol.wait; o staged once per CTA in shared memory (B x K x 2 bytes, at
 fixed-order butterfly per output, so results do not depend on scheduling. TP8 streams 6 k steps of 256 columns in
 two groups of 3; TP16's 3 steps are one group (every weight load of a thread is issued before the wait). B <= 4
 rows (rows_per_warp x B accumulators beside the weight slots under 128 registers: 117-128 in the builds, no
-spills); above that the plan keeps o_proj stock (providers.toml [o_proj]).
+spills). From 5 to 16 rows the CUDA-core FMAs would bound the stream and their accumulators would not fit, so the
+CTA's stream runs on tensor cores instead (kda_in_proj_mma.py's `stream_pass`: its 16 rows as one m16 tile, K split
+over its 4 warps and summed in shared memory in a fixed order, o read from L2 in MMA fragments, 12 weight loads per
+lane in flight); the arrival, the wait and the epilogue are the same code. Above 16 rows the plan keeps o_proj stock
+(providers.toml [o_proj]).
 
 Expected time at TP8, B = 1..4: 22 MB of W at ~4.15 TB/s is ~5.3 us of streaming; the tail after it is the last
 CTA's stores and release (~1 us), the poll that sees it (~0.5-1 us), the row read from L2 and the two DSMEM
@@ -102,6 +106,7 @@ from k3_decode.kernels import cutedsl
 from k3_decode.kernels.attn_res import AttnResKernel
 from k3_decode.kernels.attn_res import _load8 as _row_vector
 from k3_decode.kernels.kda_in_proj import load_group, multiply, stage, weight_slots
+from k3_decode.kernels.kda_in_proj_mma import allocate_partials, lane_rows, load_w, stream_pass, stream_slots
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
 from k3_decode.kernels.primitives import launch_resident
 
@@ -203,21 +208,35 @@ class KdaOProjKernel:
 
         smem = cutlass.utils.SmemAllocator()
         areas = self.attn.allocate_exchange(smem, tidx)
-        staged = smem.allocate_tensor(
-            BFloat16, cute.make_layout((plan.batch, plan.k), stride=(plan.k, 1)), byte_alignment=16
-        )
-        cute.arch.cluster_arrive_relaxed()  # publishes the epilogue's barriers to the cluster, long before use
-        slots = weight_slots(plan)
+        if const_expr(plan.tensor_cores):
+            # Above 4 rows: the tensor-core stream (kda_in_proj_mma.py) on the CTA's 16 rows as one m-tile, K split
+            # over its warps; o is read straight from L2 in MMA fragments, not staged.
+            spec = plan.mma
+            lanes = lane_rows(spec, cta * plan.rows_per_cta, warp)
+            partials = allocate_partials(spec, smem)
+            cute.arch.cluster_arrive_relaxed()  # publishes the epilogue's barriers to the cluster, long before use
+            slots, xslots = stream_slots(spec)
+            load_w(spec, w, slots, lanes, Int32(0))  # weights first, while the previous kernel finishes
+            cute.arch.griddepcontrol_wait()
+            if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
+                cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
+            stream_pass(spec, o, w, attn_out, partials, slots, xslots, lanes, warp, 0, plan.batch, True)
+        else:
+            staged = smem.allocate_tensor(
+                BFloat16, cute.make_layout((plan.batch, plan.k), stride=(plan.k, 1)), byte_alignment=16
+            )
+            cute.arch.cluster_arrive_relaxed()  # publishes the epilogue's barriers to the cluster, long before use
+            slots = weight_slots(plan)
 
-        # Weights first: they do not depend on the previous kernel, so they stream while it finishes.
-        load_group(plan, w, slots, row0, lane, Int32(0))
-        cute.arch.griddepcontrol_wait()
-        if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
-            cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
-        stage(plan, o, staged, 0, plan.batch, plan.fill_loads, tidx)
-        cute.arch.sync_threads()
-        cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
-        multiply(plan, w, attn_out, staged, slots, row0, lane, 0, plan.batch)  # attn_out[:, the warp's rows]
+            # Weights first: they do not depend on the previous kernel, so they stream while it finishes.
+            load_group(plan, w, slots, row0, lane, Int32(0))
+            cute.arch.griddepcontrol_wait()
+            if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
+                cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
+            stage(plan, o, staged, 0, plan.batch, plan.fill_loads, tidx)
+            cute.arch.sync_threads()
+            cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
+            multiply(plan, w, attn_out, staged, slots, row0, lane, 0, plan.batch)  # attn_out[:, the warp's rows]
 
         # The grid-wide point: this CTA's share of attn_out is stored; it says so on the arrival word.
         cute.arch.cluster_wait()  # the epilogue's barriers are published (the arrive above is long done)

@@ -15,9 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
+from k3_decode.kernels.kda_in_proj_mma_plan import TILE_M, MmaStream
 from k3_decode.kernels.kda_in_proj_plan import STEP, VECTOR, WeightStream
 
-MAX_BATCH = 4  # accumulators: rows_per_warp x batch per lane beside 12 weight vectors in flight, under 128 registers
+# The CUDA-core stream's accumulators (rows_per_warp x batch per lane) fit beside 12 weight vectors in flight under
+# 128 registers up to 4 rows; above, the stream runs on tensor cores (kda_in_proj_mma.py's), whose accumulators
+# are 4 per batch tile of 8. 16 rows: two tiles, one pass over W.
+CUDA_CORE_MAX_BATCH = 4
+MAX_BATCH = 16
+# 16-byte W loads per lane in flight and x steps ahead, by batch tiles: one tile as the CUDA-core stream (12), two
+# with fewer (128 registers also hold the x fragments and the epilogue's loads; TP8 B16 spilled at 12 and 1).
+MMA_STREAM = {1: (12, 2), 2: (8, 1)}
 ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
 MAX_CTAS_PER_SM = 4  # 4 x 128 threads x 128 registers = an SM's 64K registers
 H200_SMS = 132
@@ -59,9 +67,25 @@ class OProjPlan(WeightStream):
                 f"the fused o_proj kernel cannot split {hidden} rows into whole clusters that fit on {sm_count} SMs"
             )
         plan = cls(hidden, k, batch, kind, sm_count, fitting[0])
+        if plan.tensor_cores and plan.rows_per_cta != TILE_M:
+            raise ValueError(
+                f"the fused o_proj kernel's tensor-core stream needs {TILE_M} rows per CTA, the plan gives "
+                f"{plan.rows_per_cta} for {hidden} rows"
+            )
         if plan.clusters < batch:
             raise ValueError(f"{plan.clusters} clusters cannot apply AttnRes to {batch} rows (one cluster per row)")
         return plan
+
+    @property
+    def tensor_cores(self) -> bool:
+        """Whether the stream runs on tensor cores (above CUDA_CORE_MAX_BATCH rows) instead of CUDA-core FMAs."""
+        return self.batch > CUDA_CORE_MAX_BATCH
+
+    @property
+    def mma(self) -> MmaStream:
+        """The tensor-core stream of one CTA: its 16 rows as one m-tile, K split over its warps."""
+        loads, x_ahead = MMA_STREAM[-(-self.batch // 8)]
+        return MmaStream(self.hidden, self.k, self.batch, self.rows_per_cta, 1, self.warps, loads, x_ahead)
 
     @property
     def attn(self) -> ClusterPlan:

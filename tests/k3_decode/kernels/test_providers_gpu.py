@@ -166,7 +166,7 @@ def test_the_o_proj_provider_matches_the_stock_ops(tp: int) -> None:
     hidden, proj = K3.shard(tp).kda_o_proj
     tol = load_tolerances()["attn_res"]
     bs = K3.attn_res_block_size
-    for rows in (1, 4):
+    for rows in (1, 4, 8, 16):  # the CUDA-core stream, then tensor cores
         for layer_index in (6, bs):  # a plain layer, and a block-write layer (its attention output restarts p)
             residual = weights.residual(layer_index)
             blocks = layer_index // bs + 1

@@ -276,8 +276,8 @@ def test_the_shipped_limits_name_the_provider_tp_and_measurement():
     from k3_decode.kernels.providers import max_rows
 
     rows, why = max_rows("in_proj", "cute-kda-in-proj", 8)
-    assert rows == 4 and why.startswith("rows cute-kda-in-proj serves at TP8 (cuBLAS is faster above")
-    assert max_rows("in_proj", "cute-kda-in-proj", 16)[0] == 2
+    assert rows == 8 and why.startswith("rows cute-kda-in-proj serves at TP8 (cuBLAS is faster above")
+    assert max_rows("in_proj", "cute-kda-in-proj", 16)[0] == 16
     assert max_rows("in_proj", "cute-kda-in-proj", 1) is None and max_rows("attn_res", "cute-attn-res", 8) is None
 
 
