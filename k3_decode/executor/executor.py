@@ -31,9 +31,27 @@ where a verify that accepted one token leaves the state, so the first verify aft
 and reads slot[b, 0] and the prefill's whole context; any other count there is refused. The q tokens of the last
 verify stay unconfirmed until the next verify step reports them (RequestState.unconfirmed).
 
-A speculative stack runs prefill steps and uniform verify steps only, both eagerly: a decode step of fewer tokens,
-a step mixing prefill with verify requests, and CUDA graphs (capture of verify steps is not built) are one-line
-errors. A stack without speculative tokens keeps running multi-token steps token by token.
+A speculative stack runs prefill steps (eagerly) and uniform verify steps (eagerly, or as a replay of a captured
+verify graph): a decode step of fewer tokens and a step mixing prefill with verify requests are one-line errors. A
+stack without speculative tokens keeps running multi-token steps token by token.
+
+Verify graphs. On a speculative stack `capture(B)` captures one verify iteration of B requests, B * q rows (named
+B<B>q<q>), and a verify step of n <= B live requests replays the smallest such graph, its last B - n requests NULL
+padding (every slot of their q-slot rows NULL, seq_len 0, no cache slot), which writes no request state: the KDA
+verify (stock and the KDA step provider) gives NULL requests zeros and touches no slot, the MLA insert skips
+negative cache slots and a row of seq_len 0 attends nothing. What a replay reads per step is what the step copies
+into the graph's buffers before it: the entry state, the [B, q] KDA slot table, the accepted counts (the KDA verify
+reads them on the device: the stock conv kernel and the fla recurrence through its num_accepted_tokens pointer, the
+provider as a kernel operand), and the MLA block table, seq lens and cache slots (device tensors the insert and the
+split-KV kernels read). What the capture baked in is host values that do not vary per step: the row count, q, the
+layers and the MLA split count, chosen for the graph's rows at max_context (stock/mla.py: the split bounds follow
+each row's seq_len on the device, so any context up to max_context runs under that count). An eager verify step
+chooses its split count from its own longest context instead, so the two agree bit for bit where both counts are
+equal (and the rows are, since cuBLAS picks its kernels by row count). The executor checks every per-step value on
+the host before the copy (`_is_verify`, state.verify_tables): validation inside the stock ops reads device tensors
+and is off (StockAttentionOps(validate=False)), and would be skipped under capture anyway. A graph's records are
+made once at capture, so their note cannot hold a replay's accepted counts; each step's counts are in its
+StepResult's plan (plan.step.num_accepted).
 """
 
 from __future__ import annotations
@@ -200,16 +218,57 @@ class RoutedOps:
         return getattr(self._executor._stock(self._side), name)
 
 
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+class GraphRuntime(Protocol):
+    """Where the executor's graphs come from: `warm_up(run)` runs one iteration before its capture (the kernels'
+    first-call compilation and autotuning must not happen under capture), `capture(run)` records one and returns
+    the graph and the output tensor every replay rewrites. `run` is the whole iteration, routed by its plan."""
+
+    def warm_up(self, run: Callable[[], Tensor]) -> None: ...
+
+    def capture(self, run: Callable[[], Tensor]) -> tuple[Replayable, Tensor]: ...
+
+
+class CudaGraphs:
+    """FULL CUDA graphs on one device, all in one memory pool (one graph replays at a time)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pool: Any = None
+
+    def warm_up(self, run: Callable[[], Tensor]) -> None:
+        # On a side stream, as torch.cuda.graphs recommends before capture, so no pending work of the current stream
+        # is interleaved with the warm-up's lazy initialization.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+
+    def capture(self, run: Callable[[], Tensor]) -> tuple[Replayable, Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = run()
+        return graph, output
+
+
 @dataclass
 class CapturedGraph:
     name: str
-    batch: int
+    batch: int  # requests; a verify graph runs batch * tokens_per_request rows
     layers: tuple[int, ...]
     buffers: StepBuffers
-    graph: Any  # torch.cuda.CUDAGraph
-    output: Tensor  # [batch, hidden], rewritten by every replay
+    graph: Replayable  # torch.cuda.CUDAGraph on a CUDA device
+    output: Tensor  # [batch * tokens_per_request, hidden], rewritten by every replay
     num_splits: int
     path: str  # the path the capture-time plan chose
+    tokens_per_request: int = 1  # q > 1: a verify graph of a speculative stack
 
 
 class StackExecutor:
@@ -296,7 +355,8 @@ class StackExecutor:
             verify=q > 1,
         )
         self.graphs: dict[str, CapturedGraph] = {}
-        self._pool: Any = None
+        # None refuses capture; CPU tests put a stand-in here to run the graph steps' host side without CUDA.
+        self.graph_runtime: GraphRuntime | None = CudaGraphs(self.device) if self.device.type == "cuda" else None
         self._step = 0
 
     @classmethod
@@ -599,22 +659,26 @@ class StackExecutor:
         return self.opmap.stock_ops(part, op, self._verify_steps.get(step, 1))
 
     def step(self, requests: Sequence[StepRequest], *, mode: Mode = "eager", trace: bool = False) -> StepResult:
-        """Run one step (decode, prefill, mixed or verify) for `requests`; a graph step replays the captured graph."""
+        """Run one step (decode, prefill, mixed or verify) for `requests`; a graph step replays the captured graph
+        (a decode graph, or on a speculative stack a verify graph)."""
         self._check_requests(requests)
         verify = self._is_verify(requests)
         lens = tuple(r.inputs.tokens for r in requests)
         prefills = sum(r.prefill for r in requests)
-        if mode == "graph" and self.config.tokens_per_request > 1:
-            raise ValueError(
-                "CUDA-graph capture of verify steps is not built; run this speculative stack's steps with mode='eager'"
-            )
-        if verify:
-            return self._verify_step(requests, trace)
         if mode == "graph":
-            if prefills or max(lens) > 1:
+            q = self.config.tokens_per_request
+            if q > 1 and not verify:  # `_is_verify` let it through, so it is a prefill step
+                raise ValueError(
+                    f"a CUDA-graph step of this speculative stack is a verify step (q = {q} tokens per request, each "
+                    "with num_accepted); run prefill steps with mode='eager'"
+                )
+            if q == 1 and (prefills or max(lens) > 1):
                 raise ValueError("a CUDA-graph step takes one decode token per request; run prefill and mixed eagerly")
             if trace:
                 raise ValueError("a CUDA-graph step keeps no per-layer trace; run it eagerly with trace=True")
+        if verify:
+            return self._verify_step(requests, trace, mode)
+        if mode == "graph":
             return self._graph_step(requests)
         if trace and max(lens) > 1:
             raise ValueError("trace=True needs a one-token step (one iteration through the layers)")
@@ -645,29 +709,46 @@ class StackExecutor:
         self._step += 1
         return result
 
-    def _verify_step(self, requests: Sequence[StepRequest], trace: bool) -> StepResult:
-        """One verify iteration of q tokens per request over B * q rows (module doc); `_is_verify` checked it."""
+    def _verify_step(self, requests: Sequence[StepRequest], trace: bool, mode: Mode) -> StepResult:
+        """One verify iteration of q tokens per request over B * q rows (module doc): eager, or a replay of the
+        smallest verify graph holding the requests, padded with NULL requests. `_is_verify` checked them."""
         q = self.config.tokens_per_request
         ids = [r.request for r in requests]
         accepted = tuple(int(r.num_accepted or 0) for r in requests)
-        tables = self.state.verify_tables(ids, accepted)  # raises before anything is recorded or run
-        plan = self._plan(StepInput(step=self._step, query_lens=(q,) * len(ids), num_accepted=accepted, mode="eager"))
-        note = f"verify of q={q}: KDA states read from slot[b, a-1] with num_accepted a = {list(accepted)}"
-        self.ledger.record(*self._records(plan, None, self.config.layers, note))
-        rows = len(ids) * q
-        self.eager.load(StackInput.cat([r.inputs for r in requests]).to(self.device), tables)
-        splits = self.attention.mla_num_splits(rows, tables.max_seq_len) if self.config.mla_layers else 1
+        g = self._graph_for(len(ids)) if mode == "graph" else None
+        batch = None if g is None else g.batch
+        tables = self.state.verify_tables(ids, accepted, batch)  # raises before anything is recorded or run
+        plan = self._plan(
+            StepInput(step=self._step, query_lens=(q,) * len(ids), num_accepted=accepted, batch=batch, mode=mode)
+        )
+        if g is not None and plan.path != g.path:
+            raise StepRoutingError(f"graph {g.name} was captured on the {g.path} path but this step plans {plan.path}")
+        inputs = StackInput.cat([r.inputs for r in requests]).to(self.device)
         layer_trace: list[LayerTrace] | None = [] if trace else None
-        self._where = (self._step, -1, None)
         self._verify_steps[self._step] = q
-        with self._running(plan, rows, q):
-            out = self.runner.forward(self.eager, rows, self.config.layers, splits, layer_trace, tokens_per_request=q)
+        if g is None:
+            note = f"verify of q={q}: KDA states read from slot[b, a-1] with num_accepted a = {list(accepted)}"
+            self.ledger.record(*self._records(plan, None, self.config.layers, note))
+            rows = len(ids) * q
+            self.eager.load(inputs, tables)
+            splits = self.attention.mla_num_splits(rows, tables.max_seq_len) if self.config.mla_layers else 1
+            self._where = (self._step, -1, None)
+            with self._running(plan, rows, q):
+                out = self.runner.forward(
+                    self.eager, rows, self.config.layers, splits, layer_trace, tokens_per_request=q
+                )
+        else:
+            # Everything this step varies reaches the graph through its buffers (module doc: verify graphs).
+            g.buffers.load(inputs, tables)
+            g.graph.replay()
+            self.ledger.replayed(g.name)
+            out = g.output
         self.state.verified(ids, accepted)
         result = StepResult(
             step=self._step,
             plan=plan,
             outputs={r: out[b * q : (b + 1) * q].clone() for b, r in enumerate(ids)},
-            graph=None,
+            graph=None if g is None else g.name,
             trace=None if layer_trace is None else tuple(layer_trace),
         )
         self._step += 1
@@ -681,18 +762,15 @@ class StackExecutor:
 
     def graph_name(self, batch: int, layers: Sequence[int] | None = None) -> str:
         layers = tuple(layers or self.config.layers)
-        base = graph_key(batch, 1)
+        base = graph_key(batch, self.config.tokens_per_request)
         return base if layers == self.config.layers else f"{base}.L{layers[0]}-{layers[-1]}"
 
     def capture(self, batch: int, layers: Sequence[int] | None = None) -> str:
-        """Capture one decode iteration of `batch` rows as a CUDA graph (all stack layers, or a consecutive part
-        of them for per-layer timing); returns its name. Its eager warm-up runs every row as NULL padding."""
-        if self.config.tokens_per_request > 1:
-            raise ValueError(
-                "CUDA-graph capture of verify steps is not built; a speculative stack (num_speculative_tokens "
-                f"{self.config.num_speculative_tokens}) runs its steps eagerly"
-            )
-        if self.device.type != "cuda":
+        """Capture one iteration of `batch` requests as a CUDA graph (all stack layers, or a consecutive part of
+        them for per-layer timing); returns its name. On a speculative stack it is a verify iteration of batch * q
+        rows (module doc: verify graphs). Its eager warm-up runs every row as NULL padding."""
+        runtime = self.graph_runtime
+        if runtime is None:
             raise ValueError(f"CUDA graphs need a CUDA device; this executor runs on {self.device}")
         layers = tuple(layers or self.config.layers)
         all_layers = self.config.layers
@@ -703,39 +781,57 @@ class StackExecutor:
         name = self.graph_name(batch, layers)
         if name in self.graphs:
             return name
+        q = self.config.tokens_per_request
+        rows = batch * q
         buffers = StepBuffers.allocate(
-            f"graph.{name}", self.dims, layers, batch, self.config.pages_per_request, self.device
+            f"graph.{name}", self.dims, layers, rows, self.config.pages_per_request, self.device, verify=q > 1
         )
-        buffers.load(None, self.state.tables([], rows=batch))
-        splits = self.attention.mla_num_splits(batch, self.config.max_context) if self.config.mla_layers else 1
-        warm = self._plan(StepInput(step=self._step, query_lens=(1,) * batch, mode="eager"))
+        buffers.load(None, self.state.verify_tables([], [], batch) if q > 1 else self.state.tables([], rows=batch))
+        # A host value the graph keeps for life: the count for its rows at the longest context a step can have.
+        splits = self.attention.mla_num_splits(rows, self.config.max_context) if self.config.mla_layers else 1
+        warm = self._plan(StepInput(step=self._step, query_lens=(q,) * batch, mode="eager"))
         note = f"CUDA-graph warm-up of {name}: every row is NULL padding, no request state is written"
         self.ledger.record(*self._records(warm, None, layers, note))
         self._where = (self._step, -1, None)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), self._running(warm, batch):
-            self.runner.forward(buffers, batch, layers, splits)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
+        if q > 1:
+            self._verify_steps[self._step] = q
+        runtime.warm_up(self._iteration(warm, buffers, rows, layers, splits, q))
         self._step += 1
-        plan = self._plan(StepInput(step=self._step, query_lens=(1,) * batch, batch=batch, mode="graph"))
-        graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        plan = self._plan(StepInput(step=self._step, query_lens=(q,) * batch, batch=batch, mode="graph"))
         self._where = (self._step, -1, name)
-        with torch.cuda.graph(graph, pool=self._pool), self._running(plan, batch):
-            output = self.runner.forward(buffers, batch, layers, splits)
-        self.ledger.record(*self._records(plan, name, layers))
+        if q > 1:
+            self._verify_steps[self._step] = q
+        graph, output = runtime.capture(self._iteration(plan, buffers, rows, layers, splits, q))
+        note = (
+            ""
+            if q == 1
+            else f"verify of q={q}: KDA states read from slot[b, a-1], num_accepted a copied into the graph's buffers "
+            "before each replay (a step's counts: its StepResult.plan)"
+        )
+        self.ledger.record(*self._records(plan, name, layers, note))
         self._step += 1
-        self.graphs[name] = CapturedGraph(name, batch, layers, buffers, graph, output, splits, plan.path)
+        self.graphs[name] = CapturedGraph(name, batch, layers, buffers, graph, output, splits, plan.path, q)
         return name
+
+    def _iteration(
+        self, plan: StepPlan, buffers: StepBuffers, rows: int, layers: Sequence[int], splits: int, q: int
+    ) -> Callable[[], Tensor]:
+        """One iteration on a graph's buffers, routed by `plan`: what its warm-up runs and its capture records."""
+
+        def run() -> Tensor:
+            with self._running(plan, rows, q):
+                return self.runner.forward(buffers, rows, layers, splits, tokens_per_request=q)
+
+        return run
 
     def _graph_for(self, live: int) -> CapturedGraph:
         full = [g for g in self.graphs.values() if g.layers == self.config.layers and g.batch >= live]
         if not full:
             have = sorted(g.batch for g in self.graphs.values() if g.layers == self.config.layers)
-            raise ValueError(f"no captured graph holds {live} requests (captured batches: {have}); call capture()")
+            raise ValueError(
+                f"no captured graph holds {live} requests (captured batches: {have}); call capture({live}) first or "
+                "run the step with mode='eager'"
+            )
         return min(full, key=lambda g: g.batch)
 
     def _graph_step(self, requests: Sequence[StepRequest]) -> StepResult:
@@ -762,7 +858,7 @@ class StackExecutor:
         after: Callable[[int], None] | None = None,
     ) -> None:
         """Benchmarks: replay a graph on the inputs and tables already in its buffers, `times` times, without
-        advancing any request (every replay rewrites the same cache row and evolves the same KDA states).
+        advancing any request (every replay rewrites the same cache rows and evolves the same KDA states).
         `before(i)` / `after(i)` run around replay i (to enqueue an L2 flush and timing events)."""
         g = self.graphs.get(name)
         if g is None:
@@ -776,12 +872,22 @@ class StackExecutor:
         self.ledger.replayed(name, times)
 
     def load_graph_inputs(self, name: str, requests: Sequence[StepRequest]) -> None:
-        """Benchmarks: put requests' inputs and current tables into a graph's buffers (no replay, no advance)."""
+        """Benchmarks: put requests' inputs and current tables into a graph's buffers (no replay, no advance). A
+        verify graph takes a verify step's requests, q tokens each with its num_accepted."""
         g = self.graphs.get(name)
         if g is None:
             raise ValueError(f"no graph named {name!r}; captured: {sorted(self.graphs)}")
         self._check_requests(requests, g.layers[0])
-        tables = self.state.tables([r.request for r in requests], rows=g.batch)
+        ids = [r.request for r in requests]
+        if g.tokens_per_request == 1:
+            tables = self.state.tables(ids, rows=g.batch)
+        elif self._is_verify(requests):
+            tables = self.state.verify_tables(ids, [int(r.num_accepted or 0) for r in requests], g.batch)
+        else:
+            raise ValueError(
+                f"graph {name} is a verify graph of q = {g.tokens_per_request}; give it verify requests (q tokens, "
+                "num_accepted each), not prefill requests"
+            )
         g.buffers.load(StackInput.cat([r.inputs for r in requests]).to(self.device), tables)
 
     # -- write sets ----------------------------------------------------------------------------------------------
@@ -790,7 +896,8 @@ class StackExecutor:
         return self._graph_for(len(requests)).buffers if mode == "graph" else self.eager
 
     def declare(self, requests: Sequence[StepRequest], mode: Mode = "eager") -> WriteSet:
-        """The write set of a step: its requests' KDA slots, the MLA cache rows of its new tokens, its buffers.
+        """The write set of a step: its requests' KDA slots, the MLA cache rows of its new tokens, its buffers (a
+        graph step's: those of the graph it replays, whose NULL padding requests write no request state).
 
         A verify step declares each request's q slots as its [B, q] slot table (the conv row in slot[b, 0], the
         state after each token in slot[b, t]) and the q cache rows from the context its accepted count sets."""

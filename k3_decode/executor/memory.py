@@ -190,11 +190,11 @@ def plan_memory(config: StackConfig, budget: DeviceBudget | None = None) -> Memo
             lines.append(MemoryLine("mla_cache", layer, n, f"{pages} FP8 pages of {config.page_size} tokens"))
     h = dims.hidden_size
     capacity = dims.blocks_before(config.layers[-1])
-    # The eager scratch (q rows per request on a speculative stack) plus each graph's static buffers.
-    rows = config.max_requests * config.tokens_per_request + sum(config.graph_batches)
+    # The eager scratch plus each graph's static buffers, q rows per request on a speculative stack (verify graphs).
+    rows = (config.max_requests + sum(config.graph_batches)) * config.tokens_per_request
     scratch = rows * 2 * (2 * h + capacity * h) * _BF16 + rows * (config.pages_per_request + 4) * 8
     lines.append(MemoryLine("scratch", None, scratch, "AttnRes state, step inputs and slot tables"))
-    act = max(config.max_requests * config.tokens_per_request, max(config.graph_batches))
+    act = max(config.max_requests, max(config.graph_batches)) * config.tokens_per_request
     act_bytes = act * sum(activation_bytes_per_token(dims, config.tp, i) for i in config.layers)
     lines.append(MemoryLine("activations", None, act_bytes, f"upper bound for a step of {act} rows"))
     lines.append(MemoryLine("reserve", None, budget.reserve, "CUDA context, library workspaces, allocator slack"))

@@ -45,7 +45,8 @@ class StepTables:
     seq_lens: Tensor  # [rows] int32: context + 1 (the new token included), 0 for padding
     slot_mapping: Tensor  # [rows] int64: the new token's cache slot (page * page_size + offset), -1 for padding
     # A verify iteration (q > 1): rows are (request, token) pairs in request-major order; kda_slots holds each
-    # request's q slots (the [B, q] table, flattened), and num_accepted [B] the previous verify's accepted counts.
+    # request's q slots (the [B, q] table, flattened), and num_accepted [B] the previous verify's accepted counts
+    # (1 for a NULL padding request).
     tokens_per_request: int = 1
     num_accepted: Tensor | None = None  # [B] int32, verify only
 
@@ -126,20 +127,27 @@ class RequestState:
             slot_mapping[b] = int(self.block_table_host[r, n // page_size]) * page_size + n % page_size
         return StepTables(tuple(requests), kda_slots, block_table, seq_lens, slot_mapping)
 
-    def verify_tables(self, requests: Sequence[int], accepted: Sequence[int]) -> StepTables:
+    def verify_tables(self, requests: Sequence[int], accepted: Sequence[int], batch: int | None = None) -> StepTables:
         """Host tables for one verify iteration of q tokens per request; row b * q + t is token t of requests[b], an
         MLA decode row of its own at position ctx + t (seq_len ctx + t + 1), ctx = `verify_context`. Every row's
         cache entry is inserted before any row attends (the stock MLA step inserts all rows, then attends), so
-        row t sees tokens 0..t of this step and not the later ones: the causal verify."""
+        row t sees tokens 0..t of this step and not the later ones: the causal verify.
+
+        `batch`: pad with NULL requests to `batch` requests (a verify graph's): their q slots are all NULL_SLOT,
+        their rows have seq_len 0 and cache slot -1, so no kernel writes state for them, and their accepted count is
+        1, so a kernel that reads slot[b, a - 1] before its NULL check still reads inside the table."""
         self._check(requests)
         if len(accepted) != len(requests):
             raise ValueError(f"{len(accepted)} accepted counts for {len(requests)} requests; give one per request")
+        batch = len(requests) if batch is None else batch
+        if batch < len(requests):
+            raise ValueError(f"{len(requests)} requests do not fit a verify batch of {batch}; use a larger graph batch")
         q, page_size = self.q, self.config.page_size
-        rows = len(requests) * q
-        kda_slots = torch.zeros(rows, dtype=torch.int32)
+        rows = batch * q
+        kda_slots = torch.full((rows,), NULL_SLOT, dtype=torch.int32)
         block_table = torch.zeros(rows, self.config.pages_per_request, dtype=torch.int32)
         seq_lens = torch.zeros(rows, dtype=torch.int32)
-        slot_mapping = torch.zeros(rows, dtype=torch.int64)
+        slot_mapping = torch.full((rows,), -1, dtype=torch.int64)
         for b, (r, a) in enumerate(zip(requests, accepted, strict=True)):
             ctx = self.verify_context(r, a)
             if ctx + q > self.config.max_context:
@@ -153,7 +161,8 @@ class RequestState:
                 block_table[b * q + t] = self.block_table_host[r]
                 seq_lens[b * q + t] = pos + 1
                 slot_mapping[b * q + t] = int(self.block_table_host[r, pos // page_size]) * page_size + pos % page_size
-        num_accepted = torch.tensor(list(accepted), dtype=torch.int32)
+        num_accepted = torch.ones(batch, dtype=torch.int32)
+        num_accepted[: len(accepted)] = torch.tensor(list(accepted), dtype=torch.int32)
         return StepTables(tuple(requests), kda_slots, block_table, seq_lens, slot_mapping, q, num_accepted)
 
     def advance(self, requests: Sequence[int]) -> None:
