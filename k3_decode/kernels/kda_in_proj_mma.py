@@ -3,7 +3,7 @@
 The CUDA-core build (kda_in_proj.py) streams W at 90-99% of the copy bandwidth for B <= 4 but is bound by its FMAs
 from B = 8 on (rows x batch x 8 FMAs per 16 bytes of weight). This build does the products with `mma.sync`
 m16n8k16 (BF16 x BF16 -> FP32), so an MMA instruction takes 256 weights x 8 batch rows and the inner product costs
-a few instructions per 16-byte load at any batch up to 32 (more rows take more passes over W). Semantics are the
+a few instructions per 16-byte load at any batch up to 16 (more rows take more passes over W). Semantics are the
 CUDA-core build's: every output is an FP32 sum of the K products, rounded once to BF16 (round to nearest even).
 
 Why this design (the plan's numbers: kda_in_proj_mma_plan.py):
@@ -28,7 +28,7 @@ Why this design (the plan's numbers: kda_in_proj_mma_plan.py):
 - Programmatic dependent launch. The first `depth` steps of W are issued before `griddepcontrol.wait` (they do not
   depend on the previous kernel); x is read after it, with plain loads (an invariant load could be hoisted above
   the wait). `griddepcontrol.launch_dependents` follows the first x loads.
-- Batches above 32 take several passes over W (MAX_N_TILES batch tiles of accumulators and x fragments per pass).
+- Batches above 16 take several passes over W (MAX_N_TILES batch tiles of accumulators and x fragments per pass).
 """
 
 from __future__ import annotations

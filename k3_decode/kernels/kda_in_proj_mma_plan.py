@@ -18,12 +18,15 @@ WARP = 32
 TILE_M = 16  # W rows of one MMA
 TILE_N = 8  # batch rows of one MMA
 STEP = 64  # columns of one k step: 4 lanes x 16 columns, 4 MMAs of k = 16
-# Warps per CTA, by batch tiles per pass: 12 keep 96 KB of W in flight per SM under a 168-register cap; with 3-4
-# tiles the accumulators and x fragments need more registers (16 spilled at 168, B = 32), so half the warps.
-TARGET_WARPS = {1: 12, 2: 12, 3: 6, 4: 6}
+# Warps per CTA: 12 keep 96 KB of W in flight per SM under a 168-register cap. The same for every batch, so the K
+# split, and with it the summation order, never depends on the batch: the kernel is batch-invariant.
+TARGET_WARPS = 12
 MAX_THREADS = 512
 W_LOADS_IN_FLIGHT = 16  # 16-byte weight loads a lane keeps outstanding: 4 per step, so 4 steps ahead
-MAX_N_TILES = 4  # batch tiles one pass holds in registers (32 rows); more rows make more passes over W
+# Batch tiles one pass holds in registers (16 rows); more rows make more passes over W. Four tiles at 12 warps
+# spilled at the 168-register cap (B = 32); with 6 warps they fit (one pass, 40 us at TP8 B32 against 48 in two), but
+# the K split would then change with the batch and a row's bits with it.
+MAX_N_TILES = 2
 H200_SMS = 132
 
 
@@ -78,7 +81,7 @@ class MmaStream:
 
     @property
     def passes(self) -> tuple[int, ...]:
-        """Batch rows of each pass over W, in order (one pass up to 32 rows)."""
+        """Batch rows of each pass over W, in order (one pass up to 16 rows)."""
         per = self.n_tiles * TILE_N
         full, rest = divmod(self.batch, per)
         return (per,) * full + ((rest,) if rest else ())
@@ -147,7 +150,7 @@ class InProjMmaPlan(MmaStream):
     def for_shape(cls, rows: int, k: int, batch: int, sm_count: int = H200_SMS) -> InProjMmaPlan:
         """One CTA per SM over the fewest rows per CTA that need no more CTAs than SMs (one wave, the rows spread
         to within one); K split over the CTA's warps (the divisor of the steps whose warp count is nearest
-        TARGET_WARPS for the batch tiles, more on a tie: more loads in flight; within MAX_THREADS)."""
+        TARGET_WARPS, more on a tie: more loads in flight; within MAX_THREADS)."""
         check_shape("KDA in_proj", rows, k, batch)
         if sm_count < 1:
             raise ValueError(f"sm_count must be at least 1, got {sm_count}")
@@ -155,8 +158,7 @@ class InProjMmaPlan(MmaStream):
         m_tiles = -(-per_cta // TILE_M)
         steps = k // STEP
         fits = [d for d in range(1, steps + 1) if steps % d == 0 and m_tiles * d * WARP <= MAX_THREADS]
-        target = TARGET_WARPS[n_tiles(batch)]
-        k_splits = min(fits, key=lambda d: (abs(m_tiles * d - target), -d))
+        k_splits = min(fits, key=lambda d: (abs(m_tiles * d - TARGET_WARPS), -d))
         return cls(rows, k, batch, per_cta, m_tiles, k_splits, sm_count=sm_count)
 
     @property
