@@ -61,6 +61,12 @@ class OpSpec:
 
 
 class Case(Protocol):
+    """One cell. A case whose op's tolerance entry counts matches per unit rather than per element (the table's
+    `matched_unit`, e.g. "head") also defines `unit_size(name, unit) -> int | None`: how many consecutive elements
+    of output `name`'s last dimension make one such unit (None: no such unit there). The table names the unit, the
+    case knows its size, so the harness needs no model facts. It is optional: the runner looks it up only for such
+    entries, and a case without it fails their matched fraction."""
+
     id: str
     axes: dict[str, Any]
     spec: OpSpec

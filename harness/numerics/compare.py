@@ -24,6 +24,14 @@ class Tolerance:
     nontrivial_margin: float  # the reference must reach margin * atol somewhere: zeros cannot pass
     reason: str
     exact: bool = False  # every element bit-equal to the reference (ids, state copied unchanged)
+    # What the matched fraction counts. "element" (the default) counts elements; any other name is a unit the
+    # case defines for the output (Case.unit_size: so many consecutive elements of the last dimension), matched
+    # only when every element in it is. An op whose rounding moves whole groups at once (one attention head's v
+    # row) declares that group, so one such shift counts once, however few elements the cell has.
+    matched_unit: str = "element"
+    # Units that may be off whatever the fraction says (each still within max_abs): a cell of few units could
+    # otherwise not absorb a single one.
+    unmatched_units: int = 0
 
     @classmethod
     def exact_match(cls, reason: str) -> Tolerance:
@@ -59,6 +67,9 @@ class ToleranceTable:
             if extra:
                 raise ToleranceError(f"[{op}.{dtype}] in {self.source} is exact; drop {', '.join(extra)}")
             return Tolerance.exact_match(entry.get("reason", ""))
+        unmatched = entry.get("unmatched_units", 0)
+        if not isinstance(unmatched, int) or isinstance(unmatched, bool) or unmatched < 0:
+            raise ToleranceError(f"[{op}.{dtype}] in {self.source}: unmatched_units must be an integer >= 0")
         return Tolerance(**entry)
 
 
@@ -67,8 +78,15 @@ def _table(package: str, name: str) -> dict[str, Any]:
     return tomllib.loads(resources.files(package).joinpath(name).read_text())
 
 
-def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> tuple[list[Check], dict]:
-    """Checks that `actual` matches `expected` (computed in fp32 or wider) under `tol`."""
+def compare(
+    name: str, actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, unit_size: int | None = None
+) -> tuple[list[Check], dict]:
+    """Checks that `actual` matches `expected` (computed in fp32 or wider) under `tol`.
+
+    unit_size: elements per unit of `tol.matched_unit` (consecutive along the last dimension), from the case;
+    ignored where the entry counts elements. None for an entry that counts another unit (the case defines no such
+    unit for this output) fails the matched fraction rather than judging elements against a bound written for units.
+    """
     checks: list[Check] = []
     if actual.shape != expected.shape:
         return [Check(f"{name}: shape", list(actual.shape), "==", list(expected.shape))], {}
@@ -90,10 +108,11 @@ def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: Tolera
     matched = float(ok[ref_finite].sum()) / max(int(ref_finite.sum()), 1) if e.numel() else 1.0
     max_err = float(err.max()) if e.numel() else 0.0
     ref_peak = float(e[ref_finite].abs().max()) if bool(ref_finite.any()) else 0.0
+    fraction, units = _matched_units(name, ok, ref_finite, tol, unit_size)
     checks += [
         Check(f"{name}: non-finite values where the reference is finite", nonfinite, "==", 0),
         Check(f"{name}: NaN/Inf where the reference has them", same_special, "==", True),
-        Check(f"{name}: matched fraction", round(matched, 6), ">=", tol.matched_fraction),
+        fraction,
         Check(f"{name}: max abs error", max_err, "<=", tol.max_abs),
     ]
     if tol.atol == 0:
@@ -104,5 +123,43 @@ def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: Tolera
         checks.append(
             Check(f"{name}: reference is non-trivial (peak / atol)", ref_peak / tol.atol, ">=", tol.nontrivial_margin)
         )
-    metrics = {"max_abs_error": max_err, "matched_fraction": matched, "ref_peak": ref_peak, "elements": n}
+    metrics = {"max_abs_error": max_err, "matched_fraction": matched, "ref_peak": ref_peak, "elements": n, **units}
     return checks, metrics
+
+
+def _matched_units(
+    name: str, ok: torch.Tensor, ref_finite: torch.Tensor, tol: Tolerance, unit_size: int | None
+) -> tuple[Check, dict[str, Any]]:
+    """The matched-fraction check over `tol.matched_unit`, and the unit counts for the metrics.
+
+    At least `matched_fraction` of the units must match, except that `unmatched_units` of them may always be off:
+    the bound is min(matched_fraction, 1 - unmatched_units / units). For elements with no such allowance this is
+    the plain element fraction.
+    """
+    unit = tol.matched_unit
+    unit_size = 1 if unit == "element" else unit_size
+    check_name = f"{name}: matched fraction"
+    if unit_size is None or unit_size < 1 or (unit_size > 1 and (ok.dim() == 0 or ok.shape[-1] % unit_size)):
+        why = "defines no size" if unit_size is None or unit_size < 1 else f"'s {unit} of {unit_size} does not tile"
+        detail = f"the tolerance counts matches per {unit}; the case {why} for this output (shape {list(ok.shape)})"
+        return Check(check_name, None, ">=", tol.matched_fraction, detail), {}
+    # Elements whose reference is NaN/Inf are judged by the NaN/Inf check; a unit holding only such elements is
+    # not counted at all, as such elements are not in the element fraction.
+    good = (ok | ~ref_finite).reshape(-1, unit_size).all(dim=-1)
+    counted = ref_finite.reshape(-1, unit_size).any(dim=-1)
+    total, matched = int(counted.sum()), int((good & counted).sum())
+    # A reference with no finite element at all proves nothing: it fails, as before units existed.
+    fraction = matched / total if total else (0.0 if ok.numel() else 1.0)
+    limit = tol.matched_fraction
+    if tol.unmatched_units and total:
+        # Rounded as the value is, so `matched == total - unmatched_units` passes exactly.
+        limit = min(limit, round(1 - tol.unmatched_units / total, 6))
+    detail = ""
+    metrics: dict[str, Any] = {}
+    if unit != "element" or tol.unmatched_units:
+        detail = (
+            f"{matched} of {total} {unit}s match ({unit_size} elements each); allowed off: "
+            f"max({tol.unmatched_units}, {1 - tol.matched_fraction:.3g} x {total}) {unit}s"
+        )
+        metrics = {"matched_unit": unit, "units": total, "matched_units": matched}
+    return Check(check_name, round(fraction, 6), ">=", limit, detail), metrics

@@ -137,6 +137,22 @@ def _tolerances(case: Case, table: ToleranceTable) -> dict[str, Tolerance]:
     return {name: table.get(spec.tolerance_of(name), spec.dtype_of(name)) for name in (*spec.outputs, *spec.inplace)}
 
 
+def _unit_size(case: Case, name: str, tol: Tolerance) -> int | None:
+    """Elements per unit of `name` where its entry counts matches by a unit other than the element (the table
+    names the unit, the case knows its size: the harness knows neither model), None where the case defines none."""
+    if tol.matched_unit == "element":
+        return 1
+    size_of = getattr(case, "unit_size", None)
+    return size_of(name, tol.matched_unit) if size_of is not None else None
+
+
+def _judge(
+    name: str, case: Case, key: str, actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance
+) -> tuple[list[Check], dict[str, Any]]:
+    """compare() with the unit size the case declares for output or in-place tensor `key`."""
+    return compare(name, actual, expected, tol, _unit_size(case, key, tol))
+
+
 def _compare_all(
     prefix: str,
     case: Case,
@@ -151,7 +167,7 @@ def _compare_all(
     checks.append(Check(f"{prefix}outputs returned", missing, "==", []))
     for name in spec.outputs:
         if name in out:
-            c, m = compare(f"{prefix}{name}", out[name], ref[name], tols[name])
+            c, m = _judge(f"{prefix}{name}", case, name, out[name], ref[name], tols[name])
             checks += c
             metrics[name] = m
     return checks, metrics
@@ -193,7 +209,7 @@ def run_cell(
             changed = _bits(after[k]) != _bits(before[k])
             outside = int((changed & ~allowed[k]).sum())  # masks have the tensor's shape
             checks.append(Check(f"{k}: writes outside the declared write set", outside, "==", 0))
-            c, _ = compare(f"{k} (state after the call)", after[k], ref[k], tols[k])
+            c, _ = _judge(f"{k} (state after the call)", case, k, after[k], ref[k], tols[k])
             checks += c
         else:
             same = torch.equal(_bits(after[k]), _bits(before[k]))
@@ -235,7 +251,7 @@ def run_cell(
             checks += c
             ref_call = OpCall({**ref_next.tensors, **{k: ref_out[k] for k in spec.inplace}}, ref_next.args)
             for name in spec.inplace:
-                c, _ = compare(f"step {step}: {name}", seen[name], ref_out[name], tols[name])
+                c, _ = _judge(f"step {step}: {name}", case, name, seen[name], ref_out[name], tols[name])
                 checks += c
     result.checks = checks
     return result

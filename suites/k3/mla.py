@@ -172,6 +172,11 @@ class MlaCell:
         )
         return {"out": out, "cache": cache}
 
+    def unit_size(self, name: str, unit: str) -> int | None:
+        """A "head" of the output [B, H * v_head_dim] is one request's v row of one head (the tolerance entry's
+        matched_unit: a query byte rounded one E4M3 step apart moves that head's whole row); the cache has none."""
+        return self.dims.mla.v_head_dim if (name, unit) == ("out", "head") else None
+
     def allowed_writes(self, call: OpCall) -> dict[str, torch.Tensor]:
         cache = call.tensors["cache"]
         mask = torch.zeros(cache.shape, dtype=torch.bool, device=cache.device)

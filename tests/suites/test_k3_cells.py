@@ -147,6 +147,60 @@ def test_mla_writing_the_new_row_one_slot_late_is_caught():
     assert "cache: writes outside the declared write set" in names
 
 
+def _shift(flat_indices: list[int], by: float = 0.2) -> Callable[[OpCall, dict[str, torch.Tensor]], dict]:
+    """Adds `by` (beyond atol, within max_abs) to these elements of the flattened output, on every call."""
+
+    def change(call: OpCall, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        o = out["out"].float().flatten()
+        o[flat_indices] += by
+        return {"out": o.view_as(out["out"]).to(out["out"].dtype)}
+
+    return change
+
+
+def _head(h: int) -> list[int]:
+    """The flattened elements of head h (request h // heads, head h % heads) of the output [B, H * v]."""
+    v = D.mla.v_head_dim
+    return list(range(h * v, (h + 1) * v))
+
+
+def test_mla_matches_count_heads_so_one_shifted_head_passes_and_two_fail():
+    """The mla_decode entry's failure mode: one query byte rounded one E4M3 step apart moves one head's whole v row
+    (the hypothesis example tp1/b1/ctx17/p16/x3, seed 22647). At batch 1 that head is 1/8 of the output, which 0.99
+    of the elements could not absorb; the entry allows one head off (within max_abs), and no second."""
+    cell = mla.MlaCell(D, 1, 1, 17, "auto", 16)
+    assert cell.unit_size("out", "head") == D.mla.v_head_dim and cell.unit_size("cache", "head") is None
+    one = run(cell, tampered("mla_decode", after=_shift(_head(1))))
+    assert one.passed, failed(one)
+    assert one.metrics["out"]["matched_fraction"] < 0.99  # counted by elements, this shift would fail
+    assert (one.metrics["out"]["units"], one.metrics["out"]["matched_units"]) == (8, 7)
+    two = failed(run(cell, tampered("mla_decode", after=_shift(_head(1) + _head(5)))))
+    assert "out: matched fraction" in two and "fresh values in reused buffers: out: matched fraction" in two
+
+
+def test_mla_errors_scattered_over_many_heads_fail_though_few_elements_are_off():
+    """A bug that is not head-aligned (a wrong element here and there, e.g. a bad lane in an epilogue): 30 elements
+    of 4096 (0.7%, which 0.99 of the elements allowed) in 30 heads of 128 fail the per-head count."""
+    cell = mla.MlaCell(D, 1, 16, 100, "auto", 16)
+    v = D.mla.v_head_dim
+    scattered = [h * v + (7 * h) % v for h in range(30)]
+    result = run(cell, tampered("mla_decode", after=_shift(scattered)))
+    assert result.metrics["out"]["matched_fraction"] >= 0.99
+    assert "out: matched fraction" in failed(result)
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_mla_stale_output_in_reused_buffers_is_caught_per_head(tp):
+    """A kernel that returns its previous result for the same buffers (cached by address) is off in every head:
+    the per-head count fails it, and where the cell has a single head (TP8, batch 1: one head may be off by the
+    entry's allowance) max_abs still does."""
+    result = run(mla.MlaCell(D, tp, 1, 17, "auto", 16), rt.caches_by_address(stock("mla_decode")))
+    names = [n for n in failed(result) if n.startswith("fresh values in reused buffers: ")]
+    assert "fresh values in reused buffers: out: max abs error" in names
+    if tp == 1:
+        assert "fresh values in reused buffers: out: matched fraction" in names
+
+
 def test_mla_cells_cover_padding_short_requests_and_partial_pages():
     lens = mla.seq_lens(8, 300)
     assert lens[0] == 300 and lens[1] == 1 and lens[-1] == 0

@@ -18,7 +18,7 @@ from importlib import resources
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from harness.numerics.cells import Case
@@ -113,6 +113,9 @@ def test_attn_res_at_random_shapes_and_magnitudes(site, batch, scale, seed):
     scale=st.sampled_from([0.25, 1.0, 3.0]),
     seed=SEEDS,
 )
+# Found by this test: the reused-buffer call's output had one head (7 of 256 elements) off by one E4M3 query rounding,
+# the failure mode the mla_decode entry counts per head (suites/tolerances.toml); by elements it failed 0.99.
+@example(tp=1, batch=1, context=17, page=16, splits="auto", scale=3.0, seed=22647)
 def test_mla_decode_at_random_contexts_pages_splits_and_magnitudes(tp, batch, context, page, splits, scale, seed):
     check(mla.MlaCell(D, tp, batch, context, splits, page, scale), seed)
 
