@@ -18,7 +18,7 @@ from importlib import resources
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from harness.numerics.cells import Case
@@ -67,9 +67,35 @@ def scaled_table(case: Case, seed: int) -> ToleranceTable:
     return ToleranceTable(entries, f"{table().source} (absolute terms scaled to the reference)")
 
 
+NONTRIVIAL = "reference is non-trivial (peak / atol)"
+
+
 def check(case: Case, seed: int) -> None:
     result = run_cell(case, stock(case.spec.op), CPU, scaled_table(case, seed), SUITE.forbidden(), seed=seed)
-    assert result.passed, (case.id, seed, failed(result))
+    bad = failed(result)
+    # The non-trivial guard judges the oracle's output alone (its peak against the atol scaled to this draw): a draw
+    # that fails it and nothing else is too flat to judge any op by, a degenerate input rather than a failure of the
+    # op, so hypothesis discards it (about 1 in 3000 MLA draws at batch 1, magnitude 0.25). Any other failed check
+    # still fails the test, guard or not.
+    assume(not bad or not all(name.endswith(NONTRIVIAL) for name in bad))
+    assert result.passed, (case.id, seed, bad)
+
+
+def test_a_flat_draw_fails_only_the_nontrivial_guard():
+    """The draw hypothesis found (seed 2 of the MLA test): batch 1, context 422, magnitude 0.25. Its reference peaks
+    at 4.8 scaled atol, under the guard's 5; every check of the op itself passes, so `check` discards it."""
+    case = mla.MlaCell(D, 1, 1, 422, "auto", 1, 0.25)
+    result = run_cell(case, stock(case.spec.op), CPU, scaled_table(case, 1), SUITE.forbidden(), seed=1)
+    assert failed(result) == [f"out: {NONTRIVIAL}"]
+    # The guard is not what lets a broken op through: an all-zero output on the same draw fails the match itself.
+    op = stock(case.spec.op)
+
+    def zeroed(call):
+        outputs = op(call)
+        return {**outputs, "out": outputs["out"] * 0}
+
+    result = run_cell(case, zeroed, CPU, scaled_table(case, 1), SUITE.forbidden(), seed=1)
+    assert "out: matched fraction" in failed(result)
 
 
 def test_every_op_documents_its_edges():
