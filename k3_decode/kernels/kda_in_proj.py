@@ -70,13 +70,14 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 
 from k3_decode.kernels import cutedsl
+from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan, WeightStream
 from k3_decode.kernels.primitives import VECTOR, WARP, copy8, launch_resident, load8, load8_value, to_f32, warp_sum
 
 
-def compile_args(plan: InProjPlan) -> tuple[Any, ...]:
-    """Fake arguments of one compile: x [B, K], W [R, K], out [B, R], all BF16, row-major, 16-byte aligned, and the
-    Int32 launch counter."""
+def compile_args(plan: InProjPlan | InProjMmaPlan) -> tuple[Any, ...]:
+    """Fake arguments of one compile of either build: x [B, K], W [R, K], out [B, R], all BF16, row-major, 16-byte
+    aligned, and the Int32 launch counter."""
     return (
         cutedsl.fake_tensor(BFloat16, (plan.batch, plan.k)),
         cutedsl.fake_tensor(BFloat16, (plan.rows, plan.k)),

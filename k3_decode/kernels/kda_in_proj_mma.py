@@ -39,21 +39,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 
-from k3_decode.kernels import cutedsl
+from k3_decode.kernels.kda_in_proj import compile_args as compile_args  # the same arguments: x, W, out, counter
 from k3_decode.kernels.kda_in_proj_mma_plan import STEP, TILE_N, VECTOR, WARP, InProjMmaPlan, MmaStream
 from k3_decode.kernels.primitives import launch_resident, load8
-
-
-def compile_args(plan: InProjMmaPlan) -> tuple[Any, ...]:
-    """Fake arguments of one compile: x [B, K], W [R, K], out [B, R], all BF16, row-major, 16-byte aligned, and the
-    Int32 launch counter."""
-    return (
-        cutedsl.fake_tensor(BFloat16, (plan.batch, plan.k)),
-        cutedsl.fake_tensor(BFloat16, (plan.rows, plan.k)),
-        cutedsl.fake_tensor(BFloat16, (plan.batch, plan.rows)),
-        cutedsl.fake_tensor(Int32, (1,)),
-        cutedsl.fake_stream(),
-    )
 
 
 class KdaInProjKernelMma:
