@@ -13,7 +13,7 @@ from harness.numerics import redteam_kernels as rt
 from harness.numerics.compare import Tolerance, ToleranceError, ToleranceTable, compare
 from harness.numerics.hygiene import run_cell
 from harness.verdicts import Check
-from tests.harness.numerics.toy_op import ToyCase, correct, reference
+from tests.harness.numerics.toy_op import TABLE, ToyCase, correct, reference
 
 CPU = torch.device("cpu")
 FORBIDDEN = (reference.__code__,)
@@ -118,24 +118,8 @@ class GroupedToyCase(ToyCase):
 
 
 def _table(case_entry: dict) -> ToleranceTable:
-    return ToleranceTable(
-        {
-            "toy": {
-                "bfloat16": case_entry,
-                "state": {
-                    "bfloat16": {
-                        "atol": 1e-5,
-                        "rtol": 1e-5,
-                        "matched_fraction": 1.0,
-                        "max_abs": 1e-4,
-                        "nontrivial_margin": 10.0,
-                        "reason": "fp32 state, one add",
-                    }
-                },
-            }
-        },
-        "test",
-    )
+    """The toy op's own table (toy_op.TABLE) with its output entry replaced, its state entry kept."""
+    return ToleranceTable({"toy": {**TABLE.entries["toy"], "bfloat16": case_entry}}, "test")
 
 
 GROUPED = _table(

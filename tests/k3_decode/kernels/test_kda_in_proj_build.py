@@ -178,10 +178,10 @@ def test_a_violated_expectation_fails_the_build(tmp_path):
 LAUNCH_ON_CPU = """
 import torch
 from k3_decode.kernels import kda_in_proj_op
-from k3_decode.kernels.kda_in_proj_plan import InProjPlan
+from k3_decode.kernels.{module} import {plan}
 
-compiled = kda_in_proj_op._compiled(InProjPlan.for_shape(3216, 7168, 2))
-x, w, out = (torch.zeros(*s, dtype=torch.bfloat16) for s in ((2, 7168), (3216, 7168), (2, 3216)))
+compiled = kda_in_proj_op._compiled({plan}.for_shape(3216, 7168, {batch}))
+x, w, out = (torch.zeros(*s, dtype=torch.bfloat16) for s in (({batch}, 7168), (3216, 7168), ({batch}, 3216)))
 try:
     kda_in_proj_op.launch(compiled, x, w, out, torch.zeros(1, dtype=torch.int32), 0)
 except Exception as exc:
@@ -192,7 +192,11 @@ except Exception as exc:
 @pytest.mark.slow
 @needs_cutedsl
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
-def test_the_gpu_launch_path_binds_every_argument(tmp_path):
-    """The launcher the GPU test uses compiles from the same fake signature and hands over every argument; on a
-    machine without a driver the call gets as far as the launch (CUDA error 35), not a binding error."""
-    assert_launch_reaches_the_driver(LAUNCH_ON_CPU, tmp_path)
+@pytest.mark.parametrize(
+    "module, plan, batch", [("kda_in_proj_plan", "InProjPlan", 2), ("kda_in_proj_mma_plan", "InProjMmaPlan", 8)]
+)
+def test_the_gpu_launch_path_binds_every_argument(tmp_path, module, plan, batch):
+    """The launcher the GPU test uses compiles either build from the same fake signature and hands over every
+    argument; on a machine without a driver the call gets as far as the launch (CUDA error 35), not a binding
+    error."""
+    assert_launch_reaches_the_driver(LAUNCH_ON_CPU.format(module=module, plan=plan, batch=batch), tmp_path)
