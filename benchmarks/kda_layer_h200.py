@@ -22,6 +22,10 @@ after o_proj is the identity and takes no time here) and each batch, on layer 6 
   last end), launches = their count, bytes = the least HBM traffic of those ops (k3_decode.executor.roofline), and
   the roofline fraction = bytes / the copy bandwidth measured in this run / that time. The MoE part is reported
   apart, so it is never mixed into the attention side.
+- timeline: per side and path, one row per kernel in launch order with its start and end as offsets from the
+  side's first kernel start in each replay, its duration and the gap after the kernel before it (negative: an
+  overlap under programmatic dependent launch), medians over the profiled replays; none, with why, where the
+  replays' kernels differ.
 - the issue's targets per cell (specialized path): >= 85% of the roofline at B <= 8 and >= 75% at B = 64 for TP8,
   >= 70% for TP16, at most 4 launches for the attention side; met or missed, both recorded.
 
@@ -252,6 +256,56 @@ def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
 
+def _short(name: str) -> str:
+    """A kernel name as the results file keeps it: CuTe DSL names run to hundreds of characters of signature."""
+    return name[:120]
+
+
+def side_timeline(
+    replays: Sequence[Sequence[tuple[str, DeviceEvent]]],
+) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """Where one side's time goes: one row per kernel, in the replays' order (start order; the replays of one
+    graph launch the same kernels in the same order), with its start and end as offsets from the replay's first
+    start of the side, its duration, and the gap after the kernel before it (negative: the two overlapped, as
+    under programmatic dependent launch). Each figure is the median over replays of that figure, so a row's end
+    need not be its start + duration exactly. Offsets, not trace times: each replay starts at its own time.
+
+    Returns (rows, None), or (None, why) where the replays' kernels differ and row i would mix different kernels."""
+    if not replays:
+        return [], None
+    first = [(label, ev.name) for label, ev in replays[0]]
+    for r, rep in enumerate(replays[1:], start=1):
+        if len(rep) != len(first):
+            return None, f"replay {r} has {len(rep)} kernels on this side against {len(first)} in replay 0"
+        for i, ((label, ev), (label0, name0)) in enumerate(zip(rep, first, strict=True)):
+            if (label, ev.name) != (label0, name0):
+                return None, (
+                    f"kernel {i} of replay {r} is {label}: {_short(ev.name)} against {label0}: {_short(name0)} "
+                    "in replay 0"
+                )
+    origins = [min(ev.start_us for _, ev in rep) for rep in replays] if first else []
+    rows: list[dict[str, Any]] = []
+    for i, (label, name) in enumerate(first):
+        at = [rep[i][1] for rep in replays]
+        before = [rep[i - 1][1] for rep in replays] if i else []
+        rows.append(
+            {
+                "op": label,
+                "name": _short(name),
+                "start_us": _median([ev.start_us - t0 for ev, t0 in zip(at, origins, strict=True)]),
+                "end_us": _median([ev.start_us + ev.dur_us - t0 for ev, t0 in zip(at, origins, strict=True)]),
+                "dur_us": _median([ev.dur_us for ev in at]),
+                # None for the side's first kernel: what ran before it belongs to another side (or to no op).
+                "gap_before_us": (
+                    _median([ev.start_us - (p.start_us + p.dur_us) for ev, p in zip(at, before, strict=True)])
+                    if i
+                    else None
+                ),
+            }
+        )
+    return rows, None
+
+
 def side_summary(
     replays: Sequence[Sequence[tuple[str, DeviceEvent]]],
     side: str,
@@ -259,7 +313,8 @@ def side_summary(
     bandwidth: float | None,
 ) -> dict[str, Any]:
     """One side of a layer over profiled replays of its graph ((label, event) per replay): kernel time (sum of
-    durations) and span, launches, and with bytes the roofline fraction; per op too. Medians over replays."""
+    durations) and span, launches, and with bytes the roofline fraction; per op too; and the per-kernel timeline
+    (side_timeline), or `timeline_note` with why there is none. Medians over replays."""
     mine = [[(label, ev) for label, ev in rep if side_of(label) == side] for rep in replays]
     times = [sum(ev.dur_us for _, ev in rep) for rep in mine]
     spans = [
@@ -274,8 +329,13 @@ def side_summary(
         "launches_per_replay": counts,
         "kernels": _median([sum(ev.category == "kernel" for _, ev in rep) for rep in mine]),
         "replays": len(mine),
-        "kernel_names": [f"{label}: {ev.name[:120]}" for label, ev in mine[0]] if mine else [],
+        "kernel_names": [f"{label}: {_short(ev.name)}" for label, ev in mine[0]] if mine else [],
     }
+    timeline, note = side_timeline(mine)
+    if timeline is None:
+        out["timeline_note"] = f"no timeline: the replays' kernels differ ({note})"
+    else:
+        out["timeline"] = timeline
     by_op: dict[str, dict[str, Any]] = {}
     for label in dict.fromkeys(label for rep in mine for label, _ in rep):
         per = [[ev for lab, ev in rep if lab == label] for rep in mine]
@@ -415,7 +475,7 @@ def assemble_cell(
             [sum(any(k in ev.name for k in provider_names) for ev in rep) for rep in replays[p]]
         )
         cell.setdefault("layer_launches", {})[p] = _median([len(rep) for rep in replays[p]])
-        cell.setdefault("kernel_names", {})[p] = [f"{label}: {ev.name[:120]}" for label, ev in labelled[0]]
+        cell.setdefault("kernel_names", {})[p] = [f"{label}: {_short(ev.name)}" for label, ev in labelled[0]]
     cell["attention"], cell["moe"], cell["entry"] = sides["attention"], sides["moe"], sides[ENTRY]
     cell["unresolved"] = {p: s for p, s in sides["mixed"].items() if s["launches"]}  # labels across both sides
     special = "specialized" in measured
@@ -652,6 +712,36 @@ def _verdict(v: Mapping[str, Any], fmt: Callable[[Any], str]) -> str:
     return f"{'met' if v['met'] else 'MISSED'} ({fmt(v['value'])} vs {fmt(v['target'])})"
 
 
+def timeline_lines(cells: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The attention side's timeline per cell and path, one line each: `op start-end` per kernel and the span.
+
+    Results files from before the timeline have none in any cell: they get no section at all, so their tables stay
+    what they were; a cell without one in a file that has some says so on its line."""
+    sides = [
+        (c, p, c["attention"][p])
+        for c in cells
+        for p in ("specialized", "stock")
+        if c["attention"].get(p) and (p == "stock" or c.get("specialized_ran"))
+    ]
+    if not any("timeline" in s or "timeline_note" in s for _, _, s in sides):
+        return []
+    out = [
+        "",
+        "Attention side timeline (specialized and stock), us from the first kernel's start: `op start-end` per "
+        "kernel in launch order, medians over the profiled replays (ranges that overlap: programmatic dependent "
+        "launch)",
+        "",
+    ]
+    for c, p, s in sides:
+        head = f"- TP{c['tp']} B{c['batch']} {p}"
+        if "timeline" in s:
+            kernels = " | ".join(f"{r['op']} {r['start_us']:.1f}-{r['end_us']:.1f}" for r in s["timeline"])
+            out.append(f"{head}: {kernels or 'no kernels'} (span {s['span_us']:.1f})")
+        else:
+            out.append(f"{head}: {s.get('timeline_note') or 'no timeline (measured before timelines were recorded)'}")
+    return out
+
+
 def markdown(results: Mapping[str, Any]) -> str:
     """The tables of docs/kda-layer-h200.md, from a results file (every number there traces to the JSON)."""
     bw = results["copy_bandwidth"]["bandwidth_bytes_per_s"]
@@ -733,6 +823,7 @@ def markdown(results: Mapping[str, Any]) -> str:
                 )
             joined = [f"{k}: {v['launches']:g}, {v['time_us']:.1f}" for k, v in by.items() if k not in ATTENTION_OPS]
             out.append(f"| {c['tp']} | {c['batch']} | {p} | " + " | ".join(cols) + f" | {'; '.join(joined) or '-'} |")
+    out += timeline_lines(cells)
     out += [
         "",
         "MoE part of the same layer (stock on both paths; not part of the attention side)",
@@ -791,7 +882,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "layer times: CUDA-graph replays of layer 6 (KDA + MoE) after an L2 flush, by CUDA events, the two paths "
             "alternating in every round (even rounds stock first); speedup = stock / specialized",
             "attention side: ops attn_res, in_proj, kda, o_proj; the kernels of profiled graph replays (L2 flushed "
-            "before each) attributed to ops in launch order; time = sum of kernel durations (span beside it)",
+            "before each) attributed to ops in launch order; time = sum of kernel durations (span beside it); "
+            "timeline: per kernel, median start and end from the side's first kernel start and the gap before it",
             "bytes: least HBM traffic of each op (k3_decode.executor.roofline); roofline: bytes / copy bandwidth "
             "measured in this run",
             "the stock AttnRes kernel takes about 30 us per application at every batch (docs/stock-h200.md): a speedup "

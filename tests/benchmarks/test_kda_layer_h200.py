@@ -206,6 +206,77 @@ def test_side_summary_counts_the_attention_side_alone() -> None:
     assert entry["launches"] == 1 and "bytes" not in entry
 
 
+# -- the per-kernel timeline -------------------------------------------------------------------------------------
+
+LONG_IN_PROJ = CUTE_IN_PROJ + "_tensorptrbf16gmemalign16o1716871681" * 6  # past the 120 characters kept
+
+
+def _timed_replay(t0: float, attn_dur: float, in_lag: float, in_dur: float, kda_gap: float) -> list:
+    """One labelled replay on its own clock (t0): the entry copy, then attn_res, in_proj starting `in_lag` after
+    attn_res (inside it: an overlap), kda `kda_gap` after in_proj's end, then a MoE kernel."""
+    kda_start = t0 + in_lag + in_dur + kda_gap
+    return [
+        ("entry", DeviceEvent("Memcpy DtoD (Device -> Device)", "gpu_memcpy", t0 - 3.0, 2.0, 1)),
+        ("attn_res", DeviceEvent(CUTE_ATTN_RES, "kernel", t0, attn_dur, 1)),
+        ("in_proj", DeviceEvent(LONG_IN_PROJ, "kernel", t0 + in_lag, in_dur, 1)),
+        ("kda", DeviceEvent("kda_decode_kernel", "kernel", kda_start, 8.0, 1)),
+        ("moe", DeviceEvent("k3_moe_fc1_kernel", "kernel", kda_start + 20.0, 5.0, 1)),
+    ]
+
+
+# Three replays on clocks far apart, each figure's median at replay 2 and neither replay 0's value nor the mean.
+TIMED = [
+    _timed_replay(1000.0, attn_dur=4.0, in_lag=0.4, in_dur=29.0, kda_gap=1.0),
+    _timed_replay(5000.0, attn_dur=12.0, in_lag=0.9, in_dur=31.0, kda_gap=3.0),
+    _timed_replay(9000.0, attn_dur=5.0, in_lag=0.6, in_dur=29.9, kda_gap=2.0),
+]
+
+
+def test_timeline_rows_are_median_offsets_from_each_replays_first_start_of_the_side() -> None:
+    att = bench.side_summary(TIMED, "attention", None, None)
+    rows = att["timeline"]
+    assert "timeline_note" not in att
+    assert [r["op"] for r in rows] == ["attn_res", "in_proj", "kda"]  # the entry copy and the MoE kernel are not
+    assert [r["name"] for r in rows] == [CUTE_ATTN_RES, LONG_IN_PROJ[:120], "kda_decode_kernel"]
+    assert [f"{r['op']}: {r['name']}" for r in rows] == att["kernel_names"]  # shortened alike
+    approx = pytest.approx
+    # Origin: attn_res's start in each replay (not the entry copy 3 us before it, not the trace's clock).
+    assert rows[0] == {
+        "op": "attn_res",
+        "name": CUTE_ATTN_RES,
+        "start_us": 0.0,
+        "end_us": approx(5.0),  # ends 4, 12, 5: the median, not replay 0's 4 nor the mean 7
+        "dur_us": approx(5.0),
+        "gap_before_us": None,  # what ran before it is not on this side
+    }
+    assert rows[1]["start_us"] == approx(0.6)
+    assert rows[1]["end_us"] == approx(30.5)  # 29.4, 31.9, 30.5
+    assert rows[1]["dur_us"] == approx(29.9)
+    # It starts inside attn_res (0.4 - 4, 0.9 - 12, 0.6 - 5): an overlap, a negative gap.
+    assert rows[1]["gap_before_us"] == approx(-4.4)
+    assert rows[2]["start_us"] == approx(32.5)  # 30.4, 34.9, 32.5
+    assert rows[2]["end_us"] == approx(40.5)
+    assert rows[2]["gap_before_us"] == approx(2.0)
+    # Each side is timed from its own first kernel.
+    moe = bench.side_summary(TIMED, "moe", None, None)["timeline"]
+    assert [(r["op"], r["start_us"], r["gap_before_us"]) for r in moe] == [("moe", 0.0, None)]
+
+
+def test_replays_with_different_kernels_give_no_timeline_and_say_why() -> None:
+    cublas = ("in_proj", DeviceEvent("nvjet_in_proj", "kernel", 5001.0, 30.0, 1))  # replay 1 ran another build
+    swapped = [TIMED[0], [*TIMED[1][:2], cublas, *TIMED[1][3:]], TIMED[2]]
+    att = bench.side_summary(swapped, "attention", None, None)
+    assert "timeline" not in att
+    assert "kernel 1 of replay 1 is in_proj: nvjet_in_proj against in_proj: " in att["timeline_note"]
+    assert att["time_us"] > 0 and att["launches"] == 3  # the other figures stand
+    # The MoE side's kernels are the same in every replay: its timeline stands.
+    assert len(bench.side_summary(swapped, "moe", None, None)["timeline"]) == 1
+    short = [TIMED[0], TIMED[1][:-2] + TIMED[1][-1:], TIMED[2]]  # replay 1 lost its KDA kernel
+    note = bench.side_summary(short, "attention", None, None)["timeline_note"]
+    assert "replay 1 has 2 kernels on this side against 3 in replay 0" in note
+    assert bench.side_summary(TIMED, "mixed", None, None)["timeline"] == []  # nothing on a side: no rows
+
+
 def test_runtime_op_bytes_join_the_roofline_counts_in_launch_order() -> None:
     shape = StepShape(8, (4097,) * 8, 1, 100)
     per_stock = layer_bytes(K3, 8, LAYER, shape)
@@ -411,6 +482,56 @@ def test_markdown_tables_come_from_the_results() -> None:
     assert "| 16 | 1 | 115.00 | 28.8 | 60.0 us, 6, 47.9% | - | - | not judged | not judged |" in md
     assert not any("| specialized |" in line for line in tp16)
     assert "| 8 | 1 | 300.0 |" in md and "| 16 | 1 | 300.0 |" in md  # the MoE table, 300 MB each
+
+
+def test_the_timeline_table_lists_each_kernels_range_and_the_span() -> None:
+    md = bench.markdown(json.loads(json.dumps(_results())))
+    assert "Attention side timeline (specialized and stock), us from the first kernel's start" in md
+    lines = [line for line in md.splitlines() if line.startswith("- TP") and " B1 " in line]
+    # Kernels 10 us apart from the first attention kernel (the entry copy before it is on neither side).
+    assert lines == [
+        "- TP8 B1 specialized: attn_res 0.0-8.0 | in_proj 10.0-18.0 | kda 20.0-28.0 | kda 30.0-38.0 | "
+        "o_proj 40.0-48.0 | o_proj 50.0-58.0 (span 58.0)",
+        "- TP8 B1 stock: attn_res 0.0-10.0 | in_proj 10.0-20.0 | kda 20.0-30.0 | kda 30.0-40.0 | "
+        "o_proj 40.0-50.0 | o_proj 50.0-60.0 (span 60.0)",
+        "- TP16 B1 stock: attn_res 0.0-10.0 | in_proj 10.0-20.0 | kda 20.0-30.0 | kda 30.0-40.0 | "
+        "o_proj 40.0-50.0 | o_proj 50.0-60.0 (span 60.0)",
+    ]
+
+
+def _without_timelines(results: dict) -> dict:
+    """The results as a file written before the timeline was recorded."""
+    for run in results["runs"]:
+        for cell in run["cells"]:
+            for side in ("attention", "moe", "entry"):
+                for summary in cell.get(side, {}).values():
+                    summary.pop("timeline", None)
+    return results
+
+
+def test_the_table_of_a_file_from_before_timelines_is_what_it_was() -> None:
+    old = bench.markdown(_without_timelines(_results()))
+    assert "timeline" not in old
+    new = bench.markdown(_results())
+    start = new.index("\nAttention side timeline")
+    end = new.index("\nMoE part of the same layer")
+    assert old == new[:start] + new[end:]  # the same tables, without the timeline section
+    # A file with timelines in some cells only: the others say why they have none, and a note stands in its place.
+    mixed = _results()
+    mixed["runs"][1] = _without_timelines({"runs": [mixed["runs"][1]]})["runs"][0]
+    del mixed["runs"][0]["cells"][0]["attention"]["stock"]["timeline"]
+    mixed["runs"][0]["cells"][0]["attention"]["stock"]["timeline_note"] = "no timeline: the replays' kernels differ"
+    md = bench.markdown(mixed)
+    assert "- TP8 B1 stock: no timeline: the replays' kernels differ" in md
+    assert "- TP16 B1 stock: no timeline (measured before timelines were recorded)" in md
+    assert "- TP8 B1 specialized: attn_res 0.0-8.0 |" in md
+
+
+def test_the_committed_results_file_still_prints_its_tables(capsys) -> None:
+    committed = bench.REPO / "benchmarks" / "results" / "kda-layer-h200.json"
+    assert bench.main(["--table", str(committed)]) == 0
+    out = capsys.readouterr().out
+    assert "Attention side per op" in out and "MoE part of the same layer" in out
 
 
 # -- main -------------------------------------------------------------------------------------------------------
