@@ -65,6 +65,11 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   before the wait: a prefetch puts nothing anywhere but L2, and L2 is the GPU's point of coherence, so a stale
   slot only warms the wrong lines and no value can be stale, with any neighbour; after the wait the slot is read
   again and the copies hit L2. The device-side launch counter is one relaxed atomic by one thread, after the wait.
+  `griddepcontrol.launch_dependents` follows those early copies and prefetches, before the wait: the next kernel
+  (o_proj) then launches while this one still waits for the projection, and its weight loads overlap this kernel,
+  which is latency-bound and leaves HBM nearly idle. Its own griddepcontrol.wait still covers all of this grid,
+  whatever it reads. Triggering after the conv instead cost 2.5-3 us per layer at B1 (the KDA layer benchmark's
+  timeline: o_proj started only as this kernel ended).
 - The only plain global loads are A_log, dt_bias, o_norm and the slot hint (before the wait) and the slot and beta
   (after it), none invariant (`.nc`, which may legally be hoisted above the wait; the build checks there are none).
   The stores are plain 16-byte stores from registers: the state rows, the taps, the BF16 outputs (8 bytes a warp).
@@ -297,6 +302,7 @@ class KdaStepKernel:
             self._start(bars, (HEAD_DIM * 4, plan.slots * 4), f_b, conv_w, fb_s, cw_s, place)
             hint = slots[b]
             self._prefetch(conv_state, state, hint, hint, TAPS, place)
+        cute.arch.griddepcontrol_launch_dependents()  # o_proj may start its weight stream now (see the docstring)
         cute.arch.cluster_arrive_relaxed()
         dt, decay_rate, w_norm = self._head_constants(a_log, dt_bias, o_norm, place)
 
@@ -345,7 +351,6 @@ class KdaStepKernel:
                 _store_f32(act, Float32(1.0), v_s, VECTOR * lane)
             cute.arch.sync_threads()  # q, k and v are in shared memory
             cute.arch.cluster_arrive()  # this CTA's tap reads are complete: peers may rewrite theirs (release)
-            cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
 
             q = cute.make_rmem_tensor((4,), Float32)
             k = cute.make_rmem_tensor((4,), Float32)
@@ -670,6 +675,7 @@ class KdaStepKernel:
             self._start(bars, (plan.decay_bytes, plan.norm_bytes), f_b, conv_w, fb_s, cw_s, place)
             hint = _clamp(Int32(num_accepted[b]), 1, q)
             self._prefetch(conv_state, state, slots[b, 0], slots[b, hint - 1], cols, place)
+        cute.arch.griddepcontrol_launch_dependents()  # as in the decode step
         cute.arch.cluster_arrive_relaxed()
         dt, decay_rate, w_norm = self._head_constants(a_log, dt_bias, o_norm, place)
 
@@ -732,7 +738,6 @@ class KdaStepKernel:
                     self._push_decay(fb[j], fa, j, dt, decay_rate, lower_bound, decay_s, t * HEAD_DIM, bars, place)
             cute.arch.sync_threads()  # q, k, v, beta and the slots are in shared memory
             cute.arch.cluster_arrive()  # this CTA's tap reads are complete (release)
-            cute.arch.griddepcontrol_launch_dependents()
 
             cute.arch.mbarrier_wait(bars, 0)  # every token's decays
             cute.arch.mbarrier_wait(bars + 5, 0)  # the state rows
