@@ -13,8 +13,9 @@ after o_proj is the identity and takes no time here) and each batch, on layer 6 
 - agreement: one eager step of the same inputs on both from the same state; the relative RMS difference of the
   layer's outputs (a BF16 rounding level is expected; recorded, not asserted).
 - layer time: one CUDA graph of the layer per path, replayed in interleaved rounds (even rounds stock first, odd
-  rounds specialized first), each replay timed by CUDA events after an L2-flushing write; median, p10-p90, and the
-  speedup stock / specialized with a bootstrap interval of the paired rounds (harness.perf.stats).
+  rounds specialized first), each replay timed by CUDA events after an L2 flush (a read by default: L2Flush);
+  median, p10-p90, and the speedup stock / specialized with a bootstrap interval of the paired rounds
+  (harness.perf.stats).
 - attention side: the kernels of profiled replays (L2 flushed before each), grouped per replay by the graph launch
   that issued them and attributed to runtime ops in launch order (a kernel whose name holds a provider's declared
   kernel name is that provider's op; stock kernels by the stock op tables' names, cuBLAS kernels to the cuBLAS ops
@@ -504,9 +505,29 @@ def rms_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).square().mean().sqrt() / den) if den > 0 else math.inf
 
 
-def time_interleaved(arms: Sequence[tuple[StackExecutor, str]], rounds: int, flush: torch.Tensor) -> list[list[float]]:
-    """Per arm, `rounds` replay times (us) by CUDA events, each replay after an L2-flushing write, the arms
-    alternating within every round (interleave_order) so that all see the same machine state."""
+class L2Flush:
+    """Evicts the L2 before a replay by touching a buffer over four times its size: by reading it (the default) or
+    by writing it. A read leaves clean lines, as the layer before this one leaves in a decode step (it reads its
+    weights and writes little). A write leaves the whole L2 dirty, and writing those lines back to HBM competes
+    with the first kernels' reads, a cost no decode step has; the mode is in the results (config.flush)."""
+
+    def __init__(self, mode: str, device: torch.device, size: int = FLUSH_BYTES) -> None:
+        if mode not in ("read", "write"):
+            raise ValueError(f"L2 flush mode must be 'read' or 'write', got {mode!r}")
+        self.mode = mode
+        self.buffer = torch.ones(size // 4, dtype=torch.int32, device=device)
+        self.result = torch.zeros((), dtype=torch.int32, device=device)
+
+    def __call__(self) -> None:
+        if self.mode == "write":
+            self.buffer.zero_()
+        else:
+            torch.amax(self.buffer, dim=0, out=self.result)
+
+
+def time_interleaved(arms: Sequence[tuple[StackExecutor, str]], rounds: int, flush: L2Flush) -> list[list[float]]:
+    """Per arm, `rounds` replay times (us) by CUDA events, each replay after an L2 flush, the arms alternating
+    within every round (interleave_order) so that all see the same machine state."""
     for ex, name in arms:
         ex.replay(name, 3)
     starts = [[torch.cuda.Event(enable_timing=True) for _ in range(rounds)] for _ in arms]
@@ -517,7 +538,7 @@ def time_interleaved(arms: Sequence[tuple[StackExecutor, str]], rounds: int, flu
             start, end = starts[a][i], ends[a][i]
 
             def before(_: int, start: Any = start) -> None:
-                flush.zero_()  # queued ahead of the replay: the GPU is busy while the host enqueues the events
+                flush()  # queued ahead of the replay: the GPU is busy while the host enqueues the events
                 start.record()
 
             ex.replay(name, 1, before, lambda _, end=end: end.record())
@@ -526,14 +547,14 @@ def time_interleaved(arms: Sequence[tuple[StackExecutor, str]], rounds: int, flu
 
 
 def profiled_replays(
-    arms: Sequence[tuple[StackExecutor, str]], replays: int, flush: torch.Tensor
+    arms: Sequence[tuple[StackExecutor, str]], replays: int, flush: L2Flush
 ) -> tuple[list[list[list[DeviceEvent]]], str]:
     """Per arm, the device events of each of `replays` profiled replays, and how they were told apart."""
 
     def run() -> None:
         for _ in range(replays):
             for ex, name in arms:
-                ex.replay(name, 1, lambda _: flush.zero_())
+                ex.replay(name, 1, lambda _: flush())
 
     groups = graph_replays(profile(run))
     if len(groups) == replays * len(arms):
@@ -560,7 +581,7 @@ def _agreement(stock: Any, special: Any, layer: int, ids: Sequence[int]) -> dict
 
 
 def run_tp(
-    tp: int, args: argparse.Namespace, bandwidth: float, flush: torch.Tensor, save: Callable[[dict], None]
+    tp: int, args: argparse.Namespace, bandwidth: float, flush: L2Flush, save: Callable[[dict], None]
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
     config = load_stack(STACK, tp, graph_batches=tuple(sorted(set(args.batches))))
@@ -848,7 +869,7 @@ def markdown(results: Mapping[str, Any]) -> str:
 # -- main ---------------------------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--table", metavar="RESULTS", help="print the markdown tables of a results file and exit")
     ap.add_argument("--out", help="where to write the JSON results")
@@ -856,7 +877,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=list(DEFAULT_BATCHES))
     ap.add_argument("--context", type=int, default=4096, help="tokens of context every request holds")
     ap.add_argument("--reps", type=int, default=200, help="interleaved rounds (one timed replay per path each)")
+    ap.add_argument(
+        "--flush",
+        choices=("read", "write"),
+        default="read",
+        help="how the L2 is flushed before each replay: read a large buffer (clean lines, as in decode) or write it",
+    )
     ap.add_argument("--profile-replays", type=int, default=PROFILED_REPLAYS, help="profiled replays per path")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.table:
         print(markdown(json.loads(Path(args.table).read_text())), end="")
@@ -904,7 +936,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bw = measure_copy_bandwidth(device)
     results["copy_bandwidth"] = bw
     log(f"copy bandwidth {bw['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s")
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+    flush = L2Flush(args.flush, device)
 
     def save(partial: dict | None = None) -> None:
         runs = results["runs"] + ([partial] if partial is not None else [])

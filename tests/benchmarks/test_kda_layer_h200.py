@@ -537,6 +537,23 @@ def test_the_committed_results_file_still_prints_its_tables(capsys) -> None:
 # -- main -------------------------------------------------------------------------------------------------------
 
 
+def test_the_l2_flush_reads_by_default_and_writes_only_when_asked() -> None:
+    """A read flush must leave the buffer as it was (clean lines) and touch all of it (its maximum lands in the
+    result); a write flush rewrites it. The command line defaults to the read."""
+    read = bench.L2Flush("read", torch.device("cpu"), size=4096)
+    read.buffer[7] = 9
+    read()
+    assert int(read.result) == 9 and int(read.buffer.sum()) == 1023 + 9
+    write = bench.L2Flush("write", torch.device("cpu"), size=4096)
+    write()
+    assert int(write.buffer.abs().sum()) == 0
+    with pytest.raises(ValueError, match="'read' or 'write'"):
+        bench.L2Flush("evict", torch.device("cpu"), size=4096)
+    assert bench.parser().parse_args([]).flush == "read"
+    with pytest.raises(SystemExit):
+        bench.parser().parse_args(["--flush", "evict"])
+
+
 def test_main_refuses_without_cuda_in_one_line(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "r.json"
