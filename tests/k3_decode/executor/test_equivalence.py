@@ -30,8 +30,11 @@ from k3_decode.executor.equivalence import (
     run_settings,
     specialized_dispatches,
     step_metrics,
+    step_metrics_and_cosines,
     tolerances,
 )
+from k3_decode.executor.equivalence import _checks as equivalence_checks
+from k3_decode.executor.equivalence import _summary as equivalence_summary
 from k3_decode.executor.executor import ProviderTarget
 from k3_decode.isolation_redteam import RedTeamKdaProvider, private_scope, private_table
 from k3_decode.reference.kda import KdaCache
@@ -138,6 +141,9 @@ def test_the_honest_provider_passes_with_a_small_nonzero_bounded_divergence(hone
     # Every KDA layer's state moved a little, never beyond the limit.
     assert all(0 < v < tol.state_rms_rel for by in result.states.values() for v in by.values()), result.states
     assert sorted(result.states) == [4, 5, 6] and all(sorted(by) == [0, 1, 2] for by in result.states.values())
+    # Each request's typical cosine is its own median over the steps, at least the median of each step's worst.
+    assert sorted(result.request_cosines) == [0, 1, 2]
+    assert min(result.request_cosines.values()) >= result.summary["logit_cos_min"]["median"] - 1e-12
     # Proof of path: the candidate ran its provider in every KDA layer of every step, the reference nothing of it.
     assert specialized_dispatches(candidate) == {"L4.kda": 30, "L5.kda": 30, "L6.kda": 30}
     assert specialized_dispatches(reference) == {}
@@ -234,8 +240,34 @@ def test_step_metrics_on_known_differences() -> None:
     assert got["out_rms_rel"] == pytest.approx(float(2 * share.sqrt()), rel=1e-5)
     assert got["out_median_rms_rel"] == 0 and got["logit_median_rms_rel"] == 0
     assert got["logit_cos_min"] == pytest.approx(-1, abs=1e-5)
+    _, rows = step_metrics_and_cosines(ref, cand, proj)
+    assert rows[:3].tolist() == pytest.approx([1, 1, 1], abs=1e-6) and float(rows[3]) == pytest.approx(-1, abs=1e-5)
     cand[0, 0] = math.nan
     assert not torch.isfinite(step_metrics(ref, cand, proj)).all()
+
+
+def typical_cosine(per_request: dict[int, list[float]]) -> Any:
+    """The logits.typical_cosine check of synthetic per-step cosines (every other metric zero)."""
+    steps = len(next(iter(per_request.values())))
+    series = {m: [0.0] * steps for m in METRICS}
+    series["logit_cos_min"] = [min(xs[i] for xs in per_request.values()) for i in range(steps)]
+    medians = {r: sorted(xs)[steps // 2] for r, xs in per_request.items()}
+    checks = equivalence_checks(equivalence_summary(series, 2), medians, {}, [], 0, tolerances("k3"), 2)
+    return next(c for c in checks if c.name == "logits.typical_cosine")
+
+
+def test_the_typical_cosine_judges_each_request_not_each_steps_worst() -> None:
+    """Eight requests, each off (cosine 0.2) in a different eighth of the steps plus the steps after it, as routing
+    flips scatter over a larger batch: every step's worst request is off in most steps, yet each request is right in
+    most of its own, so it passes. One request off in most of its steps fails, and names that request."""
+    steps = 40
+    flips = {r: [0.2 if r * 5 <= i < r * 5 + 10 else 0.99 for i in range(steps)] for r in range(8)}
+    check = typical_cosine(flips)
+    assert check.passed and check.value == pytest.approx(0.99)
+    assert sum(min(xs[i] for xs in flips.values()) < 0.8 for i in range(steps)) > steps // 2  # the old statistic fails
+    broken = {**flips, 5: [0.3] * 30 + [0.99] * 10}
+    check = typical_cosine(broken)
+    assert not check.passed and check.value == pytest.approx(0.3) and "request 5" in check.detail
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
