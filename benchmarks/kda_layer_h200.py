@@ -405,6 +405,11 @@ def roofline_target(tp: int, batch: int) -> float | None:
     return None
 
 
+def span_speedup(stock: Mapping[str, Any], special: Mapping[str, Any]) -> float | None:
+    """The attention side's speedup: stock's span / the specialized span, elapsed times as the targets judge."""
+    return stock["span_us"] / special["span_us"] if special.get("span_us") else None
+
+
 def target_verdicts(tp: int, batch: int, attention: Mapping[str, Any] | None, unmeasured: str | None) -> dict:
     """The issue's targets for one cell, judged on the specialized attention side; None where not judged, with why.
 
@@ -492,8 +497,7 @@ def assemble_cell(
     )
     if special:
         cell["layer_speedup"] = speedup_stats(samples_us["stock"], samples_us["specialized"])
-        a, b = cell["attention"]["stock"]["span_us"], cell["attention"]["specialized"]["span_us"]
-        cell["attention_speedup"] = a / b if b else None  # elapsed time, as the targets (target_verdicts)
+        cell["attention_speedup"] = span_speedup(cell["attention"]["stock"], cell["attention"]["specialized"])
     verdict_of = cell["attention"].get("specialized") if cell["specialized_ran"] else None
     why = unmeasured if not special else "the specialized executor's graph ran no provider kernel"
     cell["targets"] = target_verdicts(tp, batch, verdict_of, why)
@@ -822,7 +826,7 @@ def markdown(results: Mapping[str, Any]) -> str:
     for c in cells:
         a = c["attention"]
         st, sp = a["stock"], a.get("specialized") if c.get("specialized_ran") else None
-        speed = f"{st['span_us'] / sp['span_us']:.2f}" if sp and sp.get("span_us") else "-"
+        speed = f"{span_speedup(st, sp):.2f}" if sp and sp.get("span_us") else "-"
         tg = target_verdicts(c["tp"], c["batch"], sp, c.get("specialized_unavailable"))
         out.append(
             f"| {c['tp']} | {c['batch']} | {st['bytes'] / 1e6:.2f} | {st['roofline_us']:.1f} | {_side(st)} | "
