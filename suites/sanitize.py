@@ -39,6 +39,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from harness import hardware
+
 TOOLS = ("memcheck", "racecheck", "synccheck")
 ERROR_EXIT = 86  # --error-exitcode: tells "the sanitizer found errors" apart from the child failing on its own
 MAX_MESSAGES = 5
@@ -498,6 +500,7 @@ def _environment(sanitizer: str | None) -> dict[str, Any]:
         env["cuda"] = torch.version.cuda
         if torch.cuda.is_available():
             env["gpu"] = torch.cuda.get_device_name()
+            env["driver"] = hardware.detect().driver or "unknown (nvidia-smi gave none)"
     except ImportError:
         env["torch"] = None
     try:

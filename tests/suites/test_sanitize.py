@@ -136,3 +136,20 @@ def test_k3gate_subcommand_registers_the_same_run(tmp_path):
     args = parser.parse_args(["sanitize", "--tool", "synccheck", "--out", str(tmp_path)])
     assert (args.tool, args.out, args.no_redteam) == ("synccheck", tmp_path, False)
     assert args.fn is sanitize._run_args
+
+
+def test_the_environment_names_the_gpu_driver(monkeypatch) -> None:
+    """A sanitizer result is evidence about one GPU and driver: on a CUDA machine the record names both (from the
+    project's nvidia-smi probe), and says so when the probe gave no driver."""
+    import torch
+
+    from harness.hardware import Hardware
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    monkeypatch.setattr(sanitize.hardware, "detect", lambda: Hardware(kind="hopper", count=1, driver="580.159.04"))
+    monkeypatch.setattr("k3_decode.kernels.providers.not_built_reason", lambda: None)  # it would probe the GPU
+    env = sanitize._environment(None)
+    assert env["gpu"] == "NVIDIA H200" and env["driver"] == "580.159.04"
+    monkeypatch.setattr(sanitize.hardware, "detect", lambda: Hardware(kind="none", count=0))
+    assert sanitize._environment(None)["driver"].startswith("unknown")
