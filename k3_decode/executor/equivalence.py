@@ -395,23 +395,22 @@ def _checks(
             ),
         ]
     checks.append(worst("logit_cos_min", tol.cosine_floor, "logits.cosine", ">="))
-    if request_cosines:
-        # Per request, then the worst: the median over the steps of the worst request of each step would fall with
-        # the batch (more requests, more steps where one of them has a routing flip), not with the candidate.
-        value, r = next(
-            ((v, r) for r, v in request_cosines.items() if math.isnan(v)),
-            min((v, r) for r, v in request_cosines.items()),
+    # Per request, then the worst: the median over the steps of the worst request of each step would fall with
+    # the batch (more requests, more steps where one of them has a routing flip), not with the candidate.
+    value, r = next(
+        ((v, r) for r, v in request_cosines.items() if math.isnan(v)),
+        min((v, r) for r, v in request_cosines.items()),
+    )
+    checks.append(
+        Check(
+            "logits.typical_cosine",
+            value,
+            ">=",
+            tol.typical_cosine,
+            f"the worst request's median over the steps of its logit cosine similarity (request {r}; median over "
+            f"the steps of each step's worst request: {summary['logit_cos_min']['median']:.3g})",
         )
-        checks.append(
-            Check(
-                "logits.typical_cosine",
-                value,
-                ">=",
-                tol.typical_cosine,
-                f"the worst request's median over the steps of its logit cosine similarity (request {r}; median over "
-                f"the steps of each step's worst request: {summary['logit_cos_min']['median']:.3g})",
-            )
-        )
+    )
 
     def state_check(name: str, layers: Sequence[int], limit: float, what: str) -> None:
         flat = [(v, layer, r) for layer in layers for r, v in states[layer].items()]
