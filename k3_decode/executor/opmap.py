@@ -48,13 +48,14 @@ class StockOpMap:
             out.extend((op, stock) for stock in self.parts[part.part][op])
         return out
 
-    def stock_launches(self) -> dict[str, dict[str, int]]:
-        """Runtime op -> {kernel name: launches per dispatch} on CUDA, for KernelCatalog.build(stock=...).
+    def stock_launches(self, verify: bool = False) -> dict[str, dict[str, int]]:
+        """Runtime op -> {kernel name: launches per dispatch} on CUDA, for KernelCatalog.build(stock=...); with
+        `verify`, only the ops whose stock ops differ on a verify step ([verify]), for its stock_verify.
 
         cuBLAS GEMMs have no fixed kernel name and are left out: the profiler check matches names it can know.
         """
         out: dict[str, Counter[str]] = {}
-        for part, ops in self.parts.items():
+        for part, ops in (self.verify if verify else self.parts).items():
             for op, stock_ops in ops.items():
                 kernels: Counter[str] = Counter()
                 for stock in stock_ops:

@@ -106,21 +106,43 @@ class Expectation:
 @dataclass(frozen=True)
 class KernelCatalog:
     """Which kernels one dispatch of (op, path) launches, and how often. Specialized entries come from the registered
-    providers; stock entries are whatever the stock path declares (its public kernels may have no device counter)."""
+    providers; stock entries are whatever the stock path declares (its public kernels may have no device counter).
+    `verify_launches` holds the (op, path) pairs that launch other kernels on a verify step (more than one token per
+    request): the stock KDA core runs the verify pipeline there, not the fused decode kernel."""
 
     launches: Mapping[tuple[str, DispatchPath], Mapping[str, int]] = field(default_factory=dict)
+    verify_launches: Mapping[tuple[str, DispatchPath], Mapping[str, int]] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, providers: Iterable[Any], stock: Mapping[str, Mapping[str, int]] | None = None) -> KernelCatalog:
-        """`providers`: objects with `op` and `launches` (backend.KernelProvider); `stock`: op -> kernel launches."""
+    def build(
+        cls,
+        providers: Iterable[Any],
+        stock: Mapping[str, Mapping[str, int]] | None = None,
+        stock_verify: Mapping[str, Mapping[str, int]] | None = None,
+    ) -> KernelCatalog:
+        """`providers`: objects with `op` and `launches` (backend.KernelProvider); `stock`: op -> kernel launches;
+        `stock_verify`: the same for the ops whose stock launches differ on a verify step."""
         table: dict[tuple[str, DispatchPath], Mapping[str, int]] = {
             (p.op, "specialized"): p.launches for p in providers
         }
         table.update({(op, "stock"): launches for op, launches in (stock or {}).items()})
-        return cls(table)
+        verify = {(op, "stock"): launches for op, launches in (stock_verify or {}).items()}
+        return cls(table, verify)
+
+    def launches_of(self, op: str, path: DispatchPath, tokens_per_request: int = 1) -> Mapping[str, int]:
+        """The kernels one dispatch of (op, path) launches on a step of `tokens_per_request` tokens per request."""
+        if tokens_per_request > 1 and (op, path) in self.verify_launches:
+            return self.verify_launches[(op, path)]
+        return self.launches.get((op, path), {})
 
     def kernels(self, path: DispatchPath | None = None) -> set[str]:
-        return {k for (_, p), ks in self.launches.items() if path in (None, p) for k in ks}
+        return {
+            k
+            for table in (self.launches, self.verify_launches)
+            for (_, p), ks in table.items()
+            if path in (None, p)
+            for k in ks
+        }
 
 
 @dataclass(frozen=True)
@@ -245,17 +267,18 @@ class Ledger:
 
     def expected_launches(self, catalog: KernelCatalog) -> dict[str, list[tuple[str, int]]]:
         """Per kernel, the launches the records claim, split by where they come from (eager, or one graph)."""
-        per_source: Counter[tuple[str, str, DispatchPath]] = Counter()
+        per_source: Counter[tuple[str, str, DispatchPath, int]] = Counter()
         for rec in self._records:
-            per_source[(rec.graph or "", rec.op, rec.path)] += 1
+            per_source[(rec.graph or "", rec.op, rec.path, rec.tokens_per_request)] += 1
         out: dict[str, list[tuple[str, int]]] = defaultdict(list)
-        for (graph, op, path), n in sorted(per_source.items()):
+        for (graph, op, path, q), n in sorted(per_source.items()):
             runs = self._replays.get(graph, 0) if graph else 1
-            for kernel, per in catalog.launches.get((op, path), {}).items():
+            what = f"{path} {op}" + (f" verify (q={q})" if q > 1 else "")
+            for kernel, per in catalog.launches_of(op, path, q).items():
                 if graph:
-                    source = f"graph {graph}: {runs} replays x {n} {path} {op} dispatches"
+                    source = f"graph {graph}: {runs} replays x {n} {what} dispatches"
                 else:
-                    source = f"eager: {n} {path} {op} dispatches"
+                    source = f"eager: {n} {what} dispatches"
                 out[kernel].append((source + (f" x {per} launches" if per > 1 else ""), runs * n * per))
         for kernel in catalog.kernels():
             out.setdefault(kernel, [])
