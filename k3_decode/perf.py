@@ -6,18 +6,20 @@ the baseline starts with `perf.baseline_backend` (normally "auto", the stock pat
 candidate arm runs the stock path too and says so in every record: its ratio is ~1 by construction and exercises
 only the plumbing and the verdict logic.
 
-- Timing. A sample is several steps back to back (harness/perf/timing.py chooses how many). On a GPU, a pure decode
-  cell of one token per request replays the arm's CUDA graph of the stack; mixed and verify (q > 1) steps are not
-  captured, so they run eagerly. A verify cell of q tokens per request runs on a speculative stack of its own
-  (q - 1 speculative tokens, the same weights): each step is one verify iteration over B x q rows, the KDA layers
-  through the verify kernels, as the executor runs verify steps; every run reads the state of one accepted token.
-  Both are timed by CUDA events with one host sync per sample: an eager step is host-launch bound, and the events
-  see the host's launch time as the gaps it leaves on the stream. With the L2 flush on, each step has its own pair
-  of events and the flush is enqueued before the start event. CPU steps are
-  timed by the process's CPU time, not the wall clock: other processes on a shared machine then cannot stretch one
-  arm's run. Timed steps do not advance any request: a replay rewrites the same cache row, and an eager step's
-  context lengths (and a verify step's unconfirmed tokens) are put back after it, so every run of a cell does the
-  same work.
+- Timing. A sample is several steps back to back (harness/perf/timing.py chooses how many). On a GPU, a decode
+  cell replays the arm's CUDA graph of the stack, as vLLM replays a FULL graph for uniform decode and verify
+  batches; mixed steps are not captured, so they run eagerly. A verify cell of q tokens per request runs on a
+  speculative stack of its own (q - 1 speculative tokens, the same weights): each step is one verify iteration over
+  B x q rows, the KDA layers through the verify kernels, captured as the executor's verify graph of B requests;
+  every run reads the state of one accepted token. (Run eagerly, as before, a verify step is bound by the host's
+  launches: the H200 perf run timed the candidate's 8.3 ms eager step 11% slower than stock's 7.6 ms while its
+  kernels were 5% faster, a Python launch cost no deployment pays.) Both are timed by CUDA events with one host
+  sync per sample: an eager step is host-launch bound, and the events see the host's launch time as the gaps it
+  leaves on the stream. With the L2 flush on, each step has its own pair of events and the flush is enqueued before
+  the start event. CPU steps are timed by the process's CPU time, not the wall clock: other processes on a shared
+  machine then cannot stretch one arm's run. Timed steps do not advance any request: a replay rewrites the same cache
+  row, and an eager step's context lengths (and a verify step's unconfirmed tokens) are put back after it, so every
+  run of a cell does the same work.
 - Per-layer time and launches. GPU graph cells: one CUDA graph per layer, timed like the stack (the mean of
   `[profile] graph_replays` replays after an untimed one: single replays of a 0.25 ms layer graph varied by 10-20%
   between profiled runs on the H200, enough to fail the Amdahl check of an A/A run), its launches counted by
@@ -192,10 +194,13 @@ class K3Arm:
         if graph:
             self.graph = ex.capture(cell.batch)
             ex.load_graph_inputs(self.graph, self.requests)
+            q = cell.tokens_per_request  # a verify graph's requests carry q rows each and their accepted count
+            accepted = self.requests[0].num_accepted if self.requests else None
             for layer in ex.config.layers:
                 name_ = ex.capture(cell.batch, (layer,))
-                x = random_input(self.dims, layer, cell.batch, seed + 2 + layer, self.device)
-                ex.load_graph_inputs(name_, [StepRequest(r, x.rows(slice(r, r + 1))) for r in decode])
+                x = random_input(self.dims, layer, cell.batch * q, seed + 2 + layer, self.device)
+                rows = [StepRequest(r, x.rows(slice(r * q, (r + 1) * q)), num_accepted=accepted) for r in decode]
+                ex.load_graph_inputs(name_, rows)
                 self.layer_graphs[layer] = name_
 
     # -- helpers --------------------------------------------------------------------------------------------
@@ -571,7 +576,7 @@ class K3PerfSuite:
     # -- building -------------------------------------------------------------------------------------------
 
     def _graph(self, cell: Cell) -> bool:
-        return self.device.type == "cuda" and cell.workload == "decode" and cell.tokens_per_request == 1
+        return self.device.type == "cuda" and cell.workload == "decode"
 
     def _flush_buffer(self) -> torch.Tensor:
         if self._flush is None:
@@ -590,7 +595,7 @@ class K3PerfSuite:
         weights = self._weights[1] if self._weights is not None and self._weights[0] == tp else None
         self._release_stack()  # one stack's executors at a time: give the last one's memory back first
         cells = [c for c in self.cells if c.tp == tp and self._q(c) == q]
-        # A speculative stack captures no graphs; its prepared sizes are still its capture sizes (b x q rows).
+        # A speculative stack's graphs are verify graphs of b requests (b x q rows); its prepared sizes are those.
         graph_batches = sorted({c.batch for c in cells if self._graph(c) or q > 1}) or [1]
         max_requests = max([c.batch + int(c.workload == "mixed") for c in cells] + graph_batches)
         # Room for the cell's tokens (and the traced step's) past its context, and for a prefill chunk.
