@@ -426,7 +426,9 @@ class StackExecutor:
 
     def kernel_catalog(self) -> KernelCatalog:
         """Which kernels each dispatch launches: registered specialized providers and the stock ops of ops.toml."""
-        return KernelCatalog.build(self.registry, self.opmap.stock_launches(), self.opmap.stock_launches(verify=True))
+        return KernelCatalog.build(
+            self.registry, self.opmap.stock_launches(), self.opmap.stock_launches(verify=True), self._verify_steps
+        )
 
     def device_counts(self) -> dict[str, int] | None:
         """Launches per kernel the registered providers read from their device-side counters (per process, since

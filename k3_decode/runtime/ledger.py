@@ -107,11 +107,13 @@ class Expectation:
 class KernelCatalog:
     """Which kernels one dispatch of (op, path) launches, and how often. Specialized entries come from the registered
     providers; stock entries are whatever the stock path declares (its public kernels may have no device counter).
-    `verify_launches` holds the (op, path) pairs that launch other kernels on a verify step (more than one token per
-    request): the stock KDA core runs the verify pipeline there, not the fused decode kernel."""
+    `verify_launches` holds the (op, path) pairs that launch other kernels on a verify step, and `verify_steps` the
+    steps that were verify steps (the executor knows; a record's token count does not tell a verify step from a
+    prefill or mixed one): the stock KDA core runs the verify pipeline there, not the fused decode kernel."""
 
     launches: Mapping[tuple[str, DispatchPath], Mapping[str, int]] = field(default_factory=dict)
     verify_launches: Mapping[tuple[str, DispatchPath], Mapping[str, int]] = field(default_factory=dict)
+    verify_steps: frozenset[int] = frozenset()
 
     @classmethod
     def build(
@@ -119,19 +121,21 @@ class KernelCatalog:
         providers: Iterable[Any],
         stock: Mapping[str, Mapping[str, int]] | None = None,
         stock_verify: Mapping[str, Mapping[str, int]] | None = None,
+        verify_steps: Iterable[int] = (),
     ) -> KernelCatalog:
         """`providers`: objects with `op` and `launches` (backend.KernelProvider); `stock`: op -> kernel launches;
-        `stock_verify`: the same for the ops whose stock launches differ on a verify step."""
+        `stock_verify`: the same for the ops whose stock launches differ on a verify step; `verify_steps`: which
+        steps were verify steps."""
         table: dict[tuple[str, DispatchPath], Mapping[str, int]] = {
             (p.op, "specialized"): p.launches for p in providers
         }
         table.update({(op, "stock"): launches for op, launches in (stock or {}).items()})
         verify = {(op, "stock"): launches for op, launches in (stock_verify or {}).items()}
-        return cls(table, verify)
+        return cls(table, verify, frozenset(verify_steps))
 
-    def launches_of(self, op: str, path: DispatchPath, tokens_per_request: int = 1) -> Mapping[str, int]:
-        """The kernels one dispatch of (op, path) launches on a step of `tokens_per_request` tokens per request."""
-        if tokens_per_request > 1 and (op, path) in self.verify_launches:
+    def launches_of(self, op: str, path: DispatchPath, verify: bool = False) -> Mapping[str, int]:
+        """The kernels one dispatch of (op, path) launches, on a verify step or any other."""
+        if verify and (op, path) in self.verify_launches:
             return self.verify_launches[(op, path)]
         return self.launches.get((op, path), {})
 
@@ -267,14 +271,14 @@ class Ledger:
 
     def expected_launches(self, catalog: KernelCatalog) -> dict[str, list[tuple[str, int]]]:
         """Per kernel, the launches the records claim, split by where they come from (eager, or one graph)."""
-        per_source: Counter[tuple[str, str, DispatchPath, int]] = Counter()
+        per_source: Counter[tuple[str, str, DispatchPath, bool]] = Counter()
         for rec in self._records:
-            per_source[(rec.graph or "", rec.op, rec.path, rec.tokens_per_request)] += 1
+            per_source[(rec.graph or "", rec.op, rec.path, rec.step in catalog.verify_steps)] += 1
         out: dict[str, list[tuple[str, int]]] = defaultdict(list)
-        for (graph, op, path, q), n in sorted(per_source.items()):
+        for (graph, op, path, verify), n in sorted(per_source.items()):
             runs = self._replays.get(graph, 0) if graph else 1
-            what = f"{path} {op}" + (f" verify (q={q})" if q > 1 else "")
-            for kernel, per in catalog.launches_of(op, path, q).items():
+            what = f"{path} {op}" + (" verify" if verify else "")
+            for kernel, per in catalog.launches_of(op, path, verify).items():
                 if graph:
                     source = f"graph {graph}: {runs} replays x {n} {what} dispatches"
                 else:

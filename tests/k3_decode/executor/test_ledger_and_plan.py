@@ -62,14 +62,14 @@ def test_the_stock_calls_of_a_layer_are_the_op_map_in_order() -> None:
 
 def test_the_kernel_catalog_names_the_stock_verify_pipeline_for_verify_steps() -> None:
     catalog = build().kernel_catalog()
-    decode, verify = catalog.launches_of("kda", "stock"), catalog.launches_of("kda", "stock", 4)
+    decode, verify = catalog.launches_of("kda", "stock"), catalog.launches_of("kda", "stock", verify=True)
     assert "kda_decode_kernel" in decode and "kda_decode_kernel" not in verify
     # stock kda_verify's kernels (k3_decode/stock/attention_ops.toml), as ops.toml [verify.kda] maps them
     assert {"verify_conv_kernel", "fused_recurrent_kda_fwd_kernel", "state_scatter_kernel", "gated_norm_kernel"} <= set(
         verify
     )
     # every other op launches the same kernels on a verify step
-    assert catalog.launches_of("attn_res", "stock", 4) == catalog.launches_of("attn_res", "stock")
+    assert catalog.launches_of("attn_res", "stock", verify=True) == catalog.launches_of("attn_res", "stock")
 
 
 def test_a_prefill_step_is_one_ledger_step_with_its_token_count() -> None:
