@@ -17,7 +17,7 @@ from torch import Tensor
 
 from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
-from k3_decode.kernels.counters import device_counter
+from k3_decode.kernels.counters import count, device_counter
 from k3_decode.reference.attn_res import MixWeights
 
 _COUNTERS: dict[int, Tensor] = {}
@@ -115,7 +115,7 @@ def launch_counter(device: torch.device) -> Tensor:
 
 def launch_count() -> int:
     """Launches the device counters have seen in this process, over every device (reads them: synchronizes)."""
-    return sum(int(c.item()) for c in _COUNTERS.values())
+    return count(_COUNTERS)
 
 
 def launch(compiled: Any, tensors: tuple[Tensor | None, ...], save_index: int, eps: float, stream: int) -> None:

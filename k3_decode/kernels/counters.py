@@ -13,11 +13,21 @@ import torch
 from torch import Tensor
 
 
-def device_counter(counters: dict[int, Tensor], device: torch.device) -> Tensor:
-    """The counter of `device` in `counters` (one kernel's table), created at zero on first use. Its address is
-    fixed for the life of the process, so CUDA graphs that captured it keep counting into it."""
+def device_counter(counters: dict[int, Tensor], device: torch.device, size: int = 1) -> Tensor:
+    """The counter of `device` in `counters` (one kernel's table), created at zero on first use; word 0 is the
+    count. Its address is fixed for the life of the process, so CUDA graphs that captured it keep counting into it,
+    unless a traced kernel asks for more words (`size`, phase_trace.py) than it has: it is then made anew, larger,
+    with the count carried over (trace before capturing graphs)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     counter = counters.get(index)
-    if counter is None:
-        counter = counters[index] = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
+    if counter is None or counter.numel() < size:
+        grown = torch.zeros(size, dtype=torch.int32, device=torch.device("cuda", index))
+        if counter is not None:
+            grown[0] = counter[0]
+        counter = counters[index] = grown
     return counter
+
+
+def count(counters: dict[int, Tensor]) -> int:
+    """The launches every device's counter in `counters` has seen (reads them: synchronizes)."""
+    return sum(int(c[0].item()) for c in counters.values())

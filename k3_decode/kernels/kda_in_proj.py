@@ -72,17 +72,28 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 from k3_decode.kernels import cutedsl
 from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan, WeightStream
-from k3_decode.kernels.primitives import VECTOR, WARP, copy8, launch_resident, load8, load8_value, to_f32, warp_sum
+from k3_decode.kernels.phase_trace import words_for
+from k3_decode.kernels.primitives import (
+    VECTOR,
+    WARP,
+    copy8,
+    launch_resident,
+    load8,
+    load8_value,
+    to_f32,
+    trace_stamp,
+    warp_sum,
+)
 
 
-def compile_args(plan: InProjPlan | InProjMmaPlan) -> tuple[Any, ...]:
+def compile_args(plan: InProjPlan | InProjMmaPlan, trace: bool = False) -> tuple[Any, ...]:
     """Fake arguments of one compile of either build: x [B, K], W [R, K], out [B, R], all BF16, row-major, 16-byte
-    aligned, and the Int32 launch counter."""
+    aligned, and the Int32 launch counter (with the phase stamps after it in a traced build: phase_trace.py)."""
     return (
         cutedsl.fake_tensor(BFloat16, (plan.batch, plan.k)),
         cutedsl.fake_tensor(BFloat16, (plan.rows, plan.k)),
         cutedsl.fake_tensor(BFloat16, (plan.batch, plan.rows)),
-        cutedsl.fake_tensor(Int32, (1,)),
+        cutedsl.fake_tensor(Int32, (words_for(plan.ctas, trace),)),
         cutedsl.fake_stream(),
     )
 
@@ -92,8 +103,9 @@ class KdaInProjKernel:
     out [B, R] (BF16, contiguous, 16-byte aligned, on one device), launches [1] Int32 (the device-side execution
     counter: one relaxed atomic add per launch, by thread 0 of CTA 0) and the CUDA stream."""
 
-    def __init__(self, plan: InProjPlan) -> None:
+    def __init__(self, plan: InProjPlan, trace: bool = False) -> None:
         self.plan = plan
+        self.trace = trace  # phase stamps (phase_trace.py)
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, launches: cute.Tensor, stream: Any):
@@ -117,6 +129,7 @@ class KdaInProjKernel:
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         row0 = (cta * (plan.threads // WARP) + warp) * plan.rows_per_warp
+        trace_stamp(self.trace, launches, cta, 0, tidx)
 
         smem = cutlass.utils.SmemAllocator()
         xs = smem.allocate_tensor(
@@ -127,6 +140,7 @@ class KdaInProjKernel:
         # Weights first: they do not depend on the previous kernel, so they stream while it finishes.
         load_group(plan, w, slots, row0, lane, Int32(0))
         cute.arch.griddepcontrol_wait()
+        trace_stamp(self.trace, launches, cta, 1, tidx)
         if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
             cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
 
@@ -141,6 +155,9 @@ class KdaInProjKernel:
             cute.arch.sync_threads()
             load_group(plan, w, slots, row0, lane, Int32(0))
             self._chunk(x, w, out, xs, slots, row0, lane, tidx, Int32(plan.batch - chunks[-1]), chunks[-1], False)
+        if const_expr(self.trace):
+            cute.arch.sync_threads()  # the end stamp after every warp's last store
+            trace_stamp(True, launches, cta, 2, tidx)
 
     @cute.jit
     def _chunk(

@@ -45,15 +45,16 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 
 from k3_decode.kernels.kda_in_proj import compile_args as compile_args  # the same arguments: x, W, out, counter
 from k3_decode.kernels.kda_in_proj_mma_plan import STEP, TILE_N, VECTOR, WARP, InProjMmaPlan, MmaStream
-from k3_decode.kernels.primitives import launch_resident, load8
+from k3_decode.kernels.primitives import launch_resident, load8, trace_stamp
 
 
 class KdaInProjKernelMma:
     """out = x @ W^T on tensor cores for one fixed shape (the plan); the arguments of KdaInProjKernel. The name
     extends KdaInProjKernel's so the provider's kernel name (a substring of the CUDA name) covers both builds."""
 
-    def __init__(self, plan: InProjMmaPlan) -> None:
+    def __init__(self, plan: InProjMmaPlan, trace: bool = False) -> None:
         self.plan = plan
+        self.trace = trace  # phase stamps (phase_trace.py), as in KdaInProjKernel
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, launches: cute.Tensor, stream: Any):
@@ -74,12 +75,14 @@ class KdaInProjKernelMma:
         cta, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lanes = lane_rows(plan, cta * plan.rows_per_cta, warp)
+        trace_stamp(self.trace, launches, cta, 0, tidx)
         smem = cutlass.utils.SmemAllocator()
         partials = allocate_partials(plan, smem)
         slots, xslots = stream_slots(plan)
 
         load_w(plan, w, slots, lanes, Int32(0))  # before the wait: W does not depend on the previous kernel
         cute.arch.griddepcontrol_wait()
+        trace_stamp(self.trace, launches, cta, 1, tidx)
         if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
             cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
 
@@ -90,6 +93,9 @@ class KdaInProjKernelMma:
                 load_w(plan, w, slots, lanes, Int32(0))
             stream_pass(plan, x, w, out, partials, slots, xslots, lanes, warp, start, count, p == 0)
             start += count
+        if const_expr(self.trace):
+            cute.arch.sync_threads()  # the end stamp after every warp's last store
+            trace_stamp(True, launches, cta, 2, tidx)
 
 
 class LaneRows(NamedTuple):

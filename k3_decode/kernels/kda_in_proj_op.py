@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from k3_decode.kernels.counters import device_counter
+from k3_decode.kernels import phase_trace
+from k3_decode.kernels.counters import count, device_counter
 from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 
@@ -42,18 +43,18 @@ def kernel_for_rows(batch: int, weight_rows: int) -> str:
 
 
 @cache
-def _compiled(plan: InProjPlan | InProjMmaPlan) -> Any:
+def _compiled(plan: InProjPlan | InProjMmaPlan, trace: bool = False) -> Any:
     import cutlass.cute as cute
 
     if isinstance(plan, InProjMmaPlan):
         from k3_decode.kernels import kda_in_proj_mma as module
 
-        kernel: Any = module.KdaInProjKernelMma(plan)
+        kernel: Any = module.KdaInProjKernelMma(plan, trace)
     else:
         from k3_decode.kernels import kda_in_proj as module
 
-        kernel = module.KdaInProjKernel(plan)
-    return cute.compile(kernel, *module.compile_args(plan))
+        kernel = module.KdaInProjKernel(plan, trace)
+    return cute.compile(kernel, *module.compile_args(plan, trace))
 
 
 def _check_tensor(name: str, t: Tensor, device: torch.device) -> None:
@@ -88,18 +89,20 @@ def linear(x: Tensor, weight: Tensor, out: Tensor | None = None, kernel: str | N
     elif tuple(out.shape) != (x.shape[0], weight.shape[0]):
         raise ValueError(f"KDA in_proj out {tuple(out.shape)} must be [B, R] = {(x.shape[0], weight.shape[0])}")
     _check_tensor("out", out, x.device)
-    launch(_compiled(plan), x, weight, out, launch_counter(x.device), torch.cuda.current_stream(x.device).cuda_stream)
+    trace = phase_trace.enabled()
+    counter = launch_counter(x.device)[: phase_trace.words_for(plan.ctas, trace)]
+    launch(_compiled(plan, trace), x, weight, out, counter, torch.cuda.current_stream(x.device).cuda_stream)
     return out
 
 
 def launch_counter(device: torch.device) -> Tensor:
     """The device's launch counter: every launch of the kernel on `device` adds one to it, on the device."""
-    return device_counter(_COUNTERS, device)
+    return device_counter(_COUNTERS, device, phase_trace.counter_size())
 
 
 def launch_count() -> int:
     """Launches the device counters have seen in this process, over every device (reads them: synchronizes)."""
-    return sum(int(c.item()) for c in _COUNTERS.values())
+    return count(_COUNTERS)
 
 
 def launch(compiled: Any, x: Tensor, weight: Tensor, out: Tensor, launches: Tensor, stream: int) -> None:

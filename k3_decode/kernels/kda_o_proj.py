@@ -108,11 +108,13 @@ from k3_decode.kernels.attn_res import _load8 as _row_vector
 from k3_decode.kernels.kda_in_proj import load_group, multiply, stage, weight_slots
 from k3_decode.kernels.kda_in_proj_mma import allocate_partials, lane_rows, load_w, stream_pass, stream_slots
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
-from k3_decode.kernels.primitives import launch_resident
+from k3_decode.kernels.phase_trace import words_for
+from k3_decode.kernels.primitives import launch_resident, trace_stamp
 
 
-def compile_args(plan: OProjPlan, capacity: int) -> tuple[Any, ...]:
-    """Fake arguments of one compile: the shapes and dtypes the compiled kernel then accepts, nothing else."""
+def compile_args(plan: OProjPlan, capacity: int, trace: bool = False) -> tuple[Any, ...]:
+    """Fake arguments of one compile: the shapes and dtypes the compiled kernel then accepts, nothing else (a traced
+    build's counter has the phase stamps after the launch count: phase_trace.py)."""
 
     def bf16(*shape: int) -> Any:
         return cutedsl.fake_tensor(BFloat16, shape)
@@ -129,7 +131,7 @@ def compile_args(plan: OProjPlan, capacity: int) -> tuple[Any, ...]:
         bf16(h),  # res_proj
         bf16(h) if plan.kind.out_norm else None,  # out_norm
         cutedsl.fake_tensor(Int32, (1,)),  # arrivals: the grid's arrival word
-        cutedsl.fake_tensor(Int32, (1,)),  # launches: the device-side execution counter
+        cutedsl.fake_tensor(Int32, (words_for(plan.ctas, trace),)),  # launches: the execution counter (and stamps)
         Int32(0),  # save_index
         Float32(1e-5),  # eps
         cutedsl.fake_stream(),
@@ -147,8 +149,9 @@ class KdaOProjKernel:
     launches [1] Int32 (the device-side execution counter), save_index Int32, eps Float32, and the CUDA stream.
     """
 
-    def __init__(self, plan: OProjPlan) -> None:
+    def __init__(self, plan: OProjPlan, trace: bool = False) -> None:
         self.plan = plan
+        self.trace = trace  # phase stamps (phase_trace.py)
         self.attn = AttnResKernel(plan.hidden, plan.kind)  # the epilogue: one AttnRes application per cluster
 
     @cute.jit
@@ -205,6 +208,7 @@ class KdaOProjKernel:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cta = cluster * plan.cluster + rank
         row0 = (cta * plan.warps + warp) * plan.rows_per_warp
+        trace_stamp(self.trace, launches, cta, 0, tidx)
 
         smem = cutlass.utils.SmemAllocator()
         areas = self.attn.allocate_exchange(smem, tidx)
@@ -218,6 +222,7 @@ class KdaOProjKernel:
             slots, xslots = stream_slots(spec)
             load_w(spec, w, slots, lanes, Int32(0))  # weights first, while the previous kernel finishes
             cute.arch.griddepcontrol_wait()
+            trace_stamp(self.trace, launches, cta, 1, tidx)
             if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
                 cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
             stream_pass(spec, o, w, attn_out, partials, slots, xslots, lanes, warp, 0, plan.batch, True)
@@ -231,6 +236,7 @@ class KdaOProjKernel:
             # Weights first: they do not depend on the previous kernel, so they stream while it finishes.
             load_group(plan, w, slots, row0, lane, Int32(0))
             cute.arch.griddepcontrol_wait()
+            trace_stamp(self.trace, launches, cta, 1, tidx)
             if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
                 cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
             stage(plan, o, staged, 0, plan.batch, plan.fill_loads, tidx)
@@ -241,12 +247,17 @@ class KdaOProjKernel:
         # The grid-wide point: this CTA's share of attn_out is stored; it says so on the arrival word.
         cute.arch.cluster_wait()  # the epilogue's barriers are published (the arrive above is long done)
         cute.arch.sync_threads()  # every thread's o_proj stores precede thread 0's release below
+        trace_stamp(self.trace, launches, cta, 2, tidx)
         seen = self._arrive(arrivals, tidx, cta)
+        trace_stamp(self.trace, launches, cta, 3, tidx)
         if cluster < plan.batch:  # the same for every CTA of a cluster: clusters 0..B-1 apply AttnRes to row b
             self._epilogue(
                 attn_out, prefix, blocks, out, res_norm, res_proj, out_norm, arrivals, seen, areas,
-                save_index, eps, tidx, rank, cluster,
+                save_index, eps, tidx, rank, cluster, launches,
             )  # fmt: skip
+            if const_expr(self.trace):
+                cute.arch.sync_threads()  # the end stamp after every thread's AttnRes stores
+                trace_stamp(True, launches, cta, 5, tidx)
 
     @cute.jit
     def _arrive(self, arrivals: cute.Tensor, tidx: Int32, cta: Int32) -> Int32:
@@ -288,6 +299,7 @@ class KdaOProjKernel:
         tidx: Int32,
         rank: Int32,
         row: Int32,
+        launches: cute.Tensor,
     ):
         """The AttnRes after attention of batch row `row`, once every CTA of the grid has stored its o_proj rows."""
         kind, attn = self.plan.kind, self.attn
@@ -297,6 +309,7 @@ class KdaOProjKernel:
         bank = [_row_vector(blocks[row, s, None], vec) for s in range(kind.num_blocks)]
         old = _row_vector(prefix[row, None], vec).to(Float32)  # unused (and not loaded) at a restart
         self._wait_for_grid(arrivals, seen, tidx)
+        trace_stamp(self.trace, launches, rank + row * self.plan.cluster, 4, tidx)  # CTA `rank` of cluster `row`
         delta = self._attention_row(attn_out, row, vec)
         p = delta.to(Float32)
         if const_expr(kind.delta == "add"):

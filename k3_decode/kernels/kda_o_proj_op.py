@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
-from k3_decode.kernels import attn_res_op
-from k3_decode.kernels.counters import device_counter
+from k3_decode.kernels import attn_res_op, phase_trace
+from k3_decode.kernels.counters import count, device_counter
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
 from k3_decode.reference.attn_res import MixWeights
 
@@ -35,12 +35,12 @@ ALIGN = 16  # bytes: every operand is moved in 16-byte vectors
 
 
 @cache
-def _compiled(plan: OProjPlan, capacity: int) -> Any:
+def _compiled(plan: OProjPlan, capacity: int, trace: bool = False) -> Any:
     import cutlass.cute as cute
 
     from k3_decode.kernels.kda_o_proj import KdaOProjKernel, compile_args
 
-    return cute.compile(KdaOProjKernel(plan), *compile_args(plan, capacity))
+    return cute.compile(KdaOProjKernel(plan, trace), *compile_args(plan, capacity, trace))
 
 
 def _check_tensor(name: str, t: Tensor, device: torch.device) -> None:
@@ -88,10 +88,11 @@ def apply(
     _check_tensor("attn_out", attn_out, o.device)
     out = torch.empty_like(buffers.prefix)
     flat = [None if w is None else w.reshape(-1) for w in (weights.res_norm, weights.res_proj, weights.out_norm)]
-    device = o.device
+    device, trace = o.device, phase_trace.enabled()
+    counter = launch_counter(device)[: phase_trace.words_for(plan.ctas, trace)]
     launch(
-        _compiled(plan, buffers.capacity),
-        (o, weight, attn_out, buffers.prefix, buffers.blocks, out, *flat, arrival_word(device), launch_counter(device)),
+        _compiled(plan, buffers.capacity, trace),
+        (o, weight, attn_out, buffers.prefix, buffers.blocks, out, *flat, arrival_word(device), counter),
         -1 if site.save_index is None else site.save_index,
         eps,
         torch.cuda.current_stream(device).cuda_stream,
@@ -108,12 +109,12 @@ def arrival_word(device: torch.device) -> Tensor:
 
 def launch_counter(device: torch.device) -> Tensor:
     """The device's launch counter: every launch of the kernel on `device` adds one to it, on the device."""
-    return device_counter(_COUNTERS, device)
+    return device_counter(_COUNTERS, device, phase_trace.counter_size())
 
 
 def launch_count() -> int:
     """Launches the device counters have seen in this process, over every device (reads them: synchronizes)."""
-    return sum(int(c.item()) for c in _COUNTERS.values())
+    return count(_COUNTERS)
 
 
 def launch(compiled: Any, tensors: tuple[Tensor | None, ...], save_index: int, eps: float, stream: int) -> None:

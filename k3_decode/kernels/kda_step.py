@@ -113,22 +113,24 @@ from k3_decode.kernels.kda_step_plan import (
     KdaStepPlan,
     KdaVerifyPlan,
 )
-from k3_decode.kernels.primitives import VECTOR, launch_resident, warp_sum
+from k3_decode.kernels.phase_trace import words_for
+from k3_decode.kernels.primitives import VECTOR, launch_resident, trace_stamp, warp_sum
 
 TAPS = CONV_WIDTH - 1
 
 
-def compile_args(plan: KdaStepPlan) -> tuple[Any, ...]:
+def compile_args(plan: KdaStepPlan, trace: bool = False) -> tuple[Any, ...]:
     """Fake arguments of one compile. The slot count of the two caches is dynamic (one compile serves any cache);
     everything else is fixed by the plan. The conv weight is passed flat [3P * 4] and the conv state as
-    [slots, 3P * 3], so 8 channels are one contiguous run of 16-byte vectors."""
+    [slots, 3P * 3], so 8 channels are one contiguous run of 16-byte vectors. A traced build's counter holds the
+    phase stamps after the launch count (phase_trace.py)."""
     return (
         cutedsl.fake_tensor(BFloat16, (plan.batch, plan.rows)),  # packed
         *_weight_args(plan),
         *_state_args(plan, TAPS),
         cutedsl.fake_tensor(_index_type(plan.slot_dtype), (plan.batch,)),  # slots
         cutedsl.fake_tensor(BFloat16, (plan.batch, plan.proj)),  # out
-        *_scalar_args(),
+        *_scalar_args(words_for(plan.ctas, trace)),
     )
 
 
@@ -170,9 +172,9 @@ def _state_args(plan: KdaStepPlan, columns: int) -> tuple[Any, ...]:
     )
 
 
-def _scalar_args() -> tuple[Any, ...]:
+def _scalar_args(counter_words: int = 1) -> tuple[Any, ...]:
     return (
-        cutedsl.fake_tensor(Int32, (1,)),  # launches: the device-side execution counter
+        cutedsl.fake_tensor(Int32, (counter_words,)),  # launches: the device-side execution counter (and stamps)
         Float32(-5.0),  # gate lower bound
         Float32(1e-6),  # L2 eps
         Float32(1e-5),  # norm eps
@@ -214,8 +216,9 @@ class KdaStepKernel:
     thread 0 of the grid's first CTA), the gate lower bound, the L2 eps and the norm eps (Float32), the CUDA stream.
     """
 
-    def __init__(self, plan: KdaStepPlan) -> None:
+    def __init__(self, plan: KdaStepPlan, trace: bool = False) -> None:
         self.plan = plan
+        self.trace = trace  # phase stamps in the decode kernel (phase_trace.py); the verify kernel has none
 
     @cute.jit
     def __call__(
@@ -293,6 +296,8 @@ class KdaStepKernel:
         sec = plan.sections
         place = self._place()
         tidx, rank, head, b, lane, warp, first, col, fb_rows, is_qk, is_conv, cl, chan = place
+        on, cta = self.trace, rank + plan.cluster * (head + plan.heads * b)  # cta: the grid's linear CTA index
+        trace_stamp(on, launches, cta, 0, tidx)
 
         smem = cutlass.utils.SmemAllocator()
         bars, state_s, fb_s, cw_s, x_s, taps_s, decay_s, qk_s, v_s = self._allocate(smem, 1, TAPS)
@@ -307,7 +312,9 @@ class KdaStepKernel:
         dt, decay_rate, w_norm = self._head_constants(a_log, dt_bias, o_norm, place)
 
         cute.arch.cluster_wait()  # peers' barriers are initialized before anything is pushed to them
+        trace_stamp(on, launches, cta, 1, tidx)
         cute.arch.griddepcontrol_wait()
+        trace_stamp(on, launches, cta, 2, tidx)
         x = packed[b, None]
         if tidx == 0:
             self._copy_sections(x, x_s, 0, bars, place)
@@ -320,12 +327,14 @@ class KdaStepKernel:
             conv_row = conv_state[row0, None]
             if tidx == 0:  # the state rows, then the taps; both from L2 (prefetched before the wait)
                 self._copy_state(state_s, taps_s, state, row0, conv_row, TAPS, bars, place)
+            trace_stamp(on, launches, cta, 3, tidx)
             beta = _sigmoid(x[sec["beta"] + head].to(Float32))
 
             # The conv: every lane convolves 8 local channels (cl); see _place for which it keeps.
             cute.arch.mbarrier_wait(bars + 2, 0)  # the weights
             cute.arch.mbarrier_wait(bars + 3, 0)  # the packed row's sections
             cute.arch.mbarrier_wait(bars + 4, 0)  # the taps
+            trace_stamp(on, launches, cta, 4, tidx)
             cw = cute.make_rmem_tensor((VECTOR * CONV_WIDTH,), BFloat16)  # 8 channels x 4 taps, channel-major
             for i in cutlass.range_constexpr(CONV_WIDTH):
                 _copy(cw_s, VECTOR, CONV_WIDTH * (cl // VECTOR) + i, _part(cw, VECTOR, i))
@@ -350,6 +359,7 @@ class KdaStepKernel:
             elif is_conv:
                 _store_f32(act, Float32(1.0), v_s, VECTOR * lane)
             cute.arch.sync_threads()  # q, k and v are in shared memory
+            trace_stamp(on, launches, cta, 5, tidx)
             cute.arch.cluster_arrive()  # this CTA's tap reads are complete: peers may rewrite theirs (release)
 
             q = cute.make_rmem_tensor((4,), Float32)
@@ -360,8 +370,10 @@ class KdaStepKernel:
             _copy(qk_s, 4, HEAD_DIM // 4 + lane, k)
             _copy(v_s, 4, warp, v)
             cute.arch.mbarrier_wait(bars, 0)  # every decay of the head has arrived
+            trace_stamp(on, launches, cta, 6, tidx)
             _copy(decay_s, 4, lane, g)
             cute.arch.mbarrier_wait(bars + 5, 0)  # the state rows have arrived
+            trace_stamp(on, launches, cta, 7, tidx)
 
             o = [Float32(0.0)] * ROWS_PER_WARP
             for i in cutlass.range_constexpr(ROWS_PER_WARP):
@@ -372,10 +384,12 @@ class KdaStepKernel:
                 o[i] = warp_sum(_dot(s, q, 4))
 
             # The gated RMSNorm: sum(o^2) over the head's 128 rows, from every (CTA, warp) of the cluster.
+            trace_stamp(on, launches, cta, 8, tidx)
             self._push_norm(o, norm_s, 0, bars, place)
             gate = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
             _copy(x_s, ROWS_PER_WARP, gate_at // ROWS_PER_WARP + warp, gate)
             cute.arch.mbarrier_wait(bars + 1, 0)
+            trace_stamp(on, launches, cta, 9, tidx)
             rstd = _rstd(norm_s[lane], norm_eps)  # plan.slots == 32: one partial per lane
             y = _gated(o, rstd, w_norm, gate)
             if lane == 0:
@@ -396,6 +410,7 @@ class KdaStepKernel:
                     shifted[TAPS * c + 2] = inputs[c]
                 for t in cutlass.range_constexpr(TAPS):
                     _copy(_part(shifted, VECTOR, t), VECTOR, TAPS * (chan // VECTOR) + t, conv_row)
+            trace_stamp(on, launches, cta, 10, tidx)
         else:  # NULL: zero output, no state touched
             y = _null_output(bars)
             if lane == 0:

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from k3_decode.kernels.counters import device_counter
+from k3_decode.kernels import phase_trace
+from k3_decode.kernels.counters import count, device_counter
 from k3_decode.kernels.kda_step_plan import CONV_WIDTH, GATE_RANK, HEAD_DIM, MAX_TOKENS, KdaStepPlan, KdaVerifyPlan
 from k3_decode.reference.kda import KdaCache, KdaSpec
 
@@ -39,12 +40,12 @@ SLOT_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 
 
 @cache
-def _compiled(plan: KdaStepPlan) -> Any:
+def _compiled(plan: KdaStepPlan, trace: bool = False) -> Any:
     import cutlass.cute as cute
 
     from k3_decode.kernels.kda_step import KdaStepKernel, compile_args
 
-    return cute.compile(KdaStepKernel(plan), *compile_args(plan))
+    return cute.compile(KdaStepKernel(plan, trace), *compile_args(plan, trace))
 
 
 @cache
@@ -106,7 +107,9 @@ def decode_step(
     if out is None:
         out = torch.empty(batch, p, dtype=bf16, device=dev)
     _check_tensor("out", out, bf16, (batch, p), dev)
-    _launch(_compiled(plan), spec, weights, packed, cache, (slots, out))
+    trace = phase_trace.enabled()
+    counter = launch_counter(dev)[: phase_trace.words_for(plan.ctas, trace)]
+    _launch(_compiled(plan, trace), spec, weights, packed, cache, (slots, out), counter)
     return out
 
 
@@ -125,10 +128,17 @@ def _check_state(spec: KdaSpec, weights: Any, cache: KdaCache, columns: int, dev
 
 
 def _launch(
-    compiled: Any, spec: KdaSpec, weights: Any, packed: Tensor, cache: KdaCache, tables: tuple[Tensor, ...]
+    compiled: Any,
+    spec: KdaSpec,
+    weights: Any,
+    packed: Tensor,
+    cache: KdaCache,
+    tables: tuple[Tensor, ...],
+    counter: Tensor,
 ) -> None:
     """One launch of a compiled decode or verify step: the operands both take, in their order, with `tables` (the
-    slot table, verify's accepted counts, the output) between the state and the launch counter."""
+    slot table, verify's accepted counts, the output) between the state and the launch counter (its first word, or
+    with a traced decode kernel's stamps after it)."""
     dev = packed.device
     launch(
         compiled,
@@ -142,7 +152,7 @@ def _launch(
             cache.conv.view(cache.conv.shape[0], -1),
             cache.recurrent,
             *tables,
-            launch_counter(dev),
+            counter,
         ),
         (spec.gate_lower_bound, spec.l2_eps, spec.norm_eps),
         torch.cuda.current_stream(dev).cuda_stream,
@@ -195,18 +205,18 @@ def verify_step(
     if out is None:
         out = torch.empty(batch, q, p, dtype=bf16, device=dev)
     _check_tensor("out", out, bf16, (batch, q, p), dev)
-    _launch(_compiled_verify(plan), spec, weights, packed, cache, (slots, num_accepted, out))
+    _launch(_compiled_verify(plan), spec, weights, packed, cache, (slots, num_accepted, out), launch_counter(dev)[:1])
     return out
 
 
 def launch_counter(device: torch.device) -> Tensor:
     """The device's launch counter: every launch of the kernel on `device`, decode or verify, adds one to it."""
-    return device_counter(_COUNTERS, device)
+    return device_counter(_COUNTERS, device, phase_trace.counter_size())
 
 
 def launch_count() -> int:
     """Launches the device counters have seen in this process, over every device (reads them: synchronizes)."""
-    return sum(int(c.item()) for c in _COUNTERS.values())
+    return count(_COUNTERS)
 
 
 def launch(compiled: Any, tensors: tuple[Tensor, ...], scalars: tuple[float, float, float], stream: int) -> None:

@@ -1,5 +1,6 @@
 """CuTe DSL building blocks that several kernels of this package share: 16-byte vector moves, BF16 to FP32
-conversion, the butterfly sum over lanes, and the launch of a kernel whose CTAs must all be resident.
+conversion, the butterfly sum over lanes, the launch of a kernel whose CTAs must all be resident, and the
+phase-trace stamp (phase_trace.py).
 
 Every function here is traced inline into the kernel that calls it (a `cute.jit` function called while a kernel
 is being traced adds its operations where it is called), so moving code here leaves the compiled kernels as they
@@ -12,7 +13,11 @@ from typing import Any
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
+
+from k3_decode.kernels.phase_trace import CLOCK_BASE as TRACE_CLOCK_BASE
+from k3_decode.kernels.phase_trace import SM_WORD as TRACE_SM_WORD
+from k3_decode.kernels.phase_trace import WORDS as TRACE_WORDS
 
 VECTOR = 8  # BF16 elements in one 16-byte access
 WARP = 32
@@ -83,3 +88,19 @@ def launch_resident(
         stream=stream,
         use_pdl=True,
     )
+
+
+@cute.jit
+def trace_stamp(
+    on: cutlass.Constexpr[bool], counter: cute.Tensor, cta: Int32, phase: cutlass.Constexpr[int], tidx: Int32
+):
+    """Thread 0 stamps phase `phase` of CTA `cta` into a traced kernel's counter (layout: phase_trace.py): the
+    global nanosecond timer's low word and the SM's cycle counter; at phase 0 also the SM's id. Emits nothing in
+    an untraced build (`on` is a compile-time flag)."""
+    if const_expr(on):  # noqa: SIM102 -- a compile-time branch cannot share a condition with a run-time one
+        if tidx == 0:
+            base = 1 + cta * TRACE_WORDS
+            counter[base + phase] = cute.arch.globaltimer_lo()
+            counter[base + TRACE_CLOCK_BASE + phase] = cute.arch.clock()
+            if const_expr(phase == 0):
+                counter[base + TRACE_SM_WORD] = cute.arch.smid()
