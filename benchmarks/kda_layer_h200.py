@@ -75,6 +75,7 @@ from k3_decode.executor.attribution import (  # noqa: E402
 )
 from k3_decode.executor.inputs import entry_blocks  # noqa: E402
 from k3_decode.executor.roofline import StepShape, layer_bytes, roofline_seconds  # noqa: E402
+from k3_decode.kernels import kda_in_proj_op, kda_o_proj_op, kda_step_op, phase_trace  # noqa: E402
 from k3_decode.kernels.providers import PROVIDERS, ProviderBindError, not_built_reason  # noqa: E402
 from k3_decode.runtime.errors import StartupError  # noqa: E402
 from k3_decode.runtime.ledger import Expectation  # noqa: E402
@@ -576,6 +577,23 @@ def profiled_replays(
     return out, f"even split of {replays} back-to-back replays without L2 flush (graph-launch grouping failed)"
 
 
+TRACED = (("kda_in_proj", kda_in_proj_op), ("kda_step", kda_step_op), ("kda_o_proj", kda_o_proj_op))  # launch order
+
+
+def traced_replay(ex: StackExecutor, name: str, flush: L2Flush) -> dict[str, Any]:
+    """One replay of graph `name` after an L2 flush with the traced kernels' stamps cleared first, summarized per
+    kernel and phase (phase_trace.summarize). Only meaningful with phase_trace enabled before the executor
+    started; the graph's kernels then write their stamps into the counters it captured."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    counters = {kernel: op.launch_counter(device) for kernel, op in TRACED}
+    for c in counters.values():
+        c[1:].zero_()
+    ex.replay(name, 1, lambda _: flush())
+    torch.cuda.synchronize()
+    traces = {kernel: phase_trace.decode(c.tolist(), kernel) for kernel, c in counters.items()}
+    return phase_trace.summarize({k: t for k, t in traces.items() if t})
+
+
 def _agreement(stock: Any, special: Any, layer: int, ids: Sequence[int]) -> dict[str, Any]:
     """Relative RMS differences of the specialized step's outputs against the stock step's (same inputs, state)."""
     want = {t.layer: t for t in stock.trace}[layer]
@@ -652,6 +670,7 @@ def run_tp(
             graphs = [(ex, names[p]) for p, ex in arms]
             samples = dict(zip([p for p, _ in arms], time_interleaved(graphs, args.reps, flush), strict=True))
             events, source = profiled_replays(graphs, args.profile_replays, flush)
+            phases = traced_replay(special, names["specialized"], flush) if args.trace and special else None
             paths, slots = {}, {}
             for p, ex in arms:
                 paths[p] = {r.op: r.path for r in ex.ledger.records() if r.graph == names[p] and r.layer == layer}
@@ -685,6 +704,8 @@ def run_tp(
                     for r in special.ledger.records()
                     if r.graph == names["specialized"] and r.layer == layer and r.path == "stock"
                 }
+            if phases is not None:
+                cell["phase_trace"] = phases
             cell["cell_s"] = time.perf_counter() - t_cell
             run["cells"].append(cell)
             att = cell["attention"]
@@ -772,6 +793,23 @@ def timeline_lines(cells: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
+def phase_lines(cells: Sequence[Mapping[str, Any]], traced: bool) -> list[str]:
+    """The phase traces of the cells that have one (a `--trace` run), kernel by kernel and phase by phase."""
+    traced_cells = [c for c in cells if c.get("phase_trace")]
+    if not traced_cells:
+        return []
+    out = [
+        "",
+        "Phase traces of the specialized path, one replay per cell after an L2 flush: us since the first traced "
+        "CTA's start (the projection's), median (min-max) over the CTAs that stamped the phase"
+        + (" (a traced build: its timings above are diagnostic, not the benchmark's figures)" if traced else ""),
+        "",
+    ]
+    for c in traced_cells:
+        out += ["```", f"TP{c['tp']} B{c['batch']}", *phase_trace.lines(c["phase_trace"]), "```"]
+    return out
+
+
 def markdown(results: Mapping[str, Any]) -> str:
     """The tables of docs/kda-layer-h200.md, from a results file (every number there traces to the JSON)."""
     bw = results["copy_bandwidth"]["bandwidth_bytes_per_s"]
@@ -856,6 +894,7 @@ def markdown(results: Mapping[str, Any]) -> str:
             joined = [f"{k}: {v['launches']:g}, {v['time_us']:.1f}" for k, v in by.items() if k not in ATTENTION_OPS]
             out.append(f"| {c['tp']} | {c['batch']} | {p} | " + " | ".join(cols) + f" | {'; '.join(joined) or '-'} |")
     out += timeline_lines(cells)
+    out += phase_lines(cells, traced=bool(results.get("traced")))
     out += [
         "",
         "MoE part of the same layer (stock on both paths; not part of the attention side)",
@@ -895,6 +934,13 @@ def parser() -> argparse.ArgumentParser:
         help="how the L2 is flushed before each replay: read a large buffer (clean lines, as in decode) or write it",
     )
     ap.add_argument("--profile-replays", type=int, default=PROFILED_REPLAYS, help="profiled replays per path")
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="build the projection, the KDA step and o_proj with phase stamps (k3_decode/kernels/phase_trace.py) and "
+        "record where each CTA's time goes in one replay per cell; the stamps perturb the timings a little, so write "
+        "a separate results file",
+    )
     return ap
 
 
@@ -914,6 +960,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kda_layer_h200.py: no CUDA device here; run it on the GPU machine (an H200)", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
+    phase_trace.enable(args.trace)  # before any executor compiles or captures a kernel
     device = torch.device("cuda")
     out = Path(args.out)
     started = time.perf_counter()
@@ -934,6 +981,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "agreement: one eager step of the same inputs from the same state on both paths; rel. RMS difference "
             "(recorded, not asserted)",
         ],
+        "traced": args.trace,
         "targets": {
             "text": TARGETS_TEXT,
             "roofline": [{"tp": t, "batches": [lo, hi], "fraction": f} for t, lo, hi, f in ROOFLINE_TARGETS],

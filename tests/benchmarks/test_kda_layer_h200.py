@@ -580,3 +580,20 @@ def test_main_prints_the_table_of_a_results_file(tmp_path, capsys) -> None:
     path.write_text(json.dumps(_results()))
     assert bench.main(["--table", str(path)]) == 0
     assert capsys.readouterr().out == bench.markdown(_results())
+
+
+def test_a_traced_run_prints_its_phases_and_says_its_timings_are_diagnostic() -> None:
+    from k3_decode.kernels.phase_trace import CtaTrace, summarize
+
+    untraced = bench.markdown(_results())
+    assert "Phase traces" not in untraced
+    traced = _results()
+    traced["traced"] = True
+    proj = [CtaTrace(c, c, (1_000 + 10 * c, 2_000, 20_000 + 100 * c), (0, 0, 0)) for c in range(3)]
+    traced["runs"][0]["cells"][0]["phase_trace"] = summarize({"kda_in_proj": proj})
+    md = bench.markdown(json.loads(json.dumps(traced)))
+    assert md.startswith(untraced[: untraced.index("\nMoE part")])  # the tables before it are unchanged
+    assert "(a traced build: its timings above are diagnostic, not the benchmark's figures)" in md
+    block = md[md.index("TP8 B1\n") :]
+    assert "kda_in_proj (3 CTAs on 3 SMs):" in block
+    assert "19.10 (19.00-19.20)  end (after a CTA barrier: every store issued) [3 CTAs]" in block
