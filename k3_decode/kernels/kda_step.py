@@ -24,7 +24,10 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   R = 128 / C, four per warp, one 16-byte vector of every row per lane. The delta rule is independent per value
   row (u_v = beta (v_v - S_v . k), S_v += u_v k, o_v = S_v . q), so nothing but the output norm crosses CTAs. One
   CTA per head would leave 120 of 132 SMs idle at TP8 B1 and stream 64 KB through one SM; C = 8 puts 96 CTAs of 8
-  KB each on 96 SMs. The plan picks the smallest C whose grid still covers every SM (C = 2 from TP8 B8): the
+  KB each on 96 SMs, provided the launch spreads them: left alone, the clusters take the first SMs the projection
+  frees, eight CTAs to an SM (the phase trace at 2a17303: 96 CTAs on 26 SMs), so the launch asks for enough
+  shared memory that no more CTAs than the grid needs share an SM (KdaStepPlan.spread). The plan picks the smallest
+  C whose grid still covers every SM (C = 2 from TP8 B8): the
   state work is 32 warps per head whatever C is, and a smaller C repeats less per-CTA work (below).
 - Every CTA needs the head's whole q and k (for their L2 norms and the dot products) and the decay of all 128 key
   channels. The conv of q and k is cheap (256 channels, one warp, 8 channels per lane), so every CTA recomputes it
@@ -261,7 +264,8 @@ class KdaStepKernel:
 
     def _launch(self, kernel: Any, stream: Any) -> None:
         """The decode or the verify kernel on a cluster per (request, head), at 1024 threads per SM (ptxas caps
-        registers at 64 to fit them): 8 CTAs of 128 threads or 2 of 512."""
+        registers at 64 to fit them): 8 CTAs of 128 threads or 2 of 512; a decode grid smaller than that is spread
+        over the SMs by its shared-memory request (KdaStepPlan.launch_smem_bytes)."""
         plan = self.plan
         launch_resident(
             kernel,
@@ -269,7 +273,7 @@ class KdaStepKernel:
             threads=plan.threads,
             cluster=[plan.cluster, 1, 1],
             ctas_per_sm=plan.ctas_per_sm,
-            smem=plan.smem_bytes,
+            smem=plan.launch_smem_bytes,  # padded to spread a small grid over the SMs (KdaStepPlan.spread)
             stream=stream,
         )
 

@@ -45,8 +45,11 @@ class KdaStepPlan:
     batch: int
     cluster: int
     slot_dtype: SlotDtype = "int32"
+    sm_count: int = H200_SMS  # the SMs the grid is spread over (launch_smem_bytes)
 
     def __post_init__(self) -> None:
+        if self.sm_count < 1:
+            raise ValueError(f"sm_count must be at least 1, got {self.sm_count}")
         if self.heads < 1:
             raise ValueError(f"the KDA step needs at least one head, got {self.heads}")
         if self.batch < 1:
@@ -75,7 +78,7 @@ class KdaStepPlan:
         """
         pairs = heads * batch
         filling = [c for c in sorted(CLUSTERS) if pairs * c >= sm_count]
-        return cls(heads, rows, batch, filling[0] if filling else max(CLUSTERS), slot_dtype)
+        return cls(heads, rows, batch, filling[0] if filling else max(CLUSTERS), slot_dtype, sm_count)
 
     # --- the packed row ---------------------------------------------------------------------------------------
 
@@ -122,6 +125,25 @@ class KdaStepPlan:
     @property
     def ctas(self) -> int:
         return self.cluster * self.heads * self.batch
+
+    @property
+    def spread(self) -> int:
+        """The most CTAs of this grid one SM should hold: as few as the grid allows (ceil(CTAs / SMs)), at most
+        ctas_per_sm. Why it is enforced at all: the step launches as the projection's CTAs retire, and the first
+        SMs freed would otherwise take whole clusters (the phase trace at 2a17303: at TP8 B1 the 96 CTAs ran on
+        26 SMs, at TP16 B1 48 on 8), eight latency-bound CTAs sharing one SM's issue slots and load pipe."""
+        return min(self.ctas_per_sm, -(-self.ctas // self.sm_count))
+
+    @property
+    def launch_smem_bytes(self) -> int:
+        """The dynamic shared memory the launch asks for: smem_bytes, padded where `spread` is below ctas_per_sm so
+        that no more than `spread` CTAs fit on an SM (the only residency limit a launch can set; registers are
+        capped for ctas_per_sm). The padding leaves an SM's other shared memory to the kernels beside the step
+        (o_proj's CTAs, which start during it)."""
+        if self.spread >= self.ctas_per_sm:
+            return self.smem_bytes
+        share = SMEM_PER_SM // (self.spread + 1) + 1 - SMEM_PER_CTA_RESERVED  # one more CTA would not fit
+        return max(self.smem_bytes, -(-share // 128) * 128)
 
     @property
     def slots(self) -> int:
@@ -224,7 +246,7 @@ class KdaVerifyPlan(KdaStepPlan):
     ) -> KdaVerifyPlan:
         """The decode plan's cluster for `batch` requests (KdaStepPlan.for_shape: every SM gets a CTA, else 8)."""
         step = KdaStepPlan.for_shape(heads, rows, batch, sm_count, slot_dtype)
-        return cls(heads, rows, batch, step.cluster, slot_dtype, tokens=tokens, accepted_dtype=accepted_dtype)
+        return cls(heads, rows, batch, step.cluster, slot_dtype, sm_count, tokens=tokens, accepted_dtype=accepted_dtype)
 
     @property
     def columns(self) -> int:
@@ -264,6 +286,11 @@ class KdaVerifyPlan(KdaStepPlan):
         parts = [6 * 8, self.state_bytes, self.weight_bytes, self.packed_bytes, self.tap_bytes]
         parts += [self.decay_bytes, q * 2 * HEAD_DIM * 4, q * r * 4, q * r * 4, self.norm_bytes, q * 4, q * 4]
         return sum(-(-n // 128) * 128 for n in parts)
+
+    @property
+    def launch_smem_bytes(self) -> int:
+        """The verify kernel asks for its own shared memory only: its launch is not spread (not yet measured)."""
+        return self.smem_bytes
 
     @property
     def resident_ctas(self) -> int:

@@ -13,8 +13,18 @@ import pytest
 
 from harness.kernels_cmd import cubin_resources, parse_expectations, select_builds
 from k3_decode.config import K3
+from k3_decode.kernels.attn_res_plan import AttnResKind
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds, KdaStepBuild
-from k3_decode.kernels.kda_step_plan import CLUSTERS, CONV_WIDTH, GATE_RANK, HEAD_DIM, RESIDENT_THREADS, KdaStepPlan
+from k3_decode.kernels.kda_o_proj_plan import OProjPlan
+from k3_decode.kernels.kda_step_plan import (
+    CLUSTERS,
+    CONV_WIDTH,
+    GATE_RANK,
+    HEAD_DIM,
+    RESIDENT_THREADS,
+    KdaStepPlan,
+    KdaVerifyPlan,
+)
 from k3_decode.reference.kda import KdaSpec
 from tests.k3_decode.kernels.helpers import assert_launch_reaches_the_driver, build_command, needs_cutedsl
 
@@ -91,6 +101,32 @@ def test_the_plan_refuses_what_the_kernel_cannot_take():
         KdaStepPlan(12, 6290, 1, 8)
     with pytest.raises(ValueError, match="int32 or int64"):
         KdaStepPlan(12, 6288, 1, 8, "int16")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 16, 64])
+def test_a_small_grid_is_spread_over_the_sms_and_leaves_room_for_o_proj(tp, batch):
+    """On the H200 the step's clusters took the first SMs the projection freed, eight CTAs to an SM (TP8 B1: 96
+    CTAs on 26 SMs). The launch's shared-memory request must let exactly `spread` CTAs share an SM (not one more),
+    where spread is as few as the grid allows, and still leave o_proj's four CTAs room beside one of them."""
+    shard = K3.shard(tp)
+    plan = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, 132)
+    assert plan.spread == min(plan.ctas_per_sm, -(-plan.ctas // 132))
+    fits = min(plan.ctas_per_sm, SMEM_PER_SM // (plan.launch_smem_bytes + (1024 + STATIC_SMEM)))
+    assert fits == plan.spread  # never more per SM than the spread, and the spread itself fits
+    assert plan.ctas <= fits * 132 or plan.spread == plan.ctas_per_sm  # the grid still fits in one wave
+    assert plan.launch_smem_bytes >= plan.smem_bytes and plan.launch_smem_bytes % 128 == 0
+    if (tp, batch) in ((8, 1), (16, 1), (16, 2)):
+        assert plan.spread == 1 and plan.ctas <= 132  # one CTA per SM, on as many SMs as there are CTAs
+    if plan.cluster == 2:  # 512-thread CTAs, two per SM already: nothing to pad
+        assert plan.launch_smem_bytes == plan.smem_bytes
+    o_proj = OProjPlan.for_shape(*shard.kda_o_proj, min(batch, 16), AttnResKind.from_tag("n8-add-norm"), 132)
+    o_proj_smem = o_proj.stage_bytes + 2 * 8 + (o_proj.attn.slots * 20 + o_proj.attn.slots) * 4 + 64
+    beside = plan.launch_smem_bytes + (1024 + STATIC_SMEM) + o_proj.ctas_per_sm * (o_proj_smem + 1024)
+    if plan.launch_smem_bytes > plan.smem_bytes:  # what the padding takes must not push o_proj off the SM
+        assert beside <= SMEM_PER_SM, (plan.launch_smem_bytes, o_proj_smem)
+    verify = KdaVerifyPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, 132, tokens=4)
+    assert verify.sm_count == 132 and verify.launch_smem_bytes == verify.smem_bytes  # verify: not spread
 
 
 @pytest.mark.parametrize("tp, cluster", [(8, 8), (8, 2), (16, 4)])
