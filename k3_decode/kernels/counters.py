@@ -28,6 +28,13 @@ def device_counter(counters: dict[int, Tensor], device: torch.device, size: int 
     return counter
 
 
+def leading(counter: Tensor, words: int) -> Tensor:
+    """The first `words` words of `counter`, what a launch compiled for that length takes: the counter itself
+    when it has exactly that many (every untraced launch in a process that never traced), so the common path makes
+    no tensor view per launch."""
+    return counter if counter.numel() == words else counter[:words]
+
+
 def count(counters: dict[int, Tensor]) -> int:
     """The launches every device's counter in `counters` has seen (reads them: synchronizes)."""
     return sum(int(c[0].item()) for c in counters.values())

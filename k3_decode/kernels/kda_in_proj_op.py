@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from k3_decode.kernels import phase_trace
-from k3_decode.kernels.counters import count, device_counter
+from k3_decode.kernels.counters import count, device_counter, leading
 from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 
@@ -90,7 +90,7 @@ def linear(x: Tensor, weight: Tensor, out: Tensor | None = None, kernel: str | N
         raise ValueError(f"KDA in_proj out {tuple(out.shape)} must be [B, R] = {(x.shape[0], weight.shape[0])}")
     _check_tensor("out", out, x.device)
     trace = phase_trace.enabled()
-    counter = launch_counter(x.device)[: phase_trace.words_for(plan.ctas, trace)]
+    counter = leading(launch_counter(x.device), phase_trace.words_for(plan.ctas, trace))
     launch(_compiled(plan, trace), x, weight, out, counter, torch.cuda.current_stream(x.device).cuda_stream)
     return out
 

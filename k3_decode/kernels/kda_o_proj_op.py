@@ -24,7 +24,7 @@ from torch import Tensor
 
 from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
 from k3_decode.kernels import attn_res_op, phase_trace
-from k3_decode.kernels.counters import count, device_counter
+from k3_decode.kernels.counters import count, device_counter, leading
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
 from k3_decode.reference.attn_res import MixWeights
 
@@ -89,7 +89,7 @@ def apply(
     out = torch.empty_like(buffers.prefix)
     flat = [None if w is None else w.reshape(-1) for w in (weights.res_norm, weights.res_proj, weights.out_norm)]
     device, trace = o.device, phase_trace.enabled()
-    counter = launch_counter(device)[: phase_trace.words_for(plan.ctas, trace)]
+    counter = leading(launch_counter(device), phase_trace.words_for(plan.ctas, trace))
     launch(
         _compiled(plan, buffers.capacity, trace),
         (o, weight, attn_out, buffers.prefix, buffers.blocks, out, *flat, arrival_word(device), counter),

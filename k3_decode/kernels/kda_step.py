@@ -27,8 +27,8 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   KB each on 96 SMs, provided the launch spreads them: left alone, the clusters take the first SMs the projection
   frees, eight CTAs to an SM (the phase trace at 2a17303: 96 CTAs on 26 SMs), so the launch asks for enough
   shared memory that no more CTAs than the grid needs share an SM (KdaStepPlan.spread). The plan picks the smallest
-  C whose grid still covers every SM (C = 2 from TP8 B8): the
-  state work is 32 warps per head whatever C is, and a smaller C repeats less per-CTA work (below).
+  C whose grid still covers every SM (C = 2 from TP8 B8): the state work is 32 warps per head whatever C is, and a
+  smaller C repeats less per-CTA work (below).
 - Every CTA needs the head's whole q and k (for their L2 norms and the dot products) and the decay of all 128 key
   channels. The conv of q and k is cheap (256 channels, one warp, 8 channels per lane), so every CTA recomputes it
   from the same inputs with the same code: the norms are bit-identical in all CTAs without an exchange. f_b is not:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from k3_decode.kernels import phase_trace
-from k3_decode.kernels.counters import count, device_counter
+from k3_decode.kernels.counters import count, device_counter, leading
 from k3_decode.kernels.kda_step_plan import CONV_WIDTH, GATE_RANK, HEAD_DIM, MAX_TOKENS, KdaStepPlan, KdaVerifyPlan
 from k3_decode.reference.kda import KdaCache, KdaSpec
 
@@ -108,7 +108,7 @@ def decode_step(
         out = torch.empty(batch, p, dtype=bf16, device=dev)
     _check_tensor("out", out, bf16, (batch, p), dev)
     trace = phase_trace.enabled()
-    counter = launch_counter(dev)[: phase_trace.words_for(plan.ctas, trace)]
+    counter = leading(launch_counter(dev), phase_trace.words_for(plan.ctas, trace))
     _launch(_compiled(plan, trace), spec, weights, packed, cache, (slots, out), counter)
     return out
 
@@ -205,7 +205,8 @@ def verify_step(
     if out is None:
         out = torch.empty(batch, q, p, dtype=bf16, device=dev)
     _check_tensor("out", out, bf16, (batch, q, p), dev)
-    _launch(_compiled_verify(plan), spec, weights, packed, cache, (slots, num_accepted, out), launch_counter(dev)[:1])
+    counter = leading(launch_counter(dev), 1)  # the verify kernel is never traced
+    _launch(_compiled_verify(plan), spec, weights, packed, cache, (slots, num_accepted, out), counter)
     return out
 
 

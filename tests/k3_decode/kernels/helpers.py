@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from k3_decode.kernels.kda_o_proj_plan import OProjPlan
+
 REPO = Path(__file__).resolve().parents[3]
 BUILDS = "k3_decode.kernels.builds:K3_KERNEL_BUILDS"
 HAS_CUTEDSL = importlib.util.find_spec("cutlass") is not None
@@ -41,3 +43,10 @@ def build_command(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.C
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200
     )
+
+
+def o_proj_cta_smem(plan: OProjPlan) -> int:
+    """The shared memory of one fused o_proj CTA on the CUDA-core stream, the driver's 1 KiB included: staged o,
+    the AttnRes exchange's two barriers and areas, alignment."""
+    exchange = 2 * 8 + (plan.attn.slots * 20 + plan.attn.slots) * 4 + 64
+    return plan.stage_bytes + exchange + 1024

@@ -19,7 +19,13 @@ from k3_decode.config import K3
 from k3_decode.kernels.attn_res_plan import AttnResKind, site_kinds
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds, KdaOProjBuild
 from k3_decode.kernels.kda_o_proj_plan import ARRIVAL_TOP, MAX_BATCH, STEP, OProjPlan
-from tests.k3_decode.kernels.helpers import REPO, assert_launch_reaches_the_driver, build_command, needs_cutedsl
+from tests.k3_decode.kernels.helpers import (
+    REPO,
+    assert_launch_reaches_the_driver,
+    build_command,
+    needs_cutedsl,
+    o_proj_cta_smem,
+)
 
 SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory; the driver reserves 1 KiB per CTA
 H200_SMS = 132
@@ -51,8 +57,7 @@ def test_k3_shapes_are_whole_clusters_resident_in_one_wave(tp, batch):
     assert plan.steps * STEP == k and plan.depth * plan.groups == plan.steps
     assert plan.depth * plan.rows_per_warp >= 12  # the loads in flight the stream's bandwidth needs
     assert (plan.depth, plan.groups) == ((3, 2) if tp == 8 else (3, 1))
-    exchange = 2 * 8 + (plan.attn.slots * 20 + plan.attn.slots) * 4 + 64  # barriers, the two areas, alignment
-    assert plan.ctas_per_sm * (plan.stage_bytes + exchange + 1024) <= SMEM_PER_SM
+    assert plan.ctas_per_sm * o_proj_cta_smem(plan) <= SMEM_PER_SM
 
 
 def test_plan_refuses_what_the_kernel_cannot_take():

@@ -26,7 +26,12 @@ from k3_decode.kernels.kda_step_plan import (
     KdaVerifyPlan,
 )
 from k3_decode.reference.kda import KdaSpec
-from tests.k3_decode.kernels.helpers import assert_launch_reaches_the_driver, build_command, needs_cutedsl
+from tests.k3_decode.kernels.helpers import (
+    assert_launch_reaches_the_driver,
+    build_command,
+    needs_cutedsl,
+    o_proj_cta_smem,
+)
 
 SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory; the driver reserves 1 KiB per CTA
 STATIC_SMEM = 1024  # the static shared memory every build's cubin records beside the plan's dynamic bytes
@@ -121,10 +126,9 @@ def test_a_small_grid_is_spread_over_the_sms_and_leaves_room_for_o_proj(tp, batc
     if plan.cluster == 2:  # 512-thread CTAs, two per SM already: nothing to pad
         assert plan.launch_smem_bytes == plan.smem_bytes
     o_proj = OProjPlan.for_shape(*shard.kda_o_proj, min(batch, 16), AttnResKind.from_tag("n8-add-norm"), 132)
-    o_proj_smem = o_proj.stage_bytes + 2 * 8 + (o_proj.attn.slots * 20 + o_proj.attn.slots) * 4 + 64
-    beside = plan.launch_smem_bytes + (1024 + STATIC_SMEM) + o_proj.ctas_per_sm * (o_proj_smem + 1024)
+    beside = plan.launch_smem_bytes + (1024 + STATIC_SMEM) + o_proj.ctas_per_sm * o_proj_cta_smem(o_proj)
     if plan.launch_smem_bytes > plan.smem_bytes:  # what the padding takes must not push o_proj off the SM
-        assert beside <= SMEM_PER_SM, (plan.launch_smem_bytes, o_proj_smem)
+        assert beside <= SMEM_PER_SM, (plan.launch_smem_bytes, o_proj_cta_smem(o_proj))
     verify = KdaVerifyPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, 132, tokens=4)
     assert verify.sm_count == 132 and verify.launch_smem_bytes == verify.smem_bytes  # verify: not spread
 
