@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import tempfile
 from functools import cache
 
 import pytest
@@ -31,6 +33,7 @@ from harness.numerics.compare import ToleranceTable, compare
 from k3_decode.config import K3
 from k3_decode.kernels import kda_step_op
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaStepBuild
+from k3_decode.kernels.kda_step_plan import KdaStepPlan
 from k3_decode.kernels.providers import not_built_reason
 from k3_decode.reference import kda as rk
 from k3_decode.stock import kda as sk
@@ -270,6 +273,63 @@ def test_graph_replay_equals_the_eager_step_and_the_counter_counts_every_launch(
         assert torch.equal(step.cache.recurrent, eager_state) and torch.equal(step.cache.conv, eager_conv)
     assert kda_step_op.launch_count() == counted + 2, "the device counter missed a launch inside a graph replay"
     print(f"METRIC KDA step graph TP8 B2: replays bit-equal to eager; device counter {before} -> {counted + 2}")
+
+
+SPREAD = [b for b in BUILDS if b.plan.spread < b.plan.ctas_per_sm]  # the launches padded to spread their CTAs
+
+
+def decode_cubin(plan: KdaStepPlan) -> tuple[bytes, str]:
+    """The decode kernel's cubin for `plan` and its entry's name, compiled as the op compiles it (no SASS: the GPU
+    machine has no nvdisasm)."""
+    import cutlass.cute as cute
+
+    from k3_decode.kernels.kda_step import KdaStepKernel, compile_args
+
+    with tempfile.TemporaryDirectory(prefix="k3-step-") as tmp:
+        options = f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir {tmp}"
+        compiled = cute.compile(KdaStepKernel(plan), *compile_args(plan), options=options)
+        ptx, cubin = compiled.__ptx__, compiled.__cubin__
+    entry = re.search(r"\.entry\s+(\w+)\s*\(", ptx)
+    assert isinstance(cubin, bytes) and entry, "CuTe DSL returned no cubin or no kernel entry"
+    return cubin, entry.group(1)
+
+
+def _driver(result: tuple) -> object:
+    """The value of a cuda.bindings driver call, or a failure naming its error code."""
+    import cuda.bindings.driver as cuda
+
+    err, *value = result
+    assert err == cuda.CUresult.CUDA_SUCCESS, f"CUDA driver call failed: {err}"
+    return value[0] if value else None
+
+
+@pytest.mark.parametrize("build", SPREAD, ids=[b.name for b in SPREAD])
+def test_the_driver_fits_exactly_spread_ctas_of_the_decode_launch_on_an_sm(build: KdaStepBuild):
+    """The launch's shared-memory request (KdaStepPlan.launch_smem_bytes) is what spreads a small grid over the
+    SMs, and only the driver knows what it charges a CTA beside it: at aa5aabc the plan assumed 2 KiB, and two
+    CTAs shared an SM where one was meant to (TP8 B1: 96 CTAs on 54 SMs in the phase trace). The occupancy
+    calculator, given the compiled cubin, must fit `spread` CTAs with the padded request and ctas_per_sm without
+    it (the padding, not the registers, is what limits)."""
+    import cuda.bindings.driver as cuda
+
+    plan = build.plan
+    cubin, entry = decode_cubin(plan)
+    torch.zeros(1, device=DEV)  # the primary context, current on this thread
+    module = _driver(cuda.cuModuleLoadData(cubin))
+    try:
+        fn = _driver(cuda.cuModuleGetFunction(module, entry.encode()))
+        attr = cuda.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _driver(cuda.cuFuncSetAttribute(fn, attr, plan.launch_smem_bytes))
+        padded = _driver(cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, plan.threads, plan.launch_smem_bytes))
+        unpadded = _driver(cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, plan.threads, plan.smem_bytes))
+    finally:
+        _driver(cuda.cuModuleUnload(module))
+    print(
+        f"METRIC KDA step {build.name}: {padded} CTAs per SM at {plan.launch_smem_bytes} B of shared memory "
+        f"(spread {plan.spread}), {unpadded} at {plan.smem_bytes} B"
+    )
+    assert padded == plan.spread, f"{padded} CTAs fit an SM at the padded request, not {plan.spread}"
+    assert unpadded == plan.ctas_per_sm, f"{unpadded} CTAs fit unpadded, not ctas_per_sm = {plan.ctas_per_sm}"
 
 
 # --- timing (measured and printed; speed targets belong in benchmarks) ----------------------------------------------
