@@ -96,3 +96,7 @@ class Implementation:
     # A partial implementation serves only the ops in `ops` (the specialized path replaces some ops, the stock path
     # keeps the rest): it runs every cell of those ops and no other. A complete one must serve every cell's op.
     partial: bool = False
+    # A partial implementation may also decline cells of its ops that its code cannot take (a kernel's row limit),
+    # naming why: the records list each declined cell with its reason, and it is never counted as tested. A
+    # complete implementation that declines a cell fails it, as one missing the op does.
+    declines: Callable[[Case], str | None] | None = None

@@ -92,12 +92,18 @@ def _figures(bundle_dir: Path, rec: dict[str, Any]) -> list[FigureView]:
 
 
 def _not_run_items(metrics: dict[str, Any]) -> list[dict[str, str]]:
+    """What exists but did not run: whole implementations (`not_run`) and the cells a partial implementation
+    declined (`declined`), each with its reason."""
     items = metrics.get("not_run", [])
-    if not isinstance(items, list):
-        return []
-    return [
+    declined = metrics.get("declined", [])
+    out = [
         {"name": str(i.get("name", "?")), "reason": str(i.get("reason", "no reason given"))}
-        for i in items
+        for i in (items if isinstance(items, list) else [])
+        if isinstance(i, dict)
+    ]
+    return out + [
+        {"name": f"{i.get('implementation', '?')} {i.get('cell', '?')} (declined)", "reason": str(i.get("reason", ""))}
+        for i in (declined if isinstance(declined, list) else [])
         if isinstance(i, dict)
     ]
 

@@ -83,6 +83,7 @@ def evaluate(
 ) -> StageRecords:
     """Run every cell for every implementation; the records the numerics stage (and its red team) derive from."""
     results: list[tuple[str, CellResult]] = []
+    declined: list[dict[str, str]] = []
     total = len(cells) * len(impls)
     for impl in impls:
         for i, case in enumerate(cells):
@@ -91,10 +92,13 @@ def evaluate(
             op = impl.ops.get(case.spec.op)
             if op is None and impl.partial:
                 continue  # not one of the ops this implementation replaces
-            if op is None:
-                result = CellResult(
-                    case.id, case.axes, [Check(f"{impl.name} implements {case.spec.op}", False, "==", True)]
-                )
+            reason = impl.declines(case) if op is not None and impl.declines is not None else None
+            if reason and impl.partial:
+                declined.append({"implementation": impl.name, "cell": case.id, "reason": reason})
+                continue
+            if op is None or reason:
+                what = f"{impl.name} implements {case.spec.op}" if op is None else f"{impl.name} serves the cell"
+                result = CellResult(case.id, case.axes, [Check(what, False, "==", True, reason or "")])
             else:
                 result = run_cell(case, op, device, table, forbidden, seed=seed + i)
             results.append((impl.name, result))
@@ -131,6 +135,7 @@ def evaluate(
         "cells_by_implementation": {i.name: sum(name == i.name for name, _ in results) for i in impls},
         "cells": len(results),
         "cells_failed": sum(not r.passed for _, r in results),
+        "declined": declined,
         "seed": seed,
         "tolerances": table.source,
         "tolerance_version": table.entries.get("version"),

@@ -80,3 +80,14 @@ def test_a_stage_without_them_shows_neither(tmp_path):
     )
     md = markdown.render(predicate, tmp_path)
     assert "Not run inside stages" not in md and "Fallback timeline" not in md
+
+
+def test_cells_a_partial_implementation_declined_show_as_not_run_with_their_reason(tmp_path):
+    bundle = _bundle(tmp_path, [ROW])
+    records_file = tmp_path / "stages" / "isolation" / "records.json"
+    records = json.loads(records_file.read_text())
+    cell = {"implementation": "specialized", "cell": "kda_o_proj/tp8/b32", "reason": "serves 1..16 rows"}
+    records["metrics"]["declined"] = [cell]
+    records_file.write_text(json.dumps(records))
+    md = markdown.render(bundle, tmp_path)
+    assert "- isolation: **specialized kda_o_proj/tp8/b32 (declined)**: serves 1..16 rows" in md
