@@ -3,7 +3,8 @@
 Eight cheats wrapped around the stock KDA decode step (zeros, the oracle, caching, grid-shaped code, a side stream,
 stale state, a mutated input, half a batch), then one realistic bug per op family of the other cells: AttnRes
 reading a wrong bank slot, MLA attending one position short, the router breaking ties toward the higher expert id,
-the experts dropping a top-k slot. Every case runs the numerics stage's own evaluation over cells chosen to expose
+the experts dropping a top-k slot, the input projection skipping its last K block, o_proj's AttnRes adding its
+output where the prefix restarts. Every case runs the numerics stage's own evaluation over cells chosen to expose
 its bug; on a machine without CUDA the side-stream case cannot run and says so.
 """
 
@@ -15,13 +16,13 @@ from pathlib import Path
 import torch
 
 from harness.numerics import redteam_kernels as rt
-from harness.numerics.cells import Impl, Implementation
+from harness.numerics.cells import Impl, Implementation, OpCall
 from harness.numerics.compare import ToleranceTable
 from harness.redteam import RedTeamCase
 from harness.stages.numerics import evaluate
 from harness.verdicts import StageRecords
 from k3_decode.config import K3_MINI
-from suites.k3 import attn_res, kda, mla, moe
+from suites.k3 import attn_res, kda, mla, moe, projections
 from suites.k3.suite import K3Suite
 
 SUITE = K3Suite("k3-hopper", "k3-mini")
@@ -104,6 +105,21 @@ def _ids_back(call, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"logits": out["logits"].flip(-1), "ids": (last - out["ids"]).to(torch.int32), "weights": out["weights"]}
 
 
+def _skip_last_k_block(call) -> dict[str, torch.Tensor]:
+    x = call.tensors["x"].clone()
+    x[:, -32:] = 0
+    return {"x": x}
+
+
+def _adds_at_a_restart(impl: Impl) -> Impl:
+    """Runs the AttnRes rule of the plain layer after the call's one: at a block-write layer's restart it adds."""
+
+    def run(call) -> dict[str, torch.Tensor]:
+        return impl(OpCall(call.tensors, {**call.args, "layer": call.args["layer"] + 1}))
+
+    return run
+
+
 def _drop_last_slot(call) -> dict[str, torch.Tensor]:
     w = call.tensors["weights"].clone()
     w[:, -1] = 0
@@ -138,5 +154,19 @@ CASES += [
         lambda: [moe.ExpertsCell(K3_MINI, 1, 5)],
         "moe_experts",
         lambda impl: rt.reads_altered_inputs(impl, _drop_last_slot),
+    ),
+    _op_case(
+        "in-proj-skips-a-k-block",
+        "the KDA input projection leaves out its last 32 columns of K",
+        lambda: [projections.InProjCell(K3_MINI, 1, 4)],
+        "kda_in_proj",
+        lambda impl: rt.reads_altered_inputs(impl, _skip_last_k_block),
+    ),
+    _op_case(
+        "o-proj-adds-at-a-restart",
+        "o_proj's AttnRes adds its output to the prefix where a block-write layer restarts it",
+        lambda: [projections.OProjCell(K3_MINI, 1, 4, "after-write")],
+        "kda_o_proj",
+        _adds_at_a_restart,
     ),
 ]

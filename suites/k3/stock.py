@@ -21,7 +21,7 @@ from k3_decode.reference.mxfp import MxTensor
 from k3_decode.stock import AttnResBuffers, PagedLatentCache, StockAttentionOps
 from k3_decode.stock.moe import StockMoeOps, StockRouting
 from k3_decode.weights import AttnResWeights, DenseMlpWeights, MoeWeights, ResidualWeights
-from suites.k3 import mla, weights
+from suites.k3 import mla, projections, weights
 
 
 @cache
@@ -49,6 +49,8 @@ class StockAdapters:
     def ops(self) -> dict[str, Impl]:
         return {
             "attn_res": self.attn_res,
+            "kda_in_proj": self.kda_in_proj,
+            "kda_o_proj": self.kda_o_proj,
             "mla_decode": self.mla_decode,
             "moe_route": self.moe_route,
             "moe_latent_down": self.moe_latent_down,
@@ -90,6 +92,23 @@ class StockAdapters:
         if site.startswith("before"):
             return {"out": ops.attn_res_before(buffers, a["layer"], t.get("delta"), residual)}
         return {"out": ops.attn_res_after(buffers, a["layer"], t["delta"], residual)}
+
+    def kda_in_proj(self, call: OpCall) -> dict[str, Tensor]:
+        t, tp = call.tensors, call.args["tp"]
+        layer = dataclasses.replace(projections.kda_layer(self.dims, tp, self.device), in_proj=t["in_proj"])
+        return {"packed": attention_ops(self.dims, tp, self.device).kda_in_proj(t["x"], layer)}
+
+    def kda_o_proj(self, call: OpCall) -> dict[str, Tensor]:
+        """cuBLAS o_proj, then the AttnRes after attention on its output, as the stock layer runs them."""
+        t, a = call.tensors, call.args
+        ops = attention_ops(self.dims, a["tp"], self.device)
+        layer = dataclasses.replace(projections.kda_layer(self.dims, a["tp"], self.device), o_proj=t["o_proj"])
+        attn_out = ops.kda_o_proj(t["o"], layer)
+        buffers = AttnResBuffers(t["prefix"], t["blocks"], num_blocks=a["bank_blocks"])
+        mix = AttnResWeights(norm=t["res_norm"], proj=t["res_proj"])
+        norm = t["out_norm"]
+        residual = ResidualWeights(attn_res=mix, mlp_res=mix, input_norm=norm, post_attn_norm=norm)
+        return {"attn_out": attn_out, "out": ops.attn_res_after(buffers, a["layer"], attn_out, residual)}
 
     def mla_decode(self, call: OpCall) -> dict[str, Tensor]:
         t, a = call.tensors, call.args

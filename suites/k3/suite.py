@@ -20,7 +20,7 @@ from k3_decode.config import ModelDims, load_dims
 from k3_decode.reference import kda as ref_kda
 from k3_decode.stock import kda as stock_kda
 from k3_decode.stock.dispatch import implementation_for
-from suites.k3 import attn_res, kda, mla, moe, specialized
+from suites.k3 import attn_res, kda, mla, moe, projections, specialized
 from suites.k3.stock import StockAdapters
 
 AXIS_FROM_CONFIG = {
@@ -28,7 +28,7 @@ AXIS_FROM_CONFIG = {
     "tp": ("parallel", "tp"),
     "tokens_per_request": ("workload", "tokens_per_request"),
 }
-ORACLES = (kda, attn_res, mla, moe)
+ORACLES = (kda, attn_res, mla, moe, projections)
 
 
 def _evenly(cells: list[Any], n: int) -> list[Any]:
@@ -124,6 +124,10 @@ class K3Suite:
             return kda.KdaCell(d, tp, b, axes.get("tokens_per_request", 1))
         if op == "attn_res":
             return attn_res.AttnResCell(d, b, axes["sites"], scale)
+        if op == "kda_in_proj":
+            return projections.InProjCell(d, tp, b)
+        if op == "kda_o_proj":
+            return projections.OProjCell(d, tp, b, axes["sites"])
         if op == "mla_decode":
             page = axes.get("page_size", self.grid["ops"][op]["page_size"])
             return mla.MlaCell(d, tp, b, axes["contexts"], axes["splits"], page, scale)
@@ -187,7 +191,11 @@ class K3Suite:
         reason = specialized.not_run_reason() if device.type == "cuda" else "this run is on the CPU"
         not_run = None
         if reason is None:
-            impls.append(Implementation(specialized.NAME, adapters.ops(), specialized.BACKEND, partial=True))
+            impls.append(
+                Implementation(
+                    specialized.NAME, adapters.ops(), specialized.BACKEND, partial=True, declines=adapters.declines
+                )
+            )
         else:
             ops_named = ", ".join(sorted(adapters.ops()))
             not_run = {"name": f"{specialized.NAME} implementation ({ops_named})", "reason": reason}

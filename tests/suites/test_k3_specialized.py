@@ -25,7 +25,10 @@ def test_on_the_cpu_only_stock_runs_and_the_specialized_path_is_listed_not_run()
     suite = K3Suite("k3-hopper", "k3-mini")
     assert [i.name for i in suite.implementations(CPU)] == ["stock"]
     assert suite.not_run() == [
-        {"name": "specialized implementation (attn_res, kda_decode, kda_verify)", "reason": "this run is on the CPU"}
+        {
+            "name": "specialized implementation (attn_res, kda_decode, kda_in_proj, kda_o_proj, kda_verify)",
+            "reason": "this run is on the CPU",
+        }
     ]
 
 
@@ -44,8 +47,9 @@ def test_where_the_kernels_can_run_the_specialized_implementation_is_partial(mon
         "specialized",
         "cute-dsl",
         True,
-        {"attn_res", "kda_decode", "kda_verify"},
+        {"attn_res", "kda_decode", "kda_verify", "kda_in_proj", "kda_o_proj"},
     )
+    assert special.declines is not None and stock.declines is None
     assert not stock.partial and suite.not_run() == []
 
 
