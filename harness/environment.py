@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,12 +66,12 @@ def packages() -> list[str]:
     return sorted(seen.values(), key=str.lower)
 
 
-def _git(root: Path, *args: str) -> str | None:
+def _git(root: Path, *args: str, env: dict[str, str] | None = None) -> str | None:
     if shutil.which("git") is None:
         return None
     try:
         return subprocess.run(
-            ["git", "-C", str(root), *args], capture_output=True, timeout=60, check=True
+            ["git", "-C", str(root), *args], capture_output=True, timeout=60, check=True, env=env
         ).stdout.decode(errors="replace")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -82,6 +83,9 @@ class GitState:
     dirty: bool
     diff_sha256: str | None  # of `git diff HEAD --binary` plus the names of untracked files
     reason: str = ""
+    # The git tree id of the files as they were (worktree_tree): `git rev-parse <commit>^{tree}` gives the same id
+    # exactly when a commit holds the same files, so a dirty run is still tied to a commit by anyone with the repo.
+    tree: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -89,6 +93,7 @@ class GitState:
             "dirty": self.dirty,
             "diff_sha256": self.diff_sha256,
             "reason": self.reason,
+            "tree": self.tree,
         }
 
 
@@ -107,7 +112,30 @@ def git_state(root: Path) -> GitState:
     diff = (_git(root, "diff", "HEAD", "--binary") or "").encode()
     untracked = (_git(root, "ls-files", "--others", "--exclude-standard") or "").encode()
     digest = hashlib.sha256(diff + b"\0" + untracked).hexdigest() if status.strip() else None
-    return GitState(commit.strip(), bool(status.strip()), digest)
+    tree = worktree_tree(root) if status.strip() else _git(root, "rev-parse", "HEAD^{tree}")
+    return GitState(commit.strip(), bool(status.strip()), digest, tree=tree.strip() if tree else None)
+
+
+def worktree_tree(root: Path) -> str | None:
+    """The tree id git would give the checkout's files as they are now (tracked ones with their changes, untracked
+    ones that are not ignored), built in a scratch index and a scratch object folder: the checkout's own index and
+    object store are left as they were."""
+    objects = _git(root, "rev-parse", "--git-path", "objects")
+    if objects is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="k3gate-tree-") as tmp:
+        (Path(tmp) / "objects").mkdir()  # git takes a missing object folder for no repository at all
+        env = {
+            **os.environ,
+            "GIT_INDEX_FILE": str(Path(tmp) / "index"),
+            "GIT_OBJECT_DIRECTORY": str(Path(tmp) / "objects"),
+            "GIT_ALTERNATE_OBJECT_DIRECTORIES": str((root / objects.strip()).resolve()),
+        }
+        for args in (("read-tree", "HEAD"), ("add", "-A")):
+            if _git(root, *args, env=env) is None:
+                return None
+        tree = _git(root, "write-tree", env=env)
+    return tree.strip() if tree else None
 
 
 def source_root() -> Path:

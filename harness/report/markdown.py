@@ -23,7 +23,7 @@ def render_view(view: ReportView) -> str:
         "",
         f"**{view.outcome_reason}**",
         "",
-        f"Commit `{view.commit}`{' (dirty tree)' if view.dirty else ''} · {view.gpu} · started {view.started}",
+        f"Commit `{view.commit}`{view.dirty_note} · {view.gpu} · started {view.started}",
     ]
     if view.bundle_id:
         lines.append(f"Bundle `{view.bundle_id}` · {view.signer or 'signature not checked'}")

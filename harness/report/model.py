@@ -66,6 +66,15 @@ class ReportView:
     not_selected: list[str]
     bundle_id: str | None
     signer: str | None
+    tree: str | None = None  # the files' git tree id (bundles from before it have none)
+
+    @property
+    def dirty_note(self) -> str:
+        """After the commit: nothing for a clean tree; for a dirty one, the files' tree id, which
+        `git rev-parse <commit>^{tree}` matches for the commit holding the same files."""
+        if not self.dirty:
+            return ""
+        return f" (dirty tree; its files are git tree {self.tree})" if self.tree else " (dirty tree)"
 
     @property
     def not_run(self) -> list[StageView]:
@@ -151,6 +160,7 @@ def build(
         outcome_reason=predicate["outcome"]["reason"],
         commit=(git["commit"] or "not a git checkout")[:12],
         dirty=git["dirty"],
+        tree=git.get("tree"),
         gpu=f"{gpu['count']}x {gpu['names'][0]}" if gpu["count"] else "no GPU",
         started=predicate["started"],
         stages=stages,

@@ -74,7 +74,7 @@ def render_view(view: ReportView) -> str:
         f"<h1 class='{e(view.outcome)}'>{ICONS.get(view.outcome, '')} {e(view.outcome)}: {e(view.config)}</h1>"
         f"<p><b>{e(view.outcome_reason)}</b></p>"
         f"<p>Subject {e(view.subject)}, tier {e(view.tier)} · commit <code>{e(view.commit)}</code>"
-        f"{' (dirty tree)' if view.dirty else ''} · {e(view.gpu)} · started {e(view.started)}</p>{ident}"
+        f"{e(view.dirty_note)} · {e(view.gpu)} · started {e(view.started)}</p>{ident}"
         "<table><tr><th>stage</th><th>required</th><th>verdict</th><th>reason</th></tr>"
         f"{rows}</table>"
         + (f"<h2>Did not run</h2><ul>{not_run}</ul>" if not_run else "")

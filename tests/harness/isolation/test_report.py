@@ -91,3 +91,13 @@ def test_cells_a_partial_implementation_declined_show_as_not_run_with_their_reas
     records_file.write_text(json.dumps(records))
     md = markdown.render(bundle, tmp_path)
     assert "- isolation: **specialized kda_o_proj/tp8/b32 (declined)**: serves 1..16 rows" in md
+
+
+def test_a_dirty_run_names_the_git_tree_of_its_files(tmp_path):
+    bundle = _bundle(tmp_path, [ROW])
+    bundle["git"] = {"commit": "abc", "dirty": True, "tree": "7955e1629b2a26322d83178fbafe5c6ae9a13486"}
+    assert "(dirty tree; its files are git tree 7955e1629b2a26322d83178fbafe5c6ae9a13486)" in markdown.render(
+        bundle, tmp_path
+    )
+    bundle["git"] = {"commit": "abc", "dirty": True}  # a bundle from before the tree id
+    assert "Commit `abc` (dirty tree) ·" in markdown.render(bundle, tmp_path / "old")
