@@ -1,4 +1,5 @@
-"""The K3 cells beyond KDA (AttnRes, MLA decode, the MoE op by op and whole, the dense MLP) on the CPU stock path:
+"""The K3 cells beyond the KDA step (AttnRes, MLA decode, the MoE op by op and whole, the dense MLP, the KDA
+projections) on the CPU stock path:
 the stock ops pass every check, and for each op a deliberately broken version, modelling a real bug, fails the
 check that should catch it."""
 
@@ -13,7 +14,7 @@ from harness.numerics import redteam_kernels as rt
 from harness.numerics.cells import Impl, OpCall
 from k3_decode.config import K3_MINI
 from k3_decode.reference import moe as ref
-from suites.k3 import attn_res, mla, moe
+from suites.k3 import attn_res, mla, moe, projections
 from tests.suites.helpers import failed, run, stock
 
 D = K3_MINI
@@ -56,6 +57,9 @@ CORRECT = [
     moe.GatedCell(D, 8, 3, "dense"),
     moe.LatentTailCell(D, 4),
     moe.MoeCell(D, 2, 5),
+    projections.InProjCell(D, 1, 1),
+    projections.InProjCell(D, 2, 5),
+    *(projections.OProjCell(D, tp, b, site) for site in projections.O_PROJ_SITES for tp, b in ((1, 1), (2, 6))),
 ]
 
 
