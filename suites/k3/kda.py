@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 import torch
@@ -11,17 +10,15 @@ import torch
 from harness.numerics.cells import OpCall, OpSpec
 from k3_decode.config import ModelDims
 from k3_decode.reference import kda as ref
-from k3_decode.weights import SyntheticWeights
+from suites.k3 import weights as layer_weights
 
 DECODE = OpSpec("kda_decode", "bfloat16", outputs=("out",), inplace=("conv_state", "recurrent_state"), steps=3)
 VERIFY = OpSpec("kda_verify", "bfloat16", outputs=("out",), inplace=("conv_state", "recurrent_state"), steps=2)
 WEIGHT_NAMES = ("f_b", "conv", "a_log", "dt_bias", "o_norm")
-LAYER = 1  # the first KDA layer with a MoE; any KDA layer has the same shapes
 
 
-@cache
 def _weights(dims: ModelDims, tp: int, device: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    w = SyntheticWeights(dims, tp, rank=0, device=device).attention(LAYER)
+    w = layer_weights.kda(dims, tp, device)
     return w.in_proj, {name: getattr(w, name) for name in WEIGHT_NAMES}
 
 

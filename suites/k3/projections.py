@@ -14,16 +14,13 @@ the numerics suite judges them as it judges every replaced op: against an FP64 o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 import torch
 
 from harness.numerics.cells import Judged, OpCall, OpSpec
 from k3_decode.config import ModelDims
-from k3_decode.weights import KdaWeights, SyntheticWeights
-from suites.k3 import attn_res
-from suites.k3.kda import LAYER
+from suites.k3 import attn_res, weights
 
 IN_PROJ = OpSpec("kda_in_proj", "bfloat16", outputs=("packed",))
 O_PROJ = OpSpec(
@@ -36,14 +33,6 @@ O_PROJ = OpSpec(
 # The AttnRes sites o_proj feeds: after the attention of the last block-write layer (a restart) and of the plain
 # layer after it (an add); suites/k3/attn_res.py says which layers those are.
 O_PROJ_SITES = ("after-write", "after-plain")
-
-
-@cache
-def kda_layer(dims: ModelDims, tp: int, device: str) -> KdaWeights:
-    """One KDA layer of rank 0 at this TP size (any KDA layer has the same shapes)."""
-    w = SyntheticWeights(dims, tp, rank=0, device=device).attention(LAYER)
-    assert isinstance(w, KdaWeights)
-    return w
 
 
 def _bf16_rows(g: torch.Generator, rows: int, width: int, device: torch.device) -> torch.Tensor:
@@ -70,7 +59,9 @@ class InProjCell:
     def make(self, seed: int, device: torch.device) -> OpCall:
         g = torch.Generator().manual_seed(seed)
         x = _bf16_rows(g, self.batch, self.dims.hidden_size, device)  # an AttnRes output: RMS-normed, O(1)
-        return OpCall({"x": x, "in_proj": kda_layer(self.dims, self.tp, str(device)).in_proj.clone()}, {"tp": self.tp})
+        return OpCall(
+            {"x": x, "in_proj": weights.kda(self.dims, self.tp, str(device)).in_proj.clone()}, {"tp": self.tp}
+        )
 
     def reference(self, call: OpCall) -> dict[str, torch.Tensor]:
         return {"packed": _exact_product(call.tensors["x"], call.tensors["in_proj"])}
@@ -100,7 +91,7 @@ class OProjCell:
         call = self.attn.make(seed, device)
         del call.tensors["delta"]  # o_proj computes it
         g = torch.Generator().manual_seed(seed + 1)
-        w = kda_layer(self.dims, self.tp, str(device)).o_proj
+        w = weights.kda(self.dims, self.tp, str(device)).o_proj
         call.tensors |= {"o": _bf16_rows(g, self.batch, w.shape[1], device), "o_proj": w.clone()}
         call.args["tp"] = self.tp
         return call

@@ -21,7 +21,7 @@ from k3_decode.reference.mxfp import MxTensor
 from k3_decode.stock import AttnResBuffers, PagedLatentCache, StockAttentionOps
 from k3_decode.stock.moe import StockMoeOps, StockRouting
 from k3_decode.weights import AttnResWeights, DenseMlpWeights, MoeWeights, ResidualWeights
-from suites.k3 import mla, projections, weights
+from suites.k3 import mla, weights
 
 
 @cache
@@ -95,14 +95,14 @@ class StockAdapters:
 
     def kda_in_proj(self, call: OpCall) -> dict[str, Tensor]:
         t, tp = call.tensors, call.args["tp"]
-        layer = dataclasses.replace(projections.kda_layer(self.dims, tp, self.device), in_proj=t["in_proj"])
+        layer = dataclasses.replace(weights.kda(self.dims, tp, self.device), in_proj=t["in_proj"])
         return {"packed": attention_ops(self.dims, tp, self.device).kda_in_proj(t["x"], layer)}
 
     def kda_o_proj(self, call: OpCall) -> dict[str, Tensor]:
         """cuBLAS o_proj, then the AttnRes after attention on its output, as the stock layer runs them."""
         t, a = call.tensors, call.args
         ops = attention_ops(self.dims, a["tp"], self.device)
-        layer = dataclasses.replace(projections.kda_layer(self.dims, a["tp"], self.device), o_proj=t["o_proj"])
+        layer = dataclasses.replace(weights.kda(self.dims, a["tp"], self.device), o_proj=t["o_proj"])
         attn_out = ops.kda_o_proj(t["o"], layer)
         buffers = AttnResBuffers(t["prefix"], t["blocks"], num_blocks=a["bank_blocks"])
         mix = AttnResWeights(norm=t["res_norm"], proj=t["res_proj"])

@@ -14,6 +14,7 @@ from k3_decode.reference.mxfp import MxTensor
 from k3_decode.weights import (
     AttnResWeights,
     DenseMlpWeights,
+    KdaWeights,
     MlaWeights,
     MoeWeights,
     ResidualWeights,
@@ -26,6 +27,11 @@ def replicated_tp(dims: ModelDims) -> int:
     from: any rank's copy is the same by construction, and the largest TP makes the sharded rest of the layer
     (experts, vocabulary) the smallest to generate alongside."""
     return max(dims.parallel.tp_sizes)
+
+
+def kda_layer(dims: ModelDims) -> int:
+    """The first KDA layer with a MoE (layer 1 of K3); any KDA layer has the same shapes."""
+    return next(i for i in range(dims.num_layers) if dims.layer_kind(i) == "kda" and dims.mlp_kind(i) == "moe")
 
 
 def mla_layer(dims: ModelDims) -> int:
@@ -55,6 +61,14 @@ def final_residual(dims: ModelDims, device: str) -> tuple[AttnResWeights, object
     """(final AttnRes weights, final norm weight)."""
     model = _synthetic(dims, replicated_tp(dims), device).model()
     return model.final_res, model.final_norm
+
+
+@cache
+def kda(dims: ModelDims, tp: int, device: str) -> KdaWeights:
+    """One KDA layer of rank 0 at this TP size: the projections and the step's own weights."""
+    w = _synthetic(dims, tp, device).attention(kda_layer(dims))
+    assert isinstance(w, KdaWeights)
+    return w
 
 
 @cache
