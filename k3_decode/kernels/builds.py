@@ -224,6 +224,9 @@ class KdaOProjBuild:
             "stream_shuffles": 5 * p.rows_per_warp * p.batch,
             "stream_mmas": 0,
             "out_stores": p.rows_per_warp * p.batch,  # BF16 o_proj outputs per lane's warp
+            "passes": 1,
+            # CTA barriers before the arrival: o's staging, and the one ordering every store before the release
+            "arrival_barriers": 2,
         }
         if p.tensor_cores:  # the tensor-core stream: o read in MMA fragments, no staging, no FMAs or shuffles
             m = p.mma
@@ -239,6 +242,9 @@ class KdaOProjBuild:
                 "stream_shuffles": 0,
                 "stream_mmas": counts["mmas"],
                 "out_stores": counts["out_stores"],
+                "passes": counts["passes"],
+                # each pass's fixed-order sum, one between passes (its partials are read), the one before the release
+                "arrival_barriers": 2 * counts["passes"],
             }
         return {
             "tp": self.tp,

@@ -4,7 +4,7 @@ Compiled for sm_90a on the CPU with its PTX and SASS checked by `k3gate kernels 
 (tests/k3_decode/kernels/test_kda_o_proj_gpu.py) passed on an H200 at a3ad2f6, and its provider is registered
 (providers.py, CuteKdaOProjProvider).
 
-Semantics, per decode step of B <= 16 rows: attn_out = o @ W^T with W = o_proj [H = 7168, K] (K = 1536 at TP8, 768
+Semantics, per decode step of B <= 64 rows: attn_out = o @ W^T with W = o_proj [H = 7168, K] (K = 1536 at TP8, 768
 at TP16), every output an FP32 sum of the K products rounded once to BF16, as the input projection's weight stream
 (kda_in_proj.py) computes it; attn_out is this rank's o_proj partial, on one rank the attention output. Then, per
 row, the AttnRes after attention (attn_res.py; k3_decode/reference/attn_res.py `after_attention`) with delta =
@@ -39,13 +39,13 @@ path of every launch.
 
 Deadlock freedom. A waiting CTA waits only for arrivals, and a CTA arrives after nothing but the previous kernel
 (griddepcontrol.wait), its own loads and a CTA barrier, so every resident CTA reaches its arrival. A CTA not yet
-resident needs a free slot; the waiting clusters hold at most B <= 16 cluster slots and every other cluster frees
-its slots as soon as it has arrived, so the grid finishes whenever the device can hold more than B clusters at
-once. An H200 holds far more: four CTAs of 128 threads per SM (ptxas caps registers at 128 for that, and the build
-checks it), so 528 CTA slots on 132 SMs, and the grid is 448 CTAs (64 clusters): it is resident in one wave and
-nobody waits for a slot at all. PDL does not change this: the next kernel launches only once every CTA of this one
-has executed griddepcontrol.launch_dependents (so all of them are resident), and the previous kernel's CTAs were
-all resident before any of ours.
+resident needs a free slot; the waiting clusters hold at most B <= 64 cluster slots and every other cluster frees
+its slots as soon as it has arrived, so the grid finishes whenever the device can hold more than B clusters at once,
+or the whole grid (at B = 64 every cluster waits). An H200 holds the whole grid: four CTAs of 128 threads per SM
+(ptxas caps registers at 128 for that, and the build checks it), so 528 CTA slots on 132 SMs, and the grid is 448
+CTAs (64 clusters): it is resident in one wave and nobody waits for a slot at all. PDL does not change this: the
+next kernel launches only once every CTA of this one has executed griddepcontrol.launch_dependents (so all of them
+are resident), and the previous kernel's CTAs were all resident before any of ours.
 
 The arrival word, never reset (also not between CUDA-graph replays). As CUDA's cooperative-groups grid sync does
 (cooperative_groups details, `sync_grids`): CTA 0 adds 2^31 - (N - 1) and each other CTA adds 1, N = the grid's
@@ -85,8 +85,10 @@ rows (rows_per_warp x B accumulators beside the weight slots under 128 registers
 spills). From 5 to 16 rows the CUDA-core FMAs would bound the stream and their accumulators would not fit, so the
 CTA's stream runs on tensor cores instead (kda_in_proj_mma.py's `stream_pass`: its 16 rows as one m16 tile, K split
 over its 4 warps and summed in shared memory in a fixed order, o read from L2 in MMA fragments, 12 weight loads per
-lane in flight); the arrival, the wait and the epilogue are the same code. Above 16 rows the plan keeps o_proj stock
-(providers.toml [o_proj]).
+lane in flight); the arrival, the wait and the epilogue are the same code. Above 16 rows the stream takes one pass
+per 16 batch rows, as the input projection does; each pass reads the CTA's 16 rows of W again (the first from HBM,
+the others mostly from L2: W is 22 MB at TP8, 11 at TP16). Up to 64 rows (one epilogue cluster per row: the grid's
+64 clusters); where the provider serves them is providers.toml's [o_proj], by measurement.
 
 Expected time at TP8, B = 1..4: 22 MB of W at ~4.15 TB/s is ~5.3 us of streaming; the tail after it is the last
 CTA's stores and release (~1 us), the poll that sees it (~0.5-1 us), the row read from L2 and the two DSMEM
@@ -225,7 +227,13 @@ class KdaOProjKernel:
             trace_stamp(self.trace, launches, cta, 1, tidx)
             if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
                 cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
-            stream_pass(spec, o, w, attn_out, partials, slots, xslots, lanes, warp, 0, plan.batch, True)
+            start = 0
+            for p, count in enumerate(spec.passes):  # 16 batch rows a pass, each over the CTA's rows of W
+                if const_expr(p > 0):
+                    cute.arch.sync_threads()  # the previous pass's partials are read
+                    load_w(spec, w, slots, lanes, Int32(0))  # the CTA's 48 KiB of W again, from L2 now
+                stream_pass(spec, o, w, attn_out, partials, slots, xslots, lanes, warp, start, count, p == 0)
+                start += count
         else:
             staged = smem.allocate_tensor(
                 BFloat16, cute.make_layout((plan.batch, plan.k), stride=(plan.k, 1)), byte_alignment=16

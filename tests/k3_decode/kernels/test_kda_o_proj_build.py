@@ -61,9 +61,9 @@ def test_k3_shapes_are_whole_clusters_resident_in_one_wave(tp, batch):
 
 
 def test_plan_refuses_what_the_kernel_cannot_take():
-    with pytest.raises(ValueError, match=r"1\.\.16 rows"):
-        OProjPlan.for_shape(7168, 1536, 17, ADD8)
-    with pytest.raises(ValueError, match=r"1\.\.16 rows"):
+    with pytest.raises(ValueError, match=r"1\.\.64 rows"):
+        OProjPlan.for_shape(7168, 1536, 65, ADD8)
+    with pytest.raises(ValueError, match=r"1\.\.64 rows"):
         OProjPlan.for_shape(7168, 1536, 0, ADD8)
     with pytest.raises(ValueError, match="multiple of 256"):
         OProjPlan.for_shape(7168, 1000, 1, ADD8)
@@ -123,12 +123,12 @@ def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
     builds = o_proj_builds()
     kinds = {AttnResKind.from_tag(t) for t in ("n1-restart-norm", "n1-add-norm", "n8-restart-norm", "n8-add-norm")}
     assert {(b.tp, b.plan.batch, b.plan.kind) for b in builds} == {
-        (tp, batch, kind) for tp in (8, 16) for batch in (1, 2, 4, 8, 16) for kind in kinds
+        (tp, batch, kind) for tp in (8, 16) for batch in (1, 2, 4, 8, 16, 32, 64) for kind in kinds
     }
     assert kinds <= after_attention_kinds()
     assert {b.tp: (b.plan.hidden, b.plan.k) for b in builds} == {8: K3.shard(8).kda_o_proj, 16: K3.shard(16).kda_o_proj}
     assert {b.kernel for b in builds} == {"kda_o_proj"} and {b.capacity for b in builds} == {8}
-    assert len({b.name for b in builds}) == len(builds) == 40
+    assert len({b.name for b in builds}) == len(builds) == 56
     assert "kda_o_proj/tp16/b4/n8-add-norm" in {b.name for b in builds}
 
 
@@ -147,12 +147,21 @@ def test_build_tags_count_what_the_code_must_hold():
     r = tags["kda_o_proj/tp16/b1/n1-restart-norm"]  # one group covers K (no refill), one pass of o, no old prefix
     assert (r["stream_loads"], r["epilogue_loads_before_wait"], r["global_loads"]) == (12 + 1, 3 + 1, 13 + 4 + 1)
     assert (r["stream_fmas"], r["out_stores"], r["pushes"]) == (3 * 4 * 1 * 8, 4, 1 + 1)
+    assert (t["passes"], t["arrival_barriers"], r["passes"], r["arrival_barriers"]) == (1, 2, 1, 2)
+    # Tensor cores: one pass of two batch tiles to 16 rows, a pass per 16 rows above; 4 warps split K=1536 (TP8)
+    # into 6 steps each: 6 x 4 W loads ahead, refilled by none (one group covers the slice).
+    for batch, passes in ((8, 1), (16, 1), (32, 2), (64, 4)):
+        m = tags[f"kda_o_proj/tp8/b{batch}/n8-add-norm"]
+        assert (m["tensor_cores"], m["passes"], m["arrival_barriers"]) == (True, passes, 2 * passes), batch
+        tiles = min(2, batch // 8)
+        assert m["stream_mmas"] == passes * tiles * 4 * m["depth"] and m["o_stages"] == m["stream_fmas"] == 0
+        assert m["out_stores"] == passes * tiles * 4, batch  # 2 rows x 2 batch columns per lane and tile
 
 
 def test_expectations_judge_every_o_proj_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_o_proj/*")  # every named tag exists
-    assert len(builds) == 40
+    assert len(builds) == 56
     spec = expectations["kda_o_proj"]
     assert spec.max_registers == 128 and spec.max_frame_bytes == 0 and len(spec.rules) >= 45
 

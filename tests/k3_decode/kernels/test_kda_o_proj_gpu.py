@@ -4,7 +4,8 @@ The o_proj provider (providers.py, CuteKdaOProjProvider) was registered after th
 test prints what it measured (METRIC lines), so a run's log says how close each case came.
 
 - The fused launch against the FP64 oracle (exact o_proj, then the AttnRes after attention) at TP8 and TP16,
-  B = 1..4, every after-attention kind K3 uses (restart and add over banks of 1..8 blocks) at B = 3 and two kinds
+  B = 1..4 (the CUDA-core stream), 8 and 16 (tensor cores, one pass) and 22, 32, 64 (several passes), every
+  after-attention kind K3 uses (restart and add over banks of 1..8 blocks) at B = 3 and two kinds
   that save a block, the lightest and the heaviest at every other (TP, B). o_proj's output is held to the input
   projection's bound (one BF16 rounding of an FP32 sum, tests/k3_decode/kernels/test_kda_in_proj_gpu.py) and must
   equal cuBLAS's bits on >= 98% of outputs; the MLP input to the AttnRes tolerance (attention_tolerances.toml, the
@@ -65,8 +66,10 @@ AFTER_KINDS = sorted(
 )
 SAVE_KINDS = [AttnResKind(3, "add", True, True), AttnResKind(5, "restart", True, True)]
 EDGE = [AttnResKind.from_tag("n1-restart-norm"), AttnResKind.from_tag("n8-add-norm")]
+# B = 1..4: the CUDA-core stream; 8 and 16: tensor cores in one pass; 22, 32 and 64: in 2, 2 and 4 passes (22: a
+# last pass of 6 rows, a tile of 8 with 2 rows masked).
 CASES = [(8, 3, k) for k in AFTER_KINDS + SAVE_KINDS] + [
-    (tp, b, k) for tp in (8, 16) for b in (1, 2, 3, 4) for k in EDGE if (tp, b) != (8, 3)
+    (tp, b, k) for tp in (8, 16) for b in (1, 2, 3, 4, 8, 16, 22, 32, 64) for k in EDGE if (tp, b) != (8, 3)
 ]
 SLOWER_LIMIT = 1.5  # loose: the fused launch against the faster of the stock pair and the two-launch path
 
@@ -139,6 +142,24 @@ def test_the_fused_launch_matches_the_oracle(tp: int, batch: int, kind: AttnResK
     assert torch.equal(bits(bank_all), bits(expected_bank)), f"{what}: the bank changed outside the saved block"
     assert torch.equal(prefix_all[batch:], prefix_before[batch:]), f"{what}: a row outside the batch changed"
     assert kda_o_proj_op.launch_count() - launches == 1, "the device counter must count the launch once"
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_a_rows_o_proj_bits_do_not_depend_on_the_batch_on_tensor_cores(tp: int):
+    """One pass (B8, B16) or several (B22, B32, B64): the same K split and summation order for every batch row, so
+    a row's o_proj output is the same bits at every tensor-core batch it is part of."""
+    hidden, k = K3.shard(tp).kda_o_proj
+    kind = AttnResKind.from_tag("n1-add-norm")
+    o64, w, _, _ = operands(hidden, k, 64, tp)
+    results = {}
+    for batch in (8, 16, 22, 32, 64):
+        buffers, _, _ = make_buffers(batch, kind.num_blocks, torch.Generator().manual_seed(batch))
+        partial, _ = kda_o_proj_op.apply(o64[:batch].contiguous(), w, buffers, site_of(kind), after_weights(), EPS)
+        results[batch] = partial
+    torch.cuda.synchronize()
+    for batch, partial in results.items():
+        assert torch.equal(bits(partial), bits(results[64][:batch])), f"TP{tp} B{batch}: rows differ from B64's"
+    assert not torch.equal(bits(results[64][16:32]), bits(results[64][:16]))  # distinct rows, not one repeated
 
 
 @dataclasses.dataclass
@@ -344,7 +365,7 @@ def test_timing_against_the_stock_pair_and_the_two_launch_path(tp: int):
     weights = [(torch.randn(hidden, k, device=DEV) * 0.02).bfloat16() for _ in range(copies)]
     mix = after_weights()
     slower = []
-    for batch in (1, 2, 4, 8, 16):  # the CUDA-core stream to 4 rows, tensor cores above
+    for batch in (1, 2, 4, 8, 16, 32, 64):  # the CUDA-core stream to 4 rows, tensor cores above (passes from 32)
         for kind in (AttnResKind.from_tag("n1-add-norm"), AttnResKind.from_tag("n8-add-norm")):
             o = torch.randn(batch, k, device=DEV).bfloat16()
             buffers, _, _ = make_buffers(batch, kind.num_blocks, torch.Generator().manual_seed(batch))
