@@ -283,8 +283,8 @@ def test_inputs_the_kernel_cannot_take_are_refused():
         buffers.num_blocks = 1
         return buffers
 
-    with pytest.raises(ValueError, match=r"1\.\.16 rows"):
-        kda_o_proj_op.apply(o(17), w, bank(17), site, weights, EPS)
+    with pytest.raises(ValueError, match=r"1\.\.64 rows"):
+        kda_o_proj_op.apply(o(65), w, bank(65), site, weights, EPS)
     with pytest.raises(ValueError, match=r"must be torch\.bfloat16"):
         kda_o_proj_op.apply(o(2, torch.float32), w, bank(2), site, weights, EPS)
     with pytest.raises(ValueError, match="contiguous"):
