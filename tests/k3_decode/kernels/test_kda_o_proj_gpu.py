@@ -19,8 +19,8 @@ test prints what it measured (METRIC lines), so a run's log says how close each 
 - The provider inside the stack executor (its two runner calls as one launch), against the teacher-forced
   oracle, eagerly and in graph replays the device counters confirm.
 - Timing in CUDA-graph replays against the stock pair (cuBLAS + the Triton AttnRes) and the two-launch path (the
-  weight-stream kernel, then the CuTe AttnRes kernel), printed; asserted only loosely (not 1.5x slower than the
-  faster of the two): speed targets belong to the KDA layer benchmark (benchmarks/kda_layer_h200.py).
+  weight-stream kernel, then the CuTe AttnRes kernel), printed; asserted only loosely, at the batches the provider
+  serves (providers.toml; not 1.5x slower than the faster of the two): speed targets belong to the KDA layer benchmark (benchmarks/kda_layer_h200.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
 from k3_decode.config import K3
 from k3_decode.kernels import attn_res_op, kda_in_proj_op, kda_o_proj_op
 from k3_decode.kernels.attn_res_plan import AttnResKind, site_kinds
-from k3_decode.kernels.providers import not_built_reason
+from k3_decode.kernels.providers import max_rows, not_built_reason
 from k3_decode.reference import attn_res as ra
 from k3_decode.stock import attn_res as stock_attn_res
 from k3_decode.stock import gemm
@@ -394,7 +394,8 @@ def test_timing_against_the_stock_pair_and_the_two_launch_path(tp: int):
                 f"{us['stock']:.1f} us ({us['stock'] / us['fused']:.2f}x); weight stream + CuTe AttnRes "
                 f"{us['two']:.1f} us ({us['two'] / us['fused']:.2f}x)"
             )
-            if timed["fused"] > SLOWER_LIMIT * min(timed["stock"], timed["two"]):
+            served = batch <= max_rows("o_proj", "cute-kda-o-proj", tp)[0]  # above, printed only: o_proj runs stock
+            if served and timed["fused"] > SLOWER_LIMIT * min(timed["stock"], timed["two"]):
                 slower.append(f"B{batch} {kind.tag}: {us['fused']:.1f} us")
     del weights
     assert not slower, f"TP{tp}: the fused launch is over {SLOWER_LIMIT}x slower than the faster pair: {slower}"
