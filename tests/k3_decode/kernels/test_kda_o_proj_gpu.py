@@ -20,7 +20,8 @@ test prints what it measured (METRIC lines), so a run's log says how close each 
   oracle, eagerly and in graph replays the device counters confirm.
 - Timing in CUDA-graph replays against the stock pair (cuBLAS + the Triton AttnRes) and the two-launch path (the
   weight-stream kernel, then the CuTe AttnRes kernel), printed; asserted only loosely, at the batches the provider
-  serves (providers.toml; not 1.5x slower than the faster of the two): speed targets belong to the KDA layer benchmark (benchmarks/kda_layer_h200.py).
+  serves (providers.toml; not 1.5x slower than the faster of the two): speed targets belong to the KDA layer
+  benchmark (benchmarks/kda_layer_h200.py).
 """
 
 from __future__ import annotations
