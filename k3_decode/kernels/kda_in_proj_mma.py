@@ -86,13 +86,7 @@ class KdaInProjKernelMma:
         if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
             cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
 
-        start = 0
-        for p, count in enumerate(plan.passes):
-            if const_expr(p > 0):
-                cute.arch.sync_threads()  # the previous pass's partials are read
-                load_w(plan, w, slots, lanes, Int32(0))
-            stream_pass(plan, x, w, out, partials, slots, xslots, lanes, warp, start, count, p == 0)
-            start += count
+        stream_passes(plan, x, w, out, partials, slots, xslots, lanes, warp)
         if const_expr(self.trace):
             cute.arch.sync_threads()  # the end stamp after every warp's last store
             trace_stamp(True, launches, cta, 2, tidx)
@@ -145,6 +139,29 @@ def stream_slots(plan: MmaStream) -> tuple[list, list]:
         for _ in range(plan.x_depth)
     ]
     return slots, xslots
+
+
+@cute.jit
+def stream_passes(
+    plan: MmaStream,
+    x: cute.Tensor,
+    w: cute.Tensor,
+    out: cute.Tensor,
+    partials: cute.Tensor,
+    slots: list,
+    xslots: list,
+    lanes: LaneRows,
+    warp: Int32,
+):
+    """out = x @ W^T for every batch row, 16 rows a pass (`plan.passes`), with group 0 of W already in the slots.
+    Each later pass reads the CTA's rows of W again, from L2 by then."""
+    start = 0
+    for p, count in enumerate(plan.passes):
+        if const_expr(p > 0):
+            cute.arch.sync_threads()  # the previous pass's partials are read
+            load_w(plan, w, slots, lanes, Int32(0))
+        stream_pass(plan, x, w, out, partials, slots, xslots, lanes, warp, start, count, p == 0)
+        start += count
 
 
 @cute.jit

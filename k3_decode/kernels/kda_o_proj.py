@@ -83,7 +83,7 @@ fixed-order butterfly per output, so results do not depend on scheduling. TP8 st
 two groups of 3; TP16's 3 steps are one group (every weight load of a thread is issued before the wait). B <= 4
 rows (rows_per_warp x B accumulators beside the weight slots under 128 registers: 117-128 in the builds, no
 spills). From 5 to 16 rows the CUDA-core FMAs would bound the stream and their accumulators would not fit, so the
-CTA's stream runs on tensor cores instead (kda_in_proj_mma.py's `stream_pass`: its 16 rows as one m16 tile, K split
+CTA's stream runs on tensor cores instead (kda_in_proj_mma.py's `stream_passes`: its 16 rows as one m16 tile, K split
 over its 4 warps and summed in shared memory in a fixed order, o read from L2 in MMA fragments, 12 weight loads per
 lane in flight); the arrival, the wait and the epilogue are the same code. Above 16 rows the stream takes one pass
 per 16 batch rows, as the input projection does; each pass reads the CTA's 16 rows of W again (the first from HBM,
@@ -108,7 +108,7 @@ from k3_decode.kernels import cutedsl
 from k3_decode.kernels.attn_res import AttnResKernel
 from k3_decode.kernels.attn_res import _load8 as _row_vector
 from k3_decode.kernels.kda_in_proj import load_group, multiply, stage, weight_slots
-from k3_decode.kernels.kda_in_proj_mma import allocate_partials, lane_rows, load_w, stream_pass, stream_slots
+from k3_decode.kernels.kda_in_proj_mma import allocate_partials, lane_rows, load_w, stream_passes, stream_slots
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
 from k3_decode.kernels.phase_trace import words_for
 from k3_decode.kernels.primitives import launch_resident, trace_stamp
@@ -227,13 +227,7 @@ class KdaOProjKernel:
             trace_stamp(self.trace, launches, cta, 1, tidx)
             if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
                 cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
-            start = 0
-            for p, count in enumerate(spec.passes):  # 16 batch rows a pass, each over the CTA's rows of W
-                if const_expr(p > 0):
-                    cute.arch.sync_threads()  # the previous pass's partials are read
-                    load_w(spec, w, slots, lanes, Int32(0))  # the CTA's 48 KiB of W again, from L2 now
-                stream_pass(spec, o, w, attn_out, partials, slots, xslots, lanes, warp, start, count, p == 0)
-                start += count
+            stream_passes(spec, o, w, attn_out, partials, slots, xslots, lanes, warp)  # 16 batch rows a pass
         else:
             staged = smem.allocate_tensor(
                 BFloat16, cute.make_layout((plan.batch, plan.k), stride=(plan.k, 1)), byte_alignment=16
