@@ -27,6 +27,12 @@ W_LOADS_IN_FLIGHT = 16  # 16-byte weight loads a lane keeps outstanding: 4 per s
 # spilled at the 168-register cap (B = 32); with 6 warps they fit (one pass, 40 us at TP8 B32 against 48 in two), but
 # the K split would then change with the batch and a row's bits with it.
 MAX_N_TILES = 2
+# Above 16 rows a pass holds 32 (four batch tiles) where the CTA's warps leave registers for them, with fewer W loads
+# in flight: (W loads per lane, x steps ahead) by warps per CTA. The builds spilled with more: TP8 (12 warps, 168
+# registers) at 16 loads; TP16 (14 warps, 128) at 8 loads and one x step (40-56 bytes of frame). Other warp counts
+# keep 16 rows a pass.
+WIDE_N_TILES = 4
+WIDE_PASS_BY_WARPS = {12: (8, 2), 14: (4, 1)}
 H200_SMS = 132
 
 
@@ -44,6 +50,7 @@ class MmaStream:
     k_splits: int
     w_loads_in_flight: int = W_LOADS_IN_FLIGHT  # 16-byte W loads a lane keeps outstanding (4 per k step)
     x_steps_ahead: int = 2  # k steps of x a lane holds at most
+    max_n_tiles: int = MAX_N_TILES  # batch tiles of 8 rows one pass holds
 
     @property
     def steps(self) -> int:
@@ -77,7 +84,7 @@ class MmaStream:
     @property
     def n_tiles(self) -> int:
         """Batch tiles of 8 rows per pass over W."""
-        return n_tiles(self.batch)
+        return n_tiles(self.batch, self.max_n_tiles)
 
     @property
     def passes(self) -> tuple[int, ...]:
@@ -113,7 +120,9 @@ class MmaStream:
         ahead = 4 * self.depth  # 16-byte W loads that fill every slot: two vectors of two rows per step
         tiles = [-(-count // TILE_N) for count in self.passes]
         live = sum(
-            2 * (1 + (min(TILE_N, count - TILE_N * i) >= 2)) for count in self.passes for i in range(n_tiles(count))
+            2 * (1 + (min(TILE_N, count - TILE_N * i) >= 2))
+            for count in self.passes
+            for i in range(n_tiles(count, self.max_n_tiles))
         )
         return {
             "weight_loads_ahead": ahead,
@@ -129,8 +138,8 @@ class MmaStream:
         }
 
 
-def n_tiles(batch: int) -> int:
-    return min(-(-batch // TILE_N), MAX_N_TILES)
+def n_tiles(batch: int, most: int = MAX_N_TILES) -> int:
+    return min(-(-batch // TILE_N), most)
 
 
 def check_shape(what: str, rows: int, k: int, batch: int) -> None:
@@ -159,7 +168,11 @@ class InProjMmaPlan(MmaStream):
         steps = k // STEP
         fits = [d for d in range(1, steps + 1) if steps % d == 0 and m_tiles * d * WARP <= MAX_THREADS]
         k_splits = min(fits, key=lambda d: (abs(m_tiles * d - TARGET_WARPS), -d))
-        return cls(rows, k, batch, per_cta, m_tiles, k_splits, sm_count=sm_count)
+        wide = WIDE_PASS_BY_WARPS.get(m_tiles * k_splits)
+        if batch <= MAX_N_TILES * TILE_N or wide is None:
+            return cls(rows, k, batch, per_cta, m_tiles, k_splits, sm_count=sm_count)
+        loads, x_ahead = wide
+        return cls(rows, k, batch, per_cta, m_tiles, k_splits, loads, x_ahead, WIDE_N_TILES, sm_count=sm_count)
 
     @property
     def ctas(self) -> int:

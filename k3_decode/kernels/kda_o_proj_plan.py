@@ -31,7 +31,7 @@ MAX_BATCH = 64
 # with fewer (128 registers also hold the x fragments and the epilogue's loads; TP8 B16 spilled at 12 and 1), and
 # fewer again in several passes (TP8 B32 and B64 spilled a 64-bit address across the first pass at 8 and 1).
 MMA_STREAM = {1: (12, 2), 2: (8, 1)}
-MMA_STREAM_PASSES = (4, 1)
+MMA_STREAM_PASSES = (4, 1, 4)
 ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
 MAX_CTAS_PER_SM = 4  # 4 x 128 threads x 128 registers = an SM's 64K registers
 H200_SMS = 132
@@ -91,8 +91,11 @@ class OProjPlan(WeightStream):
     def mma(self) -> MmaStream:
         """The tensor-core stream of one CTA: its 16 rows as one m-tile, K split over its warps, 16 batch rows per
         pass."""
-        loads, x_ahead = MMA_STREAM[n_tiles(self.batch)] if self.batch <= 16 else MMA_STREAM_PASSES
-        return MmaStream(self.hidden, self.k, self.batch, self.rows_per_cta, 1, self.warps, loads, x_ahead)
+        if self.batch <= 16:
+            loads, x_ahead = MMA_STREAM[n_tiles(self.batch)]
+            return MmaStream(self.hidden, self.k, self.batch, self.rows_per_cta, 1, self.warps, loads, x_ahead)
+        loads, x_ahead, tiles = MMA_STREAM_PASSES
+        return MmaStream(self.hidden, self.k, self.batch, self.rows_per_cta, 1, self.warps, loads, x_ahead, tiles)
 
     @property
     def attn(self) -> ClusterPlan:

@@ -11,7 +11,15 @@ import pytest
 from harness.kernels_cmd import cubin_resources, parse_expectations, select_builds
 from k3_decode.config import K3
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaInProjMmaBuild
-from k3_decode.kernels.kda_in_proj_mma_plan import MAX_N_TILES, STEP, TILE_M, WARP, InProjMmaPlan
+from k3_decode.kernels.kda_in_proj_mma_plan import (
+    MAX_N_TILES,
+    STEP,
+    TILE_M,
+    WARP,
+    WIDE_N_TILES,
+    WIDE_PASS_BY_WARPS,
+    InProjMmaPlan,
+)
 from tests.k3_decode.kernels.helpers import build_command, needs_cutedsl
 
 H200_SMS = 132
@@ -46,11 +54,14 @@ def test_k3_rows_spread_over_every_sm_in_one_wave(tp, ctas, m_tiles, k_splits):
         plan = InProjMmaPlan.for_shape(rows, K3.hidden_size, batch, H200_SMS)
         # The same K split at every batch (batch invariance), ~12 warps, >= 48 KB of W in flight per SM.
         assert (plan.ctas, plan.m_tiles, plan.k_splits) == (ctas, m_tiles, k_splits)
-        assert plan.warps * WARP * plan.depth * 4 * 16 >= 48 * 1024
+        # >= 48 KB of W in flight per SM to 16 rows; the 32-row passes trade loads in flight for x fragments.
+        wide = batch > MAX_N_TILES * 8
+        assert plan.warps * WARP * plan.depth * 4 * 16 >= (28 if wide else 48) * 1024
         assert plan.ctas <= H200_SMS and plan.rows_per_cta - plan.rows / H200_SMS < 1  # one wave, within a row
         assert plan.m_tiles * TILE_M >= plan.rows_per_cta and plan.threads <= 512
         assert plan.split_steps * plan.k_splits * STEP == K3.hidden_size
-        assert plan.depth * plan.groups == plan.split_steps and plan.depth * 4 >= 16  # 16 W loads per lane ahead
+        assert plan.depth * plan.groups == plan.split_steps
+        assert plan.depth * 4 >= (WIDE_PASS_BY_WARPS[plan.warps][0] if wide else 16)  # W loads per lane ahead
         assert plan.smem_bytes <= SMEM_PER_CTA
         # Every row is stored exactly once.
         stored = covered_rows(plan)
@@ -64,11 +75,26 @@ def test_interleaved_rows_give_every_m_tile_nearly_the_same_number_of_real_rows(
     assert real == [13, 12]
 
 
+@pytest.mark.parametrize("rows", [6288, 3216])
 @pytest.mark.parametrize("batch", range(1, 65))
-def test_passes_cover_the_batch(batch):
-    plan = InProjMmaPlan.for_shape(6288, 7168, batch, H200_SMS)
-    assert sum(plan.passes) == batch and all(0 < p <= MAX_N_TILES * 8 for p in plan.passes)
-    assert len(plan.passes) == -(-batch // (MAX_N_TILES * 8)) and plan.n_tiles == min(-(-batch // 8), MAX_N_TILES)
+def test_passes_cover_the_batch(rows, batch):
+    plan = InProjMmaPlan.for_shape(rows, 7168, batch, H200_SMS)
+    tiles = MAX_N_TILES if batch <= MAX_N_TILES * 8 else WIDE_N_TILES  # both K3 ranks' warp counts take wide passes
+    assert sum(plan.passes) == batch and all(0 < p <= tiles * 8 for p in plan.passes)
+    assert len(plan.passes) == -(-batch // (tiles * 8)) and plan.n_tiles == min(-(-batch // 8), tiles)
+
+
+@pytest.mark.parametrize("rows", [6288, 3216])
+def test_wide_passes_keep_the_k_split_so_a_row_does_not_depend_on_the_batch(rows):
+    narrow, wide = (InProjMmaPlan.for_shape(rows, 7168, b, H200_SMS) for b in (16, 17))
+    assert wide.max_n_tiles == WIDE_N_TILES and narrow.max_n_tiles == MAX_N_TILES
+    assert (wide.m_tiles, wide.k_splits, wide.rows_per_cta) == (narrow.m_tiles, narrow.k_splits, narrow.rows_per_cta)
+    assert wide.passes == (17,) and wide.w_loads_in_flight < narrow.w_loads_in_flight
+
+
+def test_a_warp_count_without_a_wide_entry_keeps_16_rows_a_pass():
+    plan = InProjMmaPlan.for_shape(8448, 7168, 64, H200_SMS)  # 64 rows a CTA: 4 m-tiles x 4 slices, 16 warps
+    assert plan.warps not in WIDE_PASS_BY_WARPS and plan.passes == (16, 16, 16, 16)
 
 
 def test_plan_rejects_shapes_the_kernel_cannot_split():
@@ -102,8 +128,13 @@ def test_build_tags_count_what_the_code_must_hold():
     assert (b8["partial_loads"], b8["out_stores"], b8["barriers"]) == (4 * 4, 4, 1)
     b1 = tags["kda_in_proj_mma/tp16/b1"]  # a one-row tile: only c0 and c2 can hold an output
     assert (b1["out_stores"], b1["partial_loads"], b1["partial_stores"]) == (2, 2 * 7, 4)
-    b64 = tags["kda_in_proj_mma/tp8/b64"]  # four passes of two tiles
-    assert (b64["passes"], b64["mmas"], b64["global_loads"], b64["barriers"]) == (4, 128, 4 * 32 + 4 * 24, 7)
+    b16 = tags["kda_in_proj_mma/tp8/b16"]  # one pass of two tiles, 16 W loads ahead
+    assert (b16["passes"], b16["mmas"], b16["weight_loads_ahead"], b16["barriers"]) == (1, 32, 16, 1)
+    b64 = tags["kda_in_proj_mma/tp8/b64"]  # two passes of four tiles, 8 W loads ahead (2 steps a loop body)
+    assert (b64["passes"], b64["mmas"], b64["weight_loads_ahead"]) == (2, 2 * 4 * 2 * 4, 8)
+    assert (b64["global_loads"], b64["barriers"]) == (2 * (8 + 8) + 2 * 2 * 4 * (2 + 2), 3)
+    w32 = tags["kda_in_proj_mma/tp16/b32"]  # one pass of four tiles, 4 W loads ahead, x one step ahead
+    assert (w32["passes"], w32["mmas"], w32["weight_loads_ahead"], w32["barriers"]) == (1, 16, 4, 1)
 
 
 def test_expectations_judge_every_mma_build():
@@ -134,7 +165,8 @@ def test_every_mma_build_compiles_and_meets_its_expectations(tmp_path):
         assert res.frame_bytes == 0 and not re.search(r"\b(LDL|STL)\b", sass), f"{name} spills"
         assert res.registers * tags["threads"] <= REGISTERS_PER_SM, (name, res)  # one CTA fits an SM
         head, _, tail = sass.partition("ACQBULK")
-        assert tail and head.count("LDG.E.128") == 16 and "HMMA" not in head, name  # W only, before the wait
+        ahead = tags["weight_loads_ahead"]  # W only, before the wait
+        assert tail and head.count("LDG.E.128") == ahead and "HMMA" not in head, name
         assert sass.count("HMMA.16816.F32.BF16") == tags["mmas"] and "FFMA" not in sass, name
 
 

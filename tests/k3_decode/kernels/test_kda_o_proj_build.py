@@ -148,12 +148,11 @@ def test_build_tags_count_what_the_code_must_hold():
     assert (r["stream_loads"], r["epilogue_loads_before_wait"], r["global_loads"]) == (12 + 1, 3 + 1, 13 + 4 + 1)
     assert (r["stream_fmas"], r["out_stores"], r["pushes"]) == (3 * 4 * 1 * 8, 4, 1 + 1)
     assert (t["passes"], t["arrival_barriers"], r["passes"], r["arrival_barriers"]) == (1, 2, 1, 2)
-    # Tensor cores: one pass of two batch tiles to 16 rows, a pass per 16 rows above; 4 warps split K=1536 (TP8)
-    # into 6 steps each: 6 x 4 W loads ahead, refilled by none (one group covers the slice).
-    for batch, passes in ((8, 1), (16, 1), (32, 2), (64, 4)):
+    # Tensor cores: one pass of two batch tiles to 16 rows, a pass per 32 rows (four tiles) above; 4 warps split
+    # K=1536 (TP8) into 6 steps each: 6 x 4 W loads ahead, refilled by none (one group covers the slice).
+    for batch, passes, tiles in ((8, 1, 1), (16, 1, 2), (32, 1, 4), (64, 2, 4)):
         m = tags[f"kda_o_proj/tp8/b{batch}/n8-add-norm"]
         assert (m["tensor_cores"], m["passes"], m["arrival_barriers"]) == (True, passes, 2 * passes), batch
-        tiles = min(2, batch // 8)
         assert m["stream_mmas"] == passes * tiles * 4 * m["depth"] and m["o_stages"] == m["stream_fmas"] == 0
         assert m["out_stores"] == passes * tiles * 4, batch  # 2 rows x 2 batch columns per lane and tile
 
