@@ -3,7 +3,7 @@
 The CUDA-core build (kda_in_proj.py) streams W at 90-99% of the copy bandwidth for B <= 4 but is bound by its FMAs
 from B = 8 on (rows x batch x 8 FMAs per 16 bytes of weight). This build does the products with `mma.sync`
 m16n8k16 (BF16 x BF16 -> FP32), so an MMA instruction takes 256 weights x 8 batch rows and the inner product costs
-a few instructions per 16-byte load at any batch up to 16 (more rows take more passes over W). Semantics are the
+a few instructions per 16-byte load at any batch up to 16 (more rows take 32-row passes over W). Semantics are the
 CUDA-core build's: every output is an FP32 sum of the K products, rounded once to BF16 (round to nearest even).
 
 Why this design (the plan's numbers: kda_in_proj_mma_plan.py):
@@ -28,7 +28,9 @@ Why this design (the plan's numbers: kda_in_proj_mma_plan.py):
 - Programmatic dependent launch. The first `depth` steps of W are issued before `griddepcontrol.wait` (they do not
   depend on the previous kernel); x is read after it, with plain loads (an invariant load could be hoisted above
   the wait). `griddepcontrol.launch_dependents` follows the first x loads.
-- Batches above 16 take several passes over W (MAX_N_TILES batch tiles of accumulators and x fragments per pass).
+- Batches above 16 take passes of 32 rows over W (four batch tiles of accumulators and x fragments), with fewer W
+  loads in flight to make room (8 per lane at 12 warps, 4 at 14): the K split stays that of 16 rows, and so do a
+  row's bits. Each pass after the first reads W again (from HBM: W is larger than the L2).
 
 Measured on one H200 at 28f8360 (tests/k3_decode/kernels/test_kda_in_proj_gpu.py, CUDA-graph replays, W from HBM):
 83-87% of the copy bandwidth at TP8 B1-B8 (24.3-25.6 us; cuBLAS 25.1-26.5, the CUDA-core build 35.4 at B8) and
@@ -153,7 +155,7 @@ def stream_passes(
     lanes: LaneRows,
     warp: Int32,
 ):
-    """out = x @ W^T for every batch row, 16 rows a pass (`plan.passes`), with group 0 of W already in the slots.
+    """out = x @ W^T for every batch row, a pass per `plan.passes` entry, with group 0 of W already in the slots.
     Each later pass reads the CTA's rows of W again, from L2 by then."""
     start = 0
     for p, count in enumerate(plan.passes):

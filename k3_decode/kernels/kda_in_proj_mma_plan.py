@@ -23,14 +23,13 @@ STEP = 64  # columns of one k step: 4 lanes x 16 columns, 4 MMAs of k = 16
 TARGET_WARPS = 12
 MAX_THREADS = 512
 W_LOADS_IN_FLIGHT = 16  # 16-byte weight loads a lane keeps outstanding: 4 per step, so 4 steps ahead
-# Batch tiles one pass holds in registers (16 rows); more rows make more passes over W. Four tiles at 12 warps
-# spilled at the 168-register cap (B = 32); with 6 warps they fit (one pass, 40 us at TP8 B32 against 48 in two), but
-# the K split would then change with the batch and a row's bits with it.
+# Batch tiles one pass holds in registers to 16 rows, beside 16 W loads in flight. Halving the warps to hold more
+# would change the K split with the batch, and a row's bits with it, so wide passes trade W loads instead:
 MAX_N_TILES = 2
-# Above 16 rows a pass holds 32 (four batch tiles) where the CTA's warps leave registers for them, with fewer W loads
-# in flight: (W loads per lane, x steps ahead) by warps per CTA. The builds spilled with more: TP8 (12 warps, 168
-# registers) at 16 loads; TP16 (14 warps, 128) at 8 loads and one x step (40-56 bytes of frame). Other warp counts
-# keep 16 rows a pass.
+# above 16 rows a pass holds 32 (four batch tiles) where the CTA's warps leave registers for them, with (W loads per
+# lane, x steps ahead) by warps per CTA. The builds spilled with more: TP8 (12 warps, 168 registers) at 16 loads;
+# TP16 (14 warps, 128) at 8 loads and one x step (40-56 bytes of frame). Other warp counts keep 16 rows a pass.
+# On the H200 at 1c73f22 one 32-row pass took TP8 B32 28.1 us (two 16-row passes: 48) and TP16 B32 20.1 (26.3).
 WIDE_N_TILES = 4
 WIDE_PASS_BY_WARPS = {12: (8, 2), 14: (4, 1)}
 H200_SMS = 132

@@ -86,9 +86,10 @@ spills). From 5 to 16 rows the CUDA-core FMAs would bound the stream and their a
 CTA's stream runs on tensor cores instead (kda_in_proj_mma.py's `stream_passes`: its 16 rows as one m16 tile, K split
 over its 4 warps and summed in shared memory in a fixed order, o read from L2 in MMA fragments, 12 weight loads per
 lane in flight); the arrival, the wait and the epilogue are the same code. Above 16 rows the stream takes one pass
-per 16 batch rows, as the input projection does; each pass reads the CTA's 16 rows of W again (the first from HBM,
-the others mostly from L2: W is 22 MB at TP8, 11 at TP16). Up to 64 rows (one epilogue cluster per row: the grid's
-64 clusters); where the provider serves them is providers.toml's [o_proj], by measurement.
+per 32 batch rows (four batch tiles, 4 W loads per lane in flight), as the input projection does; a second pass
+(B > 32) reads the CTA's 16 rows of W again, mostly from L2 (W is 22 MB at TP8, 11 at TP16). Up to 64 rows (one
+epilogue cluster per row: the grid's 64 clusters); where the provider serves them is providers.toml's [o_proj], by
+measurement.
 
 Expected time at TP8, B = 1..4: 22 MB of W at ~4.15 TB/s is ~5.3 us of streaming; the tail after it is the last
 CTA's stores and release (~1 us), the poll that sees it (~0.5-1 us), the row read from L2 and the two DSMEM
@@ -227,7 +228,7 @@ class KdaOProjKernel:
             trace_stamp(self.trace, launches, cta, 1, tidx)
             if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
                 cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
-            stream_passes(spec, o, w, attn_out, partials, slots, xslots, lanes, warp)  # 16 batch rows a pass
+            stream_passes(spec, o, w, attn_out, partials, slots, xslots, lanes, warp)  # 32 batch rows a pass
         else:
             staged = smem.allocate_tensor(
                 BFloat16, cute.make_layout((plan.batch, plan.k), stride=(plan.k, 1)), byte_alignment=16

@@ -7,9 +7,9 @@ the same clusters that stream W can run the AttnRes epilogue: CTA c (cluster c /
 `warps * rows_per_warp` consecutive rows of W, each warp `rows_per_warp` of them over the whole of K, a lane one
 16-byte vector (8 columns) of each row per k step of 256 columns; o is staged whole in shared memory. Above 4 rows
 the CTA's 16 rows run on tensor cores instead (kda_in_proj_mma_plan.MmaStream), 16 batch rows per pass over its
-slice of W. Clusters 0..B-1 then apply AttnRes to row b = their cluster index. Every number here is fixed at
-compile time, so listing builds needs neither CuTe DSL nor torch, and the build expectations can count instructions
-from these numbers.
+slice of W to 16 rows, 32 above. Clusters 0..B-1 then apply AttnRes to row b = their cluster index. Every number
+here is fixed at compile time, so listing builds needs neither CuTe DSL nor torch, and the build expectations can
+count instructions from these numbers.
 """
 
 from __future__ import annotations
@@ -22,14 +22,17 @@ from k3_decode.kernels.kda_in_proj_plan import STEP, VECTOR, WeightStream
 
 # The CUDA-core stream's accumulators (rows_per_warp x batch per lane) fit beside 12 weight vectors in flight under
 # 128 registers up to 4 rows; above, the stream runs on tensor cores (kda_in_proj_mma.py's), whose accumulators
-# are 4 per batch tile of 8. 16 rows: two tiles, one pass over W; above, one pass per 16 rows, each over the CTA's
-# own 16 rows of W again (48 KiB at TP8, read back from L2: the whole W is 22 MB). 64 rows: every cluster of the grid
-# (64 at K3's width) applies AttnRes to one row, which the one-wave grid allows (no CTA waits for a slot).
+# are 4 per batch tile of 8. 16 rows: two tiles, one pass over W; above, one pass per 32 rows (four tiles), a second
+# one over the CTA's own 16 rows of W again (48 KiB at TP8, read back from L2: the whole W is 22 MB). 64 rows: every
+# cluster of the grid (64 at K3's width) applies AttnRes to one row, which the one-wave grid allows (no CTA waits for
+# a slot).
 CUDA_CORE_MAX_BATCH = 4
 MAX_BATCH = 64
 # 16-byte W loads per lane in flight and x steps ahead, by batch tiles: one tile as the CUDA-core stream (12), two
 # with fewer (128 registers also hold the x fragments and the epilogue's loads; TP8 B16 spilled at 12 and 1), and
-# fewer again in several passes (TP8 B32 and B64 spilled a 64-bit address across the first pass at 8 and 1).
+# fewer again in the 32-row passes: (loads, x steps ahead, tiles). TP8 B32 and B64 spilled a 64-bit address across
+# the first pass at 8 loads and 1 step with two tiles; at 4 loads four tiles fit (91-128 registers, no frame), and
+# one 32-row pass took TP8 B32 12.6 us against 16.2 in two of 16 rows (the H200 at 1c73f22).
 MMA_STREAM = {1: (12, 2), 2: (8, 1)}
 MMA_STREAM_PASSES = (4, 1, 4)
 ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
@@ -90,7 +93,7 @@ class OProjPlan(WeightStream):
     @property
     def mma(self) -> MmaStream:
         """The tensor-core stream of one CTA: its 16 rows as one m-tile, K split over its warps, 16 batch rows per
-        pass."""
+        pass to 16 rows, 32 above."""
         if self.batch <= 16:
             loads, x_ahead = MMA_STREAM[n_tiles(self.batch)]
             return MmaStream(self.hidden, self.k, self.batch, self.rows_per_cta, 1, self.warps, loads, x_ahead)

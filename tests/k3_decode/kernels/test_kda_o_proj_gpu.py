@@ -67,8 +67,8 @@ AFTER_KINDS = sorted(
 )
 SAVE_KINDS = [AttnResKind(3, "add", True, True), AttnResKind(5, "restart", True, True)]
 EDGE = [AttnResKind.from_tag("n1-restart-norm"), AttnResKind.from_tag("n8-add-norm")]
-# B = 1..4: the CUDA-core stream; 8 and 16: tensor cores in one pass; 22, 32 and 64: in 2, 2 and 4 passes (22: a
-# last pass of 6 rows, a tile of 8 with 2 rows masked).
+# B = 1..4: the CUDA-core stream; 8 and 16: tensor cores in one pass of two batch tiles; 22, 32 and 64: passes of
+# four tiles, 1, 1 and 2 of them (22: a third tile of 6 rows, 2 masked).
 CASES = [(8, 3, k) for k in AFTER_KINDS + SAVE_KINDS] + [
     (tp, b, k) for tp in (8, 16) for b in (1, 2, 3, 4, 8, 16, 22, 32, 64) for k in EDGE if (tp, b) != (8, 3)
 ]
