@@ -73,6 +73,7 @@ from k3_decode.executor.attribution import (  # noqa: E402
     device_events,
     stock_kernel_info,
 )
+from k3_decode.executor.config import StackConfigError  # noqa: E402
 from k3_decode.executor.inputs import entry_blocks  # noqa: E402
 from k3_decode.executor.roofline import StepShape, layer_bytes, roofline_seconds  # noqa: E402
 from k3_decode.kernels import kda_in_proj_op, kda_o_proj_op, kda_step_op, phase_trace  # noqa: E402
@@ -611,7 +612,7 @@ def run_tp(
     tp: int, args: argparse.Namespace, bandwidth: float, flush: L2Flush, save: Callable[[dict], None]
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
-    config = load_stack(STACK, tp, graph_batches=tuple(sorted(set(args.batches))))
+    config = load_stack(args.stack, tp, graph_batches=tuple(sorted(set(args.batches))))
     stock = StackExecutor.start(config, device="cuda", log=log)
     special: StackExecutor | None = None
     unmeasured = None
@@ -632,7 +633,9 @@ def run_tp(
     arms: list[tuple[str, StackExecutor]] = [("stock", stock)] + ([("specialized", special)] if special else [])
     dims, layer = config.dims, config.kda_layers[0]
     if layer != config.layers[0]:
-        raise ValueError(f"stack {STACK} must start with its KDA layer (one entry state feeds the step and the graph)")
+        raise ValueError(
+            f"stack {args.stack} must start with its KDA layer (one entry state feeds the step and the graph)"
+        )
     kind = f"{dims.layer_kind(layer)}+{dims.mlp_kind(layer)}"
     by = f"benchmarks/kda_layer_h200.py TP{tp}"
     stock.ledger.expect(Expectation("stock", by))
@@ -924,6 +927,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--table", metavar="RESULTS", help="print the markdown tables of a results file and exit")
     ap.add_argument("--out", help="where to write the JSON results")
     ap.add_argument("--tp", type=int, nargs="+", default=[8, 16])
+    ap.add_argument(
+        "--stack",
+        default=STACK,
+        help=f"the layer stack (k3_decode/executor/stacks.toml) whose first, KDA layer is timed; default {STACK}",
+    )
     ap.add_argument("--batches", type=int, nargs="+", default=list(DEFAULT_BATCHES))
     ap.add_argument("--context", type=int, default=4096, help="tokens of context every request holds")
     ap.add_argument("--reps", type=int, default=200, help="interleaved rounds (one timed replay per path each)")
@@ -956,6 +964,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--reps must be at least {MIN_ROUNDS} (two rounds of each order for the speedup interval)")
     if args.profile_replays < 1 or min(args.batches) < 1:
         ap.error("--profile-replays and every batch must be at least 1")
+    try:
+        first_layer = load_stack(args.stack, args.tp[0]).layers[0]
+    except StackConfigError as exc:
+        ap.error(str(exc))
     if not torch.cuda.is_available():
         print("kda_layer_h200.py: no CUDA device here; run it on the GPU machine (an H200)", file=sys.stderr)
         return 2
@@ -966,11 +978,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     results: dict[str, Any] = {
         "benchmark": "attention side of a Kimi K3 KDA layer: latency_specialized against stock, interleaved (issue 8)",
-        "stack": STACK,
+        "stack": args.stack,
         "notes": [
             "one GPU holds rank 0's shard at each TP size; the TP all-reduce after o_proj is the identity here",
-            "layer times: CUDA-graph replays of layer 6 (KDA + MoE) after an L2 flush, by CUDA events, the two paths "
-            "alternating in every round (even rounds stock first); speedup = stock / specialized",
+            f"layer times: CUDA-graph replays of layer {first_layer} (KDA + MoE) after an L2 flush, by CUDA events, "
+            "the two paths alternating in every round (even rounds stock first); speedup = stock / specialized",
             "attention side: ops attn_res, in_proj, kda, o_proj; the kernels of profiled graph replays (L2 flushed "
             "before each) attributed to ops in launch order; time = sum of kernel durations (span beside it); "
             "timeline: per kernel, median start and end from the side's first kernel start and the gap before it",

@@ -597,3 +597,11 @@ def test_a_traced_run_prints_its_phases_and_says_its_timings_are_diagnostic() ->
     block = md[md.index("TP8 B1\n") :]
     assert "kda_in_proj (3 CTAs on 3 SMs):" in block
     assert "19.10 (19.00-19.20)  end (after a CTA barrier: every store issued) [3 CTAs]" in block
+
+
+def test_an_unknown_stack_is_refused_before_any_device_work(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--out", str(tmp_path / "out.json"), "--stack", "k3-nope"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "unknown stack 'k3-nope'" in err and "k3-kda-mla-late" in err
+    assert not (tmp_path / "out.json").exists()
