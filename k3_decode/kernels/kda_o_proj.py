@@ -39,13 +39,15 @@ path of every launch.
 
 Deadlock freedom. A waiting CTA waits only for arrivals, and a CTA arrives after nothing but the previous kernel
 (griddepcontrol.wait), its own loads and a CTA barrier, so every resident CTA reaches its arrival. A CTA not yet
-resident needs a free slot; the waiting clusters hold at most B <= 64 cluster slots and every other cluster frees
-its slots as soon as it has arrived, so the grid finishes whenever the device can hold more than B clusters at once,
-or the whole grid (at B = 64 every cluster waits). An H200 holds the whole grid: four CTAs of 128 threads per SM
-(ptxas caps registers at 128 for that, and the build checks it), so 528 CTA slots on 132 SMs, and the grid is 448
-CTAs (64 clusters): it is resident in one wave and nobody waits for a slot at all. PDL does not change this: the
-next kernel launches only once every CTA of this one has executed griddepcontrol.launch_dependents (so all of them
-are resident), and the previous kernel's CTAs were all resident before any of ours.
+resident needs a free slot; the waiting clusters hold at most B <= 32 cluster slots and every other cluster frees
+its slots as soon as it has arrived, so the grid finishes whenever the device can hold more than B clusters at once:
+33 of the grid's 64 (231 CTAs, two per SM on 116 SMs). By registers an H200 holds four CTAs of 128 threads per SM
+(ptxas caps registers at 128 for that, and the build checks it), so the whole grid of 448 CTAs at once, but what an
+SM's shared-memory carveout allows after the previous kernel is not this launch's to choose. At B = 64 every
+cluster would wait, which needs the whole grid resident: that held alone, yet in the layer graph (TP8 B64, the
+n8-add kind) the launch hung on the H200 at e879db8, so the plan stops at 32 rows. PDL does not change the argument:
+the next kernel launches only once every CTA of this one has executed griddepcontrol.launch_dependents (so all of
+them are resident), and the previous kernel's CTAs were all resident before any of ours.
 
 The arrival word, never reset (also not between CUDA-graph replays). As CUDA's cooperative-groups grid sync does
 (cooperative_groups details, `sync_grids`): CTA 0 adds 2^31 - (N - 1) and each other CTA adds 1, N = the grid's
@@ -86,10 +88,9 @@ spills). From 5 to 16 rows the CUDA-core FMAs would bound the stream and their a
 CTA's stream runs on tensor cores instead (kda_in_proj_mma.py's `stream_passes`: its 16 rows as one m16 tile, K split
 over its 4 warps and summed in shared memory in a fixed order, o read from L2 in MMA fragments, 12 weight loads per
 lane in flight); the arrival, the wait and the epilogue are the same code. Above 16 rows the stream takes one pass
-per 32 batch rows (four batch tiles, 4 W loads per lane in flight), as the input projection does; a second pass
-(B > 32) reads the CTA's 16 rows of W again, mostly from L2 (W is 22 MB at TP8, 11 at TP16). Up to 64 rows (one
-epilogue cluster per row: the grid's 64 clusters); where the provider serves them is providers.toml's [o_proj], by
-measurement.
+of 32 batch rows (four batch tiles, 4 W loads per lane in flight). Up to 32 rows: clusters 0..B-1 wait for the
+whole grid, and at 64 (every cluster waiting) the launch hung in the layer graph on the H200 (kda_o_proj_plan.py's
+MAX_BATCH says when); where the provider serves them is providers.toml's [o_proj], by measurement.
 
 Expected time at TP8, B = 1..4: 22 MB of W at ~4.15 TB/s is ~5.3 us of streaming; the tail after it is the last
 CTA's stores and release (~1 us), the poll that sees it (~0.5-1 us), the row read from L2 and the two DSMEM

@@ -22,17 +22,18 @@ from k3_decode.kernels.kda_in_proj_plan import STEP, VECTOR, WeightStream
 
 # The CUDA-core stream's accumulators (rows_per_warp x batch per lane) fit beside 12 weight vectors in flight under
 # 128 registers up to 4 rows; above, the stream runs on tensor cores (kda_in_proj_mma.py's), whose accumulators
-# are 4 per batch tile of 8. 16 rows: two tiles, one pass over W; above, one pass per 32 rows (four tiles), a second
-# one over the CTA's own 16 rows of W again (48 KiB at TP8, read back from L2: the whole W is 22 MB). 64 rows: every
-# cluster of the grid (64 at K3's width) applies AttnRes to one row, which the one-wave grid allows (no CTA waits for
-# a slot).
+# are 4 per batch tile of 8. 16 rows: two tiles, one pass over W; above, one pass of 32 rows (four tiles).
 CUDA_CORE_MAX_BATCH = 4
-MAX_BATCH = 64
+# Clusters 0..B-1 of the grid's 64 wait for every CTA's arrival, so B clusters must be resident beside room for the
+# rest to run. At 32 rows half the grid waits; at 64 every CTA does, which needs all 448 CTAs resident at four per SM.
+# That held alone, but in the layer graph (benchmarks/kda_layer_h200.py, stack k3-kda-mla-late, TP8 B64, the n8-add
+# kind) the launch hung on the H200 at e879db8, while B32 ran: the kernel takes 32 rows at most.
+MAX_BATCH = 32
 # 16-byte W loads per lane in flight and x steps ahead, by batch tiles: one tile as the CUDA-core stream (12), two
 # with fewer (128 registers also hold the x fragments and the epilogue's loads; TP8 B16 spilled at 12 and 1), and
-# fewer again in the 32-row passes: (loads, x steps ahead, tiles). TP8 B32 and B64 spilled a 64-bit address across
-# the first pass at 8 loads and 1 step with two tiles; at 4 loads four tiles fit (91-128 registers, no frame), and
-# one 32-row pass took TP8 B32 12.6 us against 16.2 in two of 16 rows (the H200 at 1c73f22).
+# fewer again in the 32-row pass: (loads, x steps ahead, tiles). Two 16-row passes spilled a 64-bit address at TP8
+# B32 with 8 loads and 1 step; at 4 loads four tiles fit (91-128 registers, no frame), and the one 32-row pass took
+# TP8 B32 12.6 us against 16.2 in two of 16 rows (the H200 at 1c73f22).
 MMA_STREAM = {1: (12, 2), 2: (8, 1)}
 MMA_STREAM_PASSES = (4, 1, 4)
 ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
@@ -59,7 +60,8 @@ class OProjPlan(WeightStream):
             raise ValueError(f"the fused o_proj kernel needs K to be a positive multiple of {STEP}, got {k}")
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(
-                f"the fused o_proj kernel serves 1..{MAX_BATCH} rows (one epilogue cluster per row), got {batch}; "
+                f"the fused o_proj kernel serves 1..{MAX_BATCH} rows (above, its waiting epilogue clusters would need "
+                f"the whole grid resident), got {batch}; "
                 "run o_proj and the AttnRes after attention stock above"
             )
         if kind.delta not in ("add", "restart") or kind.delta_dtype != "bfloat16":

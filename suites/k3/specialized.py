@@ -8,8 +8,8 @@ run the fused KDA step kernel (f_b, conv, norms, gates, the delta rule and the g
 cell's packed rows, state and slot table; the stock op it replaces also takes the f_b GEMM, which the cell's packed
 row feeds it, so both are judged from the same inputs. The input projection cells run the projection kernel at
 every batch of the grid (its provider's row limits are about speed, not correctness); the o_proj cells run the
-fused o_proj + AttnRes kernel up to its 64 rows (one epilogue cluster per row) and decline larger batches with that
-reason (`declines`): the specialized executor keeps o_proj stock there.
+fused o_proj + AttnRes kernel up to its 32 rows (kda_o_proj_plan.MAX_BATCH: at most half its epilogue clusters
+wait) and decline larger batches with that reason (`declines`): the specialized executor keeps o_proj stock there.
 Where the kernels cannot run (no CuTe DSL, no sm_90 GPU) there is no implementation, and `not_run_reason` says why.
 """
 
@@ -55,7 +55,10 @@ class SpecializedAdapters:
 
         rows = case.axes.get("batch", 0)
         if case.spec.op == "kda_o_proj" and rows > MAX_BATCH:
-            return f"the fused o_proj + AttnRes kernel serves 1..{MAX_BATCH} rows (a cluster each), not {rows}"
+            return (
+                f"the fused o_proj + AttnRes kernel serves 1..{MAX_BATCH} rows (at most half its epilogue clusters "
+                f"wait), not {rows}"
+            )
         return None
 
     def kda_in_proj(self, call: OpCall) -> dict[str, Tensor]:

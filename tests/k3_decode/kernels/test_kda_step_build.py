@@ -15,6 +15,7 @@ from harness.kernels_cmd import cubin_resources, parse_expectations, select_buil
 from k3_decode.config import K3
 from k3_decode.kernels.attn_res_plan import AttnResKind
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds, KdaStepBuild
+from k3_decode.kernels.kda_o_proj_plan import MAX_BATCH as O_PROJ_MAX_BATCH
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
 from k3_decode.kernels.kda_step_plan import (
     CLUSTERS,
@@ -128,7 +129,8 @@ def test_a_small_grid_is_spread_over_the_sms_and_leaves_room_for_o_proj(tp, batc
         assert plan.spread == 1 and plan.ctas <= 132  # one CTA per SM, on as many SMs as there are CTAs
     if plan.cluster == 2:  # 512-thread CTAs, two per SM already: nothing to pad
         assert plan.launch_smem_bytes == plan.smem_bytes
-    o_proj = OProjPlan.for_shape(*shard.kda_o_proj, batch, AttnResKind.from_tag("n8-add-norm"), 132)
+    rows = min(batch, O_PROJ_MAX_BATCH)  # above, o_proj runs stock
+    o_proj = OProjPlan.for_shape(*shard.kda_o_proj, rows, AttnResKind.from_tag("n8-add-norm"), 132)
     beside = plan.launch_smem_bytes + (1024 + STATIC_SMEM) + o_proj.ctas_per_sm * o_proj_cta_smem(o_proj)
     if plan.launch_smem_bytes > plan.smem_bytes:  # what the padding takes must not push o_proj off the SM
         assert beside <= SMEM_PER_SM, (plan.launch_smem_bytes, o_proj_cta_smem(o_proj))
