@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
-from k3_decode.kernels.kda_in_proj_mma_plan import TILE_M, MmaStream, n_tiles
+from k3_decode.kernels.kda_in_proj_mma_plan import TILE_M, WIDE_N_TILES, MmaStream, n_tiles
 from k3_decode.kernels.kda_in_proj_plan import STEP, VECTOR, WeightStream
 
 # The CUDA-core stream's accumulators (rows_per_warp x batch per lane) fit beside 12 weight vectors in flight under
@@ -31,11 +31,10 @@ CUDA_CORE_MAX_BATCH = 4
 MAX_BATCH = 32
 # 16-byte W loads per lane in flight and x steps ahead, by batch tiles: one tile as the CUDA-core stream (12), two
 # with fewer (128 registers also hold the x fragments and the epilogue's loads; TP8 B16 spilled at 12 and 1), and
-# fewer again in the 32-row pass: (loads, x steps ahead, tiles). Two 16-row passes spilled a 64-bit address at TP8
-# B32 with 8 loads and 1 step; at 4 loads four tiles fit (91-128 registers, no frame), and the one 32-row pass took
-# TP8 B32 12.6 us against 16.2 in two of 16 rows (the H200 at 1c73f22).
-MMA_STREAM = {1: (12, 2), 2: (8, 1)}
-MMA_STREAM_PASSES = (4, 1, 4)
+# fewer again with three and four (up to WIDE_N_TILES: every batch is one pass). Two 16-row passes spilled a 64-bit
+# address at TP8 B32 with 8 loads and 1 step; at 4 loads four tiles fit (91-128 registers, no frame), and the one
+# 32-row pass took TP8 B32 12.6 us against 16.2 in two of 16 rows (the H200 at 1c73f22).
+MMA_STREAM = {1: (12, 2), 2: (8, 1), 3: (4, 1), 4: (4, 1)}
 ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
 MAX_CTAS_PER_SM = 4  # 4 x 128 threads x 128 registers = an SM's 64K registers
 H200_SMS = 132
@@ -94,12 +93,10 @@ class OProjPlan(WeightStream):
 
     @property
     def mma(self) -> MmaStream:
-        """The tensor-core stream of one CTA: its 16 rows as one m-tile, K split over its warps, 16 batch rows per
-        pass to 16 rows, 32 above."""
-        if self.batch <= 16:
-            loads, x_ahead = MMA_STREAM[n_tiles(self.batch)]
-            return MmaStream(self.hidden, self.k, self.batch, self.rows_per_cta, 1, self.warps, loads, x_ahead)
-        loads, x_ahead, tiles = MMA_STREAM_PASSES
+        """The tensor-core stream of one CTA: its 16 rows as one m-tile, K split over its warps, every batch row in
+        one pass (up to WIDE_N_TILES tiles of 8)."""
+        tiles = n_tiles(self.batch, WIDE_N_TILES)
+        loads, x_ahead = MMA_STREAM[tiles]
         return MmaStream(self.hidden, self.k, self.batch, self.rows_per_cta, 1, self.warps, loads, x_ahead, tiles)
 
     @property
