@@ -289,8 +289,11 @@ class _Run:
         else:
             rows = len(cell.decode)
         limits = self.ex.registry.row_limits(self.ex.config.tp)
+        layer_limits = self.ex.registry.layer_row_limits(self.ex.config.tp, self.ex.dims, self.ex.config.layers)
         kept = self.ex.planner.op_stock
-        paths = self.ex.planner.table.expected_paths(self.ex.dims, self.ex.config.layers, rows, limits, kept)
+        paths = self.ex.planner.table.expected_paths(
+            self.ex.dims, self.ex.config.layers, rows, limits, kept, layer_limits
+        )
         return [Expectation(path, by=by, op=op, layer=layer, step=step) for (layer, op), path in paths.items()]
 
     def _audited(self, cell: Cell, audited: AuditedStep | AuditedCapture, step: int, graph: str | None) -> None:

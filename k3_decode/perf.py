@@ -332,7 +332,8 @@ class K3Arm:
         if (q > 1 and q != prepared.q) or rows not in prepared.rows:  # the deployment prepared no kernels for it
             return [Expectation("stock", by=by)]
         limits = self.ex.registry.row_limits(self.ex.config.tp)
-        paths = table.expected_paths(dims, self.ex.config.layers, rows, limits, self.ex.planner.op_stock)
+        layer_limits = self.ex.registry.layer_row_limits(self.ex.config.tp, dims, self.ex.config.layers)
+        paths = table.expected_paths(dims, self.ex.config.layers, rows, limits, self.ex.planner.op_stock, layer_limits)
         keys = sorted({(r.step, r.layer, r.op) for r in self.ex.ledger.since(self._since).records()})
         return [Expectation(paths[(layer, op)], by=by, op=op, layer=layer, step=s) for s, layer, op in keys]
 

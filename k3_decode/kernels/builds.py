@@ -206,13 +206,15 @@ class KdaOProjBuild:
 
         Counts are of instructions in the code: the k loop is one rolled body unrolled `depth` steps deep, whose
         refill of the weight slots the compiler drops when one group covers K. The stream (everything before the
-        arrival) and the epilogue (one AttnRes application, after it) are counted apart.
+        arrival) and the epilogue (one AttnRes application per epilogue row, after it) are counted apart.
         """
         p, k = self.plan, self.plan.kind
         group = p.depth * p.rows_per_warp  # 16-byte weight loads per refill of every slot
         mix = k.num_blocks > 0
         weight_loads = 2 * mix + k.out_norm  # the AttnRes weights: res_norm and res_proj when mixing, out_norm
-        independent = weight_loads + k.num_blocks + (k.delta == "add")  # bank blocks, the old prefix
+        rows = p.epilogue_rows  # batch rows each epilogue cluster applies AttnRes to, each with its own exchanges
+        per_row = k.num_blocks + (k.delta == "add")  # a row's bank blocks and old prefix
+        independent = weight_loads + rows * per_row
         stream_loads = group + (group if p.groups > 1 else 0) + p.fill_loads
         stream = {  # the CUDA-core stream (B <= 4)
             "depth": p.depth,
@@ -262,13 +264,17 @@ class KdaOProjBuild:
             "tensor_cores": p.tensor_cores,
             "weight_bytes": p.weight_bytes,
             "stream_loads": stream_loads,  # W ahead, one refill body, o's staging (or o's MMA fragments)
-            # Loaded by an epilogue CTA before it waits for the grid, then the one vector after: the o_proj row.
-            "epilogue_loads_before_wait": independent,
-            "global_loads": stream_loads + independent + 1,
+            "epilogue_rows": rows,
+            "epilogue_clusters": p.epilogue_clusters,
+            "preloaded_rows": p.preloaded_rows,
+            # Loaded by an epilogue CTA before it waits for the grid (the weights and the preloaded rows' inputs);
+            # after it, the other rows' inputs and one vector a row: the o_proj row.
+            "epilogue_loads_before_wait": weight_loads + p.preloaded_rows * per_row,
+            "global_loads": stream_loads + independent + rows,
             **stream,
-            "row_stores": 2 + k.save,  # the MLP input, the prefix, the saved block
-            "pushes": (k.partials // 4 if mix else 0) + k.out_norm,  # st.async per pushing lane
-            "exchanges": mix + k.out_norm,
+            "row_stores": rows * (2 + k.save),  # the MLP input, the prefix, the saved block
+            "pushes": rows * ((k.partials // 4 if mix else 0) + k.out_norm),  # st.async per pushing lane
+            "exchanges": rows * (mix + k.out_norm),
         }
 
     def compile(self, arch: str) -> KernelArtifacts:

@@ -25,27 +25,30 @@ stream. Three ways were weighed:
   CTAs of 128 threads, 8 columns per thread: attn_res_plan.ClusterPlan), so the same clusters can run the AttnRes
   device code (attn_res.py's exchange setup, weight loads and mix-and-store, shared as jit methods). Every CTA
   streams its 16 rows of W, stores its 16 columns of every attn_out row, and arrives on a global arrival word; the
-  7 CTAs of cluster b (b < B) then wait until every CTA of the grid has arrived and apply AttnRes to row b, while
-  every other cluster exits at once.
+  7 CTAs of each epilogue cluster c then wait until every CTA of the grid has arrived and apply AttnRes to their
+  rows, while every other cluster exits at once. Up to 32 rows cluster c < B takes row c; above, E = ceil(B / 2)
+  clusters take rows c and c + E (B64: clusters 0..31), so that at most half the grid waits at any batch.
 
-Which clusters wait: clusters 0..B-1, fixed, rather than the last B clusters to arrive (by the order of their
+Which clusters wait: clusters 0..E-1, fixed, rather than the last E clusters to arrive (by the order of their
 arrival tickets). Both are deadlock-free (below). Fixed clusters know their role from the start, so while the rest
 of the grid streams they already have in flight everything that does not depend on o_proj (the AttnRes weights,
-the bank blocks, the old prefix: up to 12 vectors per thread); after the last arrival only the read of the o_proj
-row (from L2) stands between it and the exchanges. Picking by arrival order needs a per-cluster ticket, so a
-cluster barrier after the stream, a broadcast of the ticket through the cluster and another barrier, and then
-every load of the epilogue after the last arrival: one more cluster round trip and memory latency on the critical
-path of every launch.
+the bank blocks, the old prefix: up to 12 vectors per thread, kda_o_proj_plan.PRELOADED_VECTORS, so all of both
+rows of a light kind and the first row of a heavy one); after the last arrival only the read of the o_proj row
+(from L2) stands between the first row and its exchanges, and a second row's own exchanges follow its stores.
+Picking by arrival order needs a per-cluster ticket, so a cluster barrier after the stream, a broadcast of the
+ticket through the cluster and another barrier, and then every load of the epilogue after the last arrival: one
+more cluster round trip and memory latency on the critical path of every launch.
 
 Deadlock freedom. A waiting CTA waits only for arrivals, and a CTA arrives after nothing but the previous kernel
 (griddepcontrol.wait), its own loads and a CTA barrier, so every resident CTA reaches its arrival. A CTA not yet
-resident needs a free slot; the waiting clusters hold at most B <= 32 cluster slots and every other cluster frees
-its slots as soon as it has arrived, so the grid finishes whenever the device can hold more than B clusters at once:
+resident needs a free slot; the waiting clusters hold at most E <= 32 cluster slots and every other cluster frees
+its slots as soon as it has arrived, so the grid finishes whenever the device can hold more than E clusters at once:
 33 of the grid's 64 (231 CTAs, two per SM on 116 SMs). By registers an H200 holds four CTAs of 128 threads per SM
 (ptxas caps registers at 128 for that, and the build checks it), so the whole grid of 448 CTAs at once, but what an
-SM's shared-memory carveout allows after the previous kernel is not this launch's to choose. At B = 64 every
-cluster would wait, which needs the whole grid resident: that held alone, yet in the layer graph (TP8 B64, the
-n8-add kind) the launch hung on the H200 at e879db8, so the plan stops at 32 rows. PDL does not change the argument:
+SM's shared-memory carveout allows after the previous kernel is not this launch's to choose. With one cluster per
+row, at B = 64 every cluster waited, which needs the whole grid resident: that held alone, yet in the layer graph
+(TP8 B64, the n8-add kind) the launch hung on the H200 at e879db8; so above 32 rows a cluster takes two rows, and
+the residency the grid needs is that of B = 32, which ran there. PDL does not change the argument:
 the next kernel launches only once every CTA of this one has executed griddepcontrol.launch_dependents (so all of
 them are resident), and the previous kernel's CTAs were all resident before any of ours.
 
@@ -87,10 +90,10 @@ rows (rows_per_warp x B accumulators beside the weight slots under 128 registers
 spills). From 5 to 16 rows the CUDA-core FMAs would bound the stream and their accumulators would not fit, so the
 CTA's stream runs on tensor cores instead (kda_in_proj_mma.py's `stream_passes`: its 16 rows as one m16 tile, K split
 over its 4 warps and summed in shared memory in a fixed order, o read from L2 in MMA fragments, 12 weight loads per
-lane in flight); the arrival, the wait and the epilogue are the same code. Above 16 rows the stream takes one pass
-of 32 batch rows (four batch tiles, 4 W loads per lane in flight). Up to 32 rows: clusters 0..B-1 wait for the
-whole grid, and at 64 (every cluster waiting) the launch hung in the layer graph on the H200 (kda_o_proj_plan.py's
-MAX_BATCH says when); where the provider serves them is providers.toml's [o_proj], by measurement.
+lane in flight); the arrival, the wait and the epilogue are the same code. Above 16 rows the stream takes a pass
+per 32 batch rows (four batch tiles, 4 W loads per lane in flight); a second pass (B > 32) reads the CTA's 16 rows
+of W again, mostly from L2 (W is 22 MB at TP8, 11 at TP16). Up to 64 rows, at most half the clusters waiting (two
+rows each above 32); where the provider serves them is providers.toml's [o_proj], by measurement.
 
 Expected time at TP8, B = 1..4: 22 MB of W at ~4.15 TB/s is ~5.3 us of streaming; the tail after it is the last
 CTA's stores and release (~1 us), the poll that sees it (~0.5-1 us), the row read from L2 and the two DSMEM
@@ -215,7 +218,8 @@ class KdaOProjKernel:
         trace_stamp(self.trace, launches, cta, 0, tidx)
 
         smem = cutlass.utils.SmemAllocator()
-        areas = self.attn.allocate_exchange(smem, tidx)
+        # One exchange area per epilogue row: a row's pushes never land in an area a slower peer still reads.
+        areas = [self.attn.allocate_exchange(smem, tidx) for _ in range(plan.epilogue_rows)]
         if const_expr(plan.tensor_cores):
             # Above 4 rows: the tensor-core stream (kda_in_proj_mma.py) on the CTA's 16 rows as one m-tile, K split
             # over its warps; o is read straight from L2 in MMA fragments, not staged.
@@ -254,7 +258,7 @@ class KdaOProjKernel:
         trace_stamp(self.trace, launches, cta, 2, tidx)
         seen = self._arrive(arrivals, tidx, cta)
         trace_stamp(self.trace, launches, cta, 3, tidx)
-        if cluster < plan.batch:  # the same for every CTA of a cluster: clusters 0..B-1 apply AttnRes to row b
+        if cluster < plan.epilogue_clusters:  # the same for every CTA of a cluster: AttnRes of rows c, c + E, ...
             self._epilogue(
                 attn_out, prefix, blocks, out, res_norm, res_proj, out_norm, arrivals, seen, areas,
                 save_index, eps, tidx, rank, cluster, launches,
@@ -297,27 +301,65 @@ class KdaOProjKernel:
         out_norm: cute.Tensor | None,
         arrivals: cute.Tensor,
         seen: Int32,
+        areas: list,
+        save_index: Int32,
+        eps: Float32,
+        tidx: Int32,
+        rank: Int32,
+        cluster: Int32,
+        launches: cute.Tensor,
+    ):
+        """The AttnRes after attention of batch rows cluster, cluster + E, ... (E = plan.epilogue_clusters), once
+        every CTA of the grid has stored its o_proj rows."""
+        plan, attn = self.plan, self.attn
+        vec = rank * plan.threads + tidx  # this thread's 8 columns of the row
+        rows = [cluster + j * plan.epilogue_clusters for j in range(plan.epilogue_rows)]
+        # The last row of a cluster may lie past the batch (an odd batch above 32): it is loaded clamped, not used.
+        loaded = [cutlass.min(row, Int32(plan.batch - 1)) for row in rows]
+        # What does not depend on o_proj is loaded first, in flight while the rest of the grid finishes: the weights
+        # and the rows' bank blocks and old prefix, as many rows as fit in registers beside the weights
+        # (plan.preloaded_rows); a later row's are loaded after the row before it is stored.
+        w_mix, w_out = attn.load_weights(res_norm, res_proj, out_norm, vec)
+        early = [self._row_inputs(prefix, blocks, loaded[j], vec) for j in range(plan.preloaded_rows)]
+        self._wait_for_grid(arrivals, seen, tidx)
+        trace_stamp(self.trace, launches, rank + cluster * plan.cluster, 4, tidx)  # CTA `rank` of `cluster`
+        for j in cutlass.range_constexpr(plan.epilogue_rows):
+            if rows[j] < plan.batch:  # the same in every CTA of the cluster (its exchanges need all of them)
+                bank, old = early[j] if j < plan.preloaded_rows else self._row_inputs(prefix, blocks, loaded[j], vec)
+                self._apply(attn_out, prefix, blocks, out, bank, old, w_mix, w_out, areas[j], save_index, eps, tidx,
+                            rank, rows[j], vec)  # fmt: skip
+
+    @cute.jit
+    def _row_inputs(self, prefix: cute.Tensor, blocks: cute.Tensor, row: Int32, vec: Int32) -> tuple:
+        """(the bank blocks, the old prefix in FP32) of this thread's 8 columns of `row`; the old prefix is unused
+        (and not loaded) at a restart."""
+        bank = [_row_vector(blocks[row, s, None], vec) for s in range(self.plan.kind.num_blocks)]
+        return bank, _row_vector(prefix[row, None], vec).to(Float32)
+
+    @cute.jit
+    def _apply(
+        self,
+        attn_out: cute.Tensor,
+        prefix: cute.Tensor,
+        blocks: cute.Tensor,
+        out: cute.Tensor,
+        bank: list,
+        old: cute.TensorSSA,
+        w_mix: cute.TensorSSA,
+        w_out: cute.TensorSSA | None,
         areas: tuple,
         save_index: Int32,
         eps: Float32,
         tidx: Int32,
         rank: Int32,
         row: Int32,
-        launches: cute.Tensor,
+        vec: Int32,
     ):
-        """The AttnRes after attention of batch row `row`, once every CTA of the grid has stored its o_proj rows."""
-        kind, attn = self.plan.kind, self.attn
-        vec = rank * self.plan.threads + tidx  # this thread's 8 columns of the row
-        # What does not depend on o_proj is loaded first, in flight while the rest of the grid finishes.
-        w_mix, w_out = attn.load_weights(res_norm, res_proj, out_norm, vec)
-        bank = [_row_vector(blocks[row, s, None], vec) for s in range(kind.num_blocks)]
-        old = _row_vector(prefix[row, None], vec).to(Float32)  # unused (and not loaded) at a restart
-        self._wait_for_grid(arrivals, seen, tidx)
-        trace_stamp(self.trace, launches, rank + row * self.plan.cluster, 4, tidx)  # CTA `rank` of cluster `row`
-        delta = self._attention_row(attn_out, row, vec)
-        p = delta.to(Float32)
-        if const_expr(kind.delta == "add"):
+        """One row's AttnRes after attention from its preloaded bank and old prefix and its o_proj row."""
+        p = self._attention_row(attn_out, row, vec).to(Float32)
+        if const_expr(self.plan.kind.delta == "add"):
             p = (old + p).to(BFloat16).to(Float32)
+        attn = self.attn
         attn.mix_and_store(bank, p, w_mix, w_out, areas, out, prefix, blocks, row, save_index, vec, tidx, rank, eps)
 
     @cute.jit

@@ -7,7 +7,8 @@ the same clusters that stream W can run the AttnRes epilogue: CTA c (cluster c /
 `warps * rows_per_warp` consecutive rows of W, each warp `rows_per_warp` of them over the whole of K, a lane one
 16-byte vector (8 columns) of each row per k step of 256 columns; o is staged whole in shared memory. Above 4 rows
 the CTA's 16 rows run on tensor cores instead (kda_in_proj_mma_plan.MmaStream), 16 batch rows per pass over its
-slice of W to 16 rows, 32 above. Clusters 0..B-1 then apply AttnRes to row b = their cluster index. Every number
+slice of W to 16 rows, 32 a pass above. Then at most half the grid's clusters apply AttnRes: to 32 rows, cluster b
+to row b; above, each of `epilogue_clusters` clusters to `epilogue_rows` rows (b, b + E, ...). Every number
 here is fixed at compile time, so listing builds needs neither CuTe DSL nor torch, and the build expectations can
 count instructions from these numbers.
 """
@@ -24,11 +25,17 @@ from k3_decode.kernels.kda_in_proj_plan import STEP, VECTOR, WeightStream
 # 128 registers up to 4 rows; above, the stream runs on tensor cores (kda_in_proj_mma.py's), whose accumulators
 # are 4 per batch tile of 8. 16 rows: two tiles, one pass over W; above, one pass of 32 rows (four tiles).
 CUDA_CORE_MAX_BATCH = 4
-# Clusters 0..B-1 of the grid's 64 wait for every CTA's arrival, so B clusters must be resident beside room for the
-# rest to run. At 32 rows half the grid waits; at 64 every CTA does, which needs all 448 CTAs resident at four per SM.
-# That held alone, but in the layer graph (benchmarks/kda_layer_h200.py, stack k3-kda-mla-late, TP8 B64, the n8-add
-# kind) the launch hung on the H200 at e879db8, while B32 ran: the kernel takes 32 rows at most.
-MAX_BATCH = 32
+# The epilogue's clusters wait for every CTA's arrival, so they must be resident beside room for the rest to run. With
+# one cluster per row, at 64 rows every cluster of the grid's 64 waited, which needs all 448 CTAs resident at four per
+# SM: that held alone, but in the layer graph (benchmarks/kda_layer_h200.py, stack k3-kda-mla-late, TP8 B64, the
+# n8-add kind) the launch hung on the H200 at e879db8, while B32 (half the grid waiting) ran. So at most half the
+# clusters wait at any batch (WAITING_SHARE), and above 32 rows each takes two rows.
+MAX_BATCH = 64
+WAITING_SHARE = 2  # at most 1 / WAITING_SHARE of the grid's clusters wait for the grid
+# 16-byte vectors an epilogue thread holds across the wait for the grid (AttnRes weights, bank blocks, old prefixes):
+# one row of the heaviest kind (n8-add: 3 weights + 9) fits under 128 registers; two rows of n8 spilled 112-192 bytes
+# at TP8 B64, two of n1 took 95 registers.
+PRELOADED_VECTORS = 12
 # 16-byte W loads per lane in flight and x steps ahead, by batch tiles: one tile as the CUDA-core stream (12), two
 # with fewer (128 registers also hold the x fragments and the epilogue's loads; TP8 B16 spilled at 12 and 1), and
 # fewer again with three and four (up to WIDE_N_TILES: every batch is one pass). Two 16-row passes spilled a 64-bit
@@ -59,8 +66,7 @@ class OProjPlan(WeightStream):
             raise ValueError(f"the fused o_proj kernel needs K to be a positive multiple of {STEP}, got {k}")
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(
-                f"the fused o_proj kernel serves 1..{MAX_BATCH} rows (above, its waiting epilogue clusters would need "
-                f"the whole grid resident), got {batch}; "
+                f"the fused o_proj kernel serves 1..{MAX_BATCH} rows, got {batch}; "
                 "run o_proj and the AttnRes after attention stock above"
             )
         if kind.delta not in ("add", "restart") or kind.delta_dtype != "bfloat16":
@@ -82,8 +88,11 @@ class OProjPlan(WeightStream):
                 f"the fused o_proj kernel's tensor-core stream needs {TILE_M} rows per CTA, the plan gives "
                 f"{plan.rows_per_cta} for {hidden} rows"
             )
-        if plan.clusters < batch:
-            raise ValueError(f"{plan.clusters} clusters cannot apply AttnRes to {batch} rows (one cluster per row)")
+        if plan.epilogue_clusters * WAITING_SHARE > plan.clusters:
+            raise ValueError(
+                f"{plan.clusters} clusters cannot apply AttnRes to {batch} rows with at most "
+                f"1/{WAITING_SHARE} of them waiting for the grid"
+            )
         return plan
 
     @property
@@ -98,6 +107,28 @@ class OProjPlan(WeightStream):
         tiles = n_tiles(self.batch, WIDE_N_TILES)
         loads, x_ahead = MMA_STREAM[tiles]
         return MmaStream(self.hidden, self.k, self.batch, self.rows_per_cta, 1, self.warps, loads, x_ahead, tiles)
+
+    @property
+    def epilogue_rows(self) -> int:
+        """Batch rows each epilogue cluster applies AttnRes to: one while that keeps the waiting clusters to
+        1 / WAITING_SHARE of the grid, more above (the grid's arrival is awaited once for all of them)."""
+        return -(-self.batch * WAITING_SHARE // self.clusters)
+
+    @property
+    def epilogue_clusters(self) -> int:
+        """Clusters 0..E-1 apply AttnRes, cluster c to rows c, c + E, ... below the batch; the rest exit after
+        their arrival. E = B to 32 rows; above, as few as take `epilogue_rows` rows each (B40: 20 of 2)."""
+        return -(-self.batch // self.epilogue_rows)
+
+    @property
+    def preloaded_rows(self) -> int:
+        """Epilogue rows whose bank blocks and old prefix are loaded before the wait for the grid: as many as keep
+        the vectors held across it within PRELOADED_VECTORS beside the AttnRes weights, at least one."""
+        kind = self.kind
+        weights = 2 * (kind.num_blocks > 0) + kind.out_norm
+        per_row = kind.num_blocks + (kind.delta == "add")
+        fit = (PRELOADED_VECTORS - weights) // per_row if per_row else self.epilogue_rows
+        return max(1, min(self.epilogue_rows, fit))
 
     @property
     def attn(self) -> ClusterPlan:

@@ -38,10 +38,20 @@ def _limits() -> dict[str, Any]:
     return tomllib.loads(LIMITS.read_text())
 
 
-def max_rows(op: str, name: str, tp: int) -> tuple[int, str] | None:
-    """(most rows, why) the provider `name` of `op` serves at `tp` (providers.toml), or None for no limit."""
+def max_rows(op: str, name: str, tp: int, blocks: int | None = None) -> tuple[int, str] | None:
+    """(most rows, why) the provider `name` of `op` serves at `tp` (providers.toml), or None for no limit. `blocks`:
+    the bank blocks the layer's AttnRes after attention mixes, for an op with a [<op>.mixing] limit that applies
+    from `min_blocks` on in place of its own."""
     entry = _limits().get(op)
-    if entry is None or str(tp) not in entry["max_rows"]:
+    if entry is None:
+        return None
+    mixing = entry.get("mixing")
+    if blocks is not None and mixing is not None and blocks >= mixing["min_blocks"] and str(tp) in mixing["max_rows"]:
+        return int(mixing["max_rows"][str(tp)]), (
+            f"rows {name} serves at TP{tp} where the AttnRes after attention mixes {mixing['min_blocks']} or more "
+            f"bank blocks ({mixing['why']})"
+        )
+    if str(tp) not in entry["max_rows"]:
         return None
     return int(entry["max_rows"][str(tp)]), f"rows {name} serves at TP{tp} ({entry['why']})"
 
@@ -223,6 +233,12 @@ class CuteKdaOProjProvider(_CuteProvider):
             return mlp_input
 
         return {"kda_o_proj": kda_o_proj, "attn_res_after": attn_res_after}
+
+    def layer_max_rows(self, tp: int, dims: Any, layer: int) -> tuple[int, str] | None:
+        """The row limit at one layer: the stock pair's AttnRes grows with the bank blocks it mixes, so where the
+        layer's AttnRes after attention mixes enough of them the kernel serves more rows (providers.toml)."""
+        blocks = AttnResSite.after_attention(layer, dims.attn_res_block_size).num_blocks
+        return max_rows(self.op, self.name, tp, blocks)
 
 
 @dataclass(frozen=True)

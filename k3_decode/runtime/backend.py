@@ -13,7 +13,7 @@ under the specialized name.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, Protocol, get_args
 
 from k3_decode.runtime.errors import BackendError
@@ -79,6 +79,19 @@ class ProviderRegistry:
             limit = max_rows(tp) if max_rows is not None else None
             if limit is not None:
                 limits[provider.op] = (int(limit[0]), limit[1])
+        return limits
+
+    def layer_row_limits(self, tp: int, dims: Any, layers: Iterable[int]) -> dict[tuple[str, int], tuple[int, str]]:
+        """(op, layer) -> the most rows its provider serves at that layer and why, for providers whose limit
+        depends on the layer (a `layer_max_rows(tp, dims, layer)` that returns one); where given, it replaces the
+        op's row_limits entry at that layer."""
+        limits: dict[tuple[str, int], tuple[int, str]] = {}
+        for provider in self._by_op.values():
+            layer_max_rows = getattr(provider, "layer_max_rows", None)
+            for layer in layers if layer_max_rows is not None else ():
+                limit = layer_max_rows(tp, dims, layer)
+                if limit is not None:
+                    limits[(provider.op, layer)] = (int(limit[0]), limit[1])
         return limits
 
     def kept_stock(self, tp_all_reduce: bool) -> dict[str, str]:

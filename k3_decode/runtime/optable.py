@@ -54,14 +54,17 @@ class OpTable:
         rows: int,
         limits: Mapping[str, tuple[int, str]],
         kept: Collection[str] = (),
+        layer_limits: Mapping[tuple[str, int], tuple[int, str]] | None = None,
     ) -> dict[tuple[int, str], DispatchPath]:
         """(layer, op) -> the path of each op of `layers` on a specialized step of `rows` rows (see
-        PartOps.path_on_specialized_step)."""
-        return {
-            (layer, op): part.path_on_specialized_step(op, rows, limits, kept)
-            for layer in layers
-            for part, op in self.layer_ops(dims, layer)
-        }
+        PartOps.path_on_specialized_step); `layer_limits` ((op, layer) -> limit) replace `limits` at their layer."""
+        paths: dict[tuple[int, str], DispatchPath] = {}
+        for layer in layers:
+            here = dict(limits)
+            here.update({op: limit for (op, at), limit in (layer_limits or {}).items() if at == layer})
+            for part, op in self.layer_ops(dims, layer):
+                paths[(layer, op)] = part.path_on_specialized_step(op, rows, here, kept)
+        return paths
 
     def layer_ops(self, dims: ModelDims, layer: int) -> tuple[tuple[PartOps, str], ...]:
         """(part, op) pairs of a 0-indexed layer in launch order: its attention part, then its MLP part."""

@@ -166,6 +166,8 @@ class Planner:
     # Per specialized op, the most rows its provider serves at this deployment and why (a kernel that loses to the
     # stock op above a batch size is not run there); an op without an entry is served at every prepared size.
     op_rows: Mapping[str, tuple[int, str]] = field(default_factory=dict)
+    # Per (op, layer), a limit that replaces the op's at that layer (backend.ProviderRegistry.layer_row_limits).
+    layer_rows: Mapping[tuple[str, int], tuple[int, str]] = field(default_factory=dict)
     # Specialized ops whose provider cannot serve this deployment at all, and why (backend.ProviderRegistry
     # .kept_stock): stock on every step, each decision with that reason.
     op_stock: Mapping[str, str] = field(default_factory=dict)
@@ -206,7 +208,7 @@ class Planner:
         decisions: list[OpDecision] = []
         for layer in self.layers:
             for part, op in self.table.layer_ops(self.dims, layer):
-                limit = self.op_rows.get(op)
+                limit = self.layer_rows.get((op, layer), self.op_rows.get(op))
                 if path == "specialized" and part.path_on_specialized_step(op) == "stock":
                     decisions.append(OpDecision(layer, op, "stock", part.stock_reason))
                 elif path == "specialized" and op in self.op_stock:

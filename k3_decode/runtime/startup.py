@@ -43,6 +43,7 @@ class Runtime:
             dims=dims,
             layers=tuple(layers),
             op_rows=self.op_rows(),
+            layer_rows=self.registry.layer_row_limits(self.deployment.tp, dims, layers),
             op_stock=self.registry.kept_stock(self.deployment.tp_all_reduce),
         )
 

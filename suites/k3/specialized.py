@@ -8,8 +8,9 @@ run the fused KDA step kernel (f_b, conv, norms, gates, the delta rule and the g
 cell's packed rows, state and slot table; the stock op it replaces also takes the f_b GEMM, which the cell's packed
 row feeds it, so both are judged from the same inputs. The input projection cells run the projection kernel at
 every batch of the grid (its provider's row limits are about speed, not correctness); the o_proj cells run the
-fused o_proj + AttnRes kernel up to its 32 rows (kda_o_proj_plan.MAX_BATCH: at most half its epilogue clusters
-wait) and decline larger batches with that reason (`declines`): the specialized executor keeps o_proj stock there.
+fused o_proj + AttnRes kernel up to its 64 rows (kda_o_proj_plan.MAX_BATCH: at most half its epilogue clusters
+wait, two rows each above 32) and decline larger batches with that reason (`declines`): the specialized executor
+keeps o_proj stock there.
 Where the kernels cannot run (no CuTe DSL, no sm_90 GPU) there is no implementation, and `not_run_reason` says why.
 """
 
@@ -57,7 +58,7 @@ class SpecializedAdapters:
         if case.spec.op == "kda_o_proj" and rows > MAX_BATCH:
             return (
                 f"the fused o_proj + AttnRes kernel serves 1..{MAX_BATCH} rows (at most half its epilogue clusters "
-                f"wait), not {rows}"
+                f"wait, two rows each above 32), not {rows}"
             )
         return None
 

@@ -109,12 +109,12 @@ def test_an_o_proj_adapter_that_hands_the_kernel_the_wrong_site_fails_the_oracle
     assert failed(run(projections.OProjCell(D, 1, 3, "after-write"), adapter))
 
 
-def test_the_specialized_path_declines_o_proj_above_32_rows_and_nothing_else():
+def test_the_specialized_path_declines_o_proj_above_64_rows_and_nothing_else():
     adapters = specialized.SpecializedAdapters(D)
     assert adapters.declines(projections.OProjCell(D, 1, 16, "after-plain")) is None
-    assert adapters.declines(projections.OProjCell(D, 1, 32, "after-write")) is None
-    reason = adapters.declines(projections.OProjCell(D, 1, 33, "after-write"))
-    assert reason and "1..32 rows" in reason and "33" in reason
+    assert adapters.declines(projections.OProjCell(D, 1, 64, "after-write")) is None
+    reason = adapters.declines(projections.OProjCell(D, 1, 65, "after-write"))
+    assert reason and "1..64 rows" in reason and "65" in reason
     assert adapters.declines(projections.InProjCell(D, 1, 64)) is None
 
 

@@ -47,7 +47,7 @@ def build_command(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.C
 
 def o_proj_cta_smem(plan: OProjPlan) -> int:
     """The shared memory of one fused o_proj CTA, the driver's 1 KiB included: staged o (the CUDA-core stream) or
-    the K slices' partials (tensor cores), the AttnRes exchange's two barriers and areas, alignment."""
-    exchange = 2 * 8 + (plan.attn.slots * 20 + plan.attn.slots) * 4 + 64
+    the K slices' partials (tensor cores), the AttnRes exchange's two barriers and areas per epilogue row, alignment."""
+    exchange = (2 * 8 + (plan.attn.slots * 20 + plan.attn.slots) * 4 + 64) * plan.epilogue_rows
     stream = plan.mma.smem_bytes if plan.tensor_cores else plan.stage_bytes
     return stream + exchange + 1024

@@ -53,8 +53,13 @@ def test_k3_shapes_are_whole_clusters_resident_in_one_wave(tp, batch):
     assert plan.ctas * plan.rows_per_cta == hidden and plan.ctas % plan.cluster == 0  # every row once, whole clusters
     assert plan.ctas <= plan.ctas_per_sm * H200_SMS  # one wave: no CTA waits for a free SM behind the waiters
     assert plan.ctas_per_sm * plan.threads * 128 <= 65536  # the register cap ptxas is told to meet
-    assert plan.clusters >= batch  # one epilogue cluster per row
-    assert 2 * batch <= plan.clusters  # at most half the grid waits: the rest need not be resident beside it
+    # Every row has exactly one epilogue cluster, and at most half the grid waits (the rest need not be resident
+    # beside it): one row per cluster to 32 rows, two above.
+    clusters, per = plan.epilogue_clusters, plan.epilogue_rows
+    rows = sorted(c + j * clusters for c in range(clusters) for j in range(per))
+    assert [r for r in rows if r < batch] == list(range(batch)) and len(rows) - batch < plan.epilogue_clusters
+    assert 2 * plan.epilogue_clusters <= plan.clusters
+    assert plan.epilogue_rows == (1 if batch <= 32 else 2) and 1 <= plan.preloaded_rows <= plan.epilogue_rows
     assert plan.steps * STEP == k and plan.depth * plan.groups == plan.steps
     assert plan.depth * plan.rows_per_warp >= 12  # the loads in flight the stream's bandwidth needs
     assert (plan.depth, plan.groups) == ((3, 2) if tp == 8 else (3, 1))
@@ -62,9 +67,9 @@ def test_k3_shapes_are_whole_clusters_resident_in_one_wave(tp, batch):
 
 
 def test_plan_refuses_what_the_kernel_cannot_take():
-    with pytest.raises(ValueError, match=r"1\.\.32 rows"):
+    with pytest.raises(ValueError, match=r"1\.\.64 rows"):
         OProjPlan.for_shape(7168, 1536, 65, ADD8)
-    with pytest.raises(ValueError, match=r"1\.\.32 rows"):
+    with pytest.raises(ValueError, match=r"1\.\.64 rows"):
         OProjPlan.for_shape(7168, 1536, 0, ADD8)
     with pytest.raises(ValueError, match="multiple of 256"):
         OProjPlan.for_shape(7168, 1000, 1, ADD8)
@@ -124,12 +129,12 @@ def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
     builds = o_proj_builds()
     kinds = {AttnResKind.from_tag(t) for t in ("n1-restart-norm", "n1-add-norm", "n8-restart-norm", "n8-add-norm")}
     assert {(b.tp, b.plan.batch, b.plan.kind) for b in builds} == {
-        (tp, batch, kind) for tp in (8, 16) for batch in (1, 2, 4, 8, 16, 32) for kind in kinds
+        (tp, batch, kind) for tp in (8, 16) for batch in (1, 2, 4, 8, 16, 32, 64) for kind in kinds
     }
     assert kinds <= after_attention_kinds()
     assert {b.tp: (b.plan.hidden, b.plan.k) for b in builds} == {8: K3.shard(8).kda_o_proj, 16: K3.shard(16).kda_o_proj}
     assert {b.kernel for b in builds} == {"kda_o_proj"} and {b.capacity for b in builds} == {8}
-    assert len({b.name for b in builds}) == len(builds) == 48
+    assert len({b.name for b in builds}) == len(builds) == 56
     assert "kda_o_proj/tp16/b4/n8-add-norm" in {b.name for b in builds}
 
 
@@ -151,17 +156,25 @@ def test_build_tags_count_what_the_code_must_hold():
     assert (t["passes"], t["arrival_barriers"], r["passes"], r["arrival_barriers"]) == (1, 2, 1, 2)
     # Tensor cores: one pass of two batch tiles to 16 rows, a pass per 32 rows (four tiles) above; 4 warps split
     # K=1536 (TP8) into 6 steps each: 6 x 4 W loads ahead, refilled by none (one group covers the slice).
-    for batch, passes, tiles in ((8, 1, 1), (16, 1, 2), (32, 1, 4)):
+    for batch, passes, tiles in ((8, 1, 1), (16, 1, 2), (32, 1, 4), (64, 2, 4)):
         m = tags[f"kda_o_proj/tp8/b{batch}/n8-add-norm"]
         assert (m["tensor_cores"], m["passes"], m["arrival_barriers"]) == (True, passes, 2 * passes), batch
         assert m["stream_mmas"] == passes * tiles * 4 * m["depth"] and m["o_stages"] == m["stream_fmas"] == 0
         assert m["out_stores"] == passes * tiles * 4, batch  # 2 rows x 2 batch columns per lane and tile
+    # B64: 32 epilogue clusters of two rows, each row with its own exchanges and stores; the heavy kind holds one
+    # row's bank across the wait (12 vectors with the weights), the light one both rows'.
+    heavy, light = tags["kda_o_proj/tp8/b64/n8-add-norm"], tags["kda_o_proj/tp16/b64/n1-restart-norm"]
+    assert (heavy["epilogue_clusters"], heavy["epilogue_rows"], heavy["preloaded_rows"]) == (32, 2, 1)
+    assert heavy["epilogue_loads_before_wait"] == 3 + 9 and heavy["global_loads"] == heavy["stream_loads"] + 3 + 18 + 2
+    assert (heavy["pushes"], heavy["exchanges"], heavy["row_stores"]) == (2 * (5 + 1), 4, 4)
+    assert (light["preloaded_rows"], light["epilogue_loads_before_wait"], light["exchanges"]) == (2, 3 + 2, 4)
+    assert tags["kda_o_proj/tp8/b32/n8-add-norm"]["epilogue_clusters"] == 32  # one row each, as before
 
 
 def test_expectations_judge_every_o_proj_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_o_proj/*")  # every named tag exists
-    assert len(builds) == 48
+    assert len(builds) == 56
     spec = expectations["kda_o_proj"]
     assert spec.max_registers == 128 and spec.max_frame_bytes == 0 and len(spec.rules) >= 45
 

@@ -4,7 +4,8 @@ The o_proj provider (providers.py, CuteKdaOProjProvider) was registered after th
 test prints what it measured (METRIC lines), so a run's log says how close each case came.
 
 - The fused launch against the FP64 oracle (exact o_proj, then the AttnRes after attention) at TP8 and TP16,
-  B = 1..4 (the CUDA-core stream), 8 and 16 (tensor cores, two batch tiles) and 22 and 32 (four tiles), every
+  B = 1..4 (the CUDA-core stream), 8 and 16 (tensor cores, two batch tiles), 22 and 32 (four tiles) and 33 and
+  64 (two passes; epilogue clusters of two rows, 33's last cluster with one), every
   after-attention kind K3 uses (restart and add over banks of 1..8 blocks) at B = 3 and two kinds
   that save a block, the lightest and the heaviest at every other (TP, B). o_proj's output is held to the input
   projection's bound (one BF16 rounding of an FP32 sum, tests/k3_decode/kernels/test_kda_in_proj_gpu.py) and must
@@ -68,10 +69,13 @@ AFTER_KINDS = sorted(
 SAVE_KINDS = [AttnResKind(3, "add", True, True), AttnResKind(5, "restart", True, True)]
 EDGE = [AttnResKind.from_tag("n1-restart-norm"), AttnResKind.from_tag("n8-add-norm")]
 # B = 1..4: the CUDA-core stream; 8 and 16: tensor cores in one pass of two batch tiles; 22 and 32: one pass of four
-# tiles (22: a third tile of 6 rows, 2 masked, and a fourth past the batch).
-CASES = [(8, 3, k) for k in AFTER_KINDS + SAVE_KINDS] + [
-    (tp, b, k) for tp in (8, 16) for b in (1, 2, 3, 4, 8, 16, 22, 32) for k in EDGE if (tp, b) != (8, 3)
-]
+# tiles (22: a third tile of 6 rows, 2 masked, and a fourth past the batch); 33 and 64: two passes, and 17 and 32
+# epilogue clusters of two rows each (33: the last cluster's second row past the batch).
+CASES = (
+    [(8, 3, k) for k in AFTER_KINDS + SAVE_KINDS]
+    + [(tp, b, k) for tp in (8, 16) for b in (1, 2, 3, 4, 8, 16, 22, 32, 33, 64) for k in EDGE if (tp, b) != (8, 3)]
+    + [(8, 64, k) for k in [*SAVE_KINDS, AttnResKind.from_tag("n3-add-norm"), AttnResKind.from_tag("n4-add-norm")]]
+)
 SLOWER_LIMIT = 1.5  # loose: the fused launch against the faster of the stock pair and the two-launch path
 
 
@@ -147,20 +151,20 @@ def test_the_fused_launch_matches_the_oracle(tp: int, batch: int, kind: AttnResK
 
 @pytest.mark.parametrize("tp", [8, 16])
 def test_a_rows_o_proj_bits_do_not_depend_on_the_batch_on_tensor_cores(tp: int):
-    """Two batch tiles (B8, B16) or four (B22, B32): the same K split and summation order for every batch row, so
-    a row's o_proj output is the same bits at every tensor-core batch it is part of."""
+    """Two batch tiles (B8, B16), four (B22, B32) or two passes of four (B33, B64): the same K split and summation
+    order for every batch row, so a row's o_proj output is the same bits at every tensor-core batch it is part of."""
     hidden, k = K3.shard(tp).kda_o_proj
     kind = AttnResKind.from_tag("n1-add-norm")
-    o32, w, _, _ = operands(hidden, k, 32, tp)
+    o64, w, _, _ = operands(hidden, k, 64, tp)
     results = {}
-    for batch in (8, 16, 22, 32):
+    for batch in (8, 16, 22, 32, 33, 64):
         buffers, _, _ = make_buffers(batch, kind.num_blocks, torch.Generator().manual_seed(batch))
-        partial, _ = kda_o_proj_op.apply(o32[:batch].contiguous(), w, buffers, site_of(kind), after_weights(), EPS)
+        partial, _ = kda_o_proj_op.apply(o64[:batch].contiguous(), w, buffers, site_of(kind), after_weights(), EPS)
         results[batch] = partial
     torch.cuda.synchronize()
     for batch, partial in results.items():
-        assert torch.equal(bits(partial), bits(results[32][:batch])), f"TP{tp} B{batch}: rows differ from B32's"
-    assert not torch.equal(bits(results[32][16:32]), bits(results[32][:16]))  # distinct rows, not one repeated
+        assert torch.equal(bits(partial), bits(results[64][:batch])), f"TP{tp} B{batch}: rows differ from B64's"
+    assert not torch.equal(bits(results[64][32:64]), bits(results[64][:32]))  # distinct rows, not one repeated
 
 
 @dataclasses.dataclass
@@ -284,8 +288,8 @@ def test_inputs_the_kernel_cannot_take_are_refused():
         buffers.num_blocks = 1
         return buffers
 
-    with pytest.raises(ValueError, match=r"1\.\.32 rows"):
-        kda_o_proj_op.apply(o(33), w, bank(33), site, weights, EPS)
+    with pytest.raises(ValueError, match=r"1\.\.64 rows"):
+        kda_o_proj_op.apply(o(65), w, bank(65), site, weights, EPS)
     with pytest.raises(ValueError, match=r"must be torch\.bfloat16"):
         kda_o_proj_op.apply(o(2, torch.float32), w, bank(2), site, weights, EPS)
     with pytest.raises(ValueError, match="contiguous"):
@@ -366,10 +370,10 @@ def test_timing_against_the_stock_pair_and_the_two_launch_path(tp: int):
     weights = [(torch.randn(hidden, k, device=DEV) * 0.02).bfloat16() for _ in range(copies)]
     mix = after_weights()
     slower = []
-    for batch in (1, 2, 4, 8, 16, 32):  # the CUDA-core stream to 4 rows, tensor cores above
+    for batch in (1, 2, 4, 8, 16, 32, 64):  # the CUDA-core stream to 4 rows, tensor cores above
         # The lightest and the heaviest bank; every bank size from 32 rows, where the stock pair's AttnRes time,
         # which grows with the blocks it mixes, decides which layers the provider serves (providers.toml).
-        banks = (1, 8) if batch < 32 else range(1, 9)  # B64 before the kernel stopped at 32: docs/kda-layer-h200.md
+        banks = (1, 8) if batch < 32 else range(1, 9)
         for kind in (AttnResKind.from_tag(f"n{n}-add-norm") for n in banks):
             o = torch.randn(batch, k, device=DEV).bfloat16()
             buffers, _, _ = make_buffers(batch, kind.num_blocks, torch.Generator().manual_seed(batch))
@@ -398,7 +402,7 @@ def test_timing_against_the_stock_pair_and_the_two_launch_path(tp: int):
                 f"{us['stock']:.1f} us ({us['stock'] / us['fused']:.2f}x); weight stream + CuTe AttnRes "
                 f"{us['two']:.1f} us ({us['two'] / us['fused']:.2f}x)"
             )
-            served = batch <= max_rows("o_proj", "cute-kda-o-proj", tp)[0]  # above, printed only: o_proj runs stock
+            served = batch <= max_rows("o_proj", "cute-kda-o-proj", tp, kind.num_blocks)[0]  # else printed only
             if served and timed["fused"] > SLOWER_LIMIT * min(timed["stock"], timed["two"]):
                 slower.append(f"B{batch} {kind.tag}: {us['fused']:.1f} us")
     del weights

@@ -129,7 +129,7 @@ def test_a_small_grid_is_spread_over_the_sms_and_leaves_room_for_o_proj(tp, batc
         assert plan.spread == 1 and plan.ctas <= 132  # one CTA per SM, on as many SMs as there are CTAs
     if plan.cluster == 2:  # 512-thread CTAs, two per SM already: nothing to pad
         assert plan.launch_smem_bytes == plan.smem_bytes
-    rows = min(batch, O_PROJ_MAX_BATCH)  # above, o_proj runs stock
+    rows = min(batch, O_PROJ_MAX_BATCH)  # above (none at K3's batches), o_proj runs stock
     o_proj = OProjPlan.for_shape(*shard.kda_o_proj, rows, AttnResKind.from_tag("n8-add-norm"), 132)
     beside = plan.launch_smem_bytes + (1024 + STATIC_SMEM) + o_proj.ctas_per_sm * o_proj_cta_smem(o_proj)
     if plan.launch_smem_bytes > plan.smem_bytes:  # what the padding takes must not push o_proj off the SM

@@ -73,3 +73,5 @@ def test_the_expected_path_on_a_specialized_step_follows_the_table_and_the_row_l
     paths = TABLE.expected_paths(K3, [0, 3], 5, limits)  # layer 0 is KDA+dense, layer 3 MLA+MoE
     assert paths[(0, "attn_res")] == "specialized" and paths[(0, "in_proj")] == "stock"
     assert paths[(3, "attn_res")] == "stock" and paths[(0, "dense_mlp")] == "stock" and len(paths) == 4 + 1 + 4 + 1
+    layered = TABLE.expected_paths(K3, [0, 1], 5, limits, layer_limits={("in_proj", 1): (8, "why")})
+    assert layered[(0, "in_proj")] == "stock" and layered[(1, "in_proj")] == "specialized"  # its own layer only

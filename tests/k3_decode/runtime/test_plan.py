@@ -252,6 +252,23 @@ def test_an_op_above_its_providers_rows_runs_stock_with_the_reason():
     assert padded[(0, "in_proj")] == "stock"
 
 
+def test_a_layer_limit_replaces_the_ops_limit_at_its_layer_only():
+    """A provider that serves more rows at some layers (the fused o_proj where the AttnRes mixes several blocks):
+    the per-layer limit decides there, the op's everywhere else."""
+    stack = dataclasses.replace(DECODE, layers=(0, 1))  # two KDA layers
+    limited = dataclasses.replace(
+        stack,
+        op_rows={"in_proj": (4, "rows at TP8 (op-wide)")},
+        layer_rows={("in_proj", 1): (8, "rows at layer 1 (mixing)")},
+    )
+    paths = {(d.layer, d.op): (d.path, d.reason) for d in limited.plan(decode(8)).decisions}
+    assert paths[(0, "in_proj")] == ("stock", "8 rows above the 4 rows at TP8 (op-wide)")
+    assert paths[(1, "in_proj")] == ("specialized", "pure decode, batch 8 prepared")
+    lower = dataclasses.replace(limited, layer_rows={("in_proj", 1): (2, "rows at layer 1")})  # may also lower it
+    paths = {(d.layer, d.op): d.path for d in lower.plan(decode(4)).decisions}
+    assert paths[(0, "in_proj")] == "specialized" and paths[(1, "in_proj")] == "stock"
+
+
 def test_the_runtime_takes_row_limits_from_the_providers_at_its_tp():
     @dataclasses.dataclass(frozen=True)
     class Limited:
@@ -270,6 +287,31 @@ def test_the_runtime_takes_row_limits_from_the_providers_at_its_tp():
         runtime = start(SPECIALIZED, deployment(tp=tp), registry=reg)
         assert runtime.op_rows() == want
         assert runtime.planner(K3, [0]).op_rows == want
+        assert runtime.planner(K3, [0]).layer_rows == {}  # no provider here limits by layer
+
+
+def test_the_runtime_takes_per_layer_limits_from_providers_that_have_them():
+    @dataclasses.dataclass(frozen=True)
+    class ByLayer:
+        op: str
+        name: str
+        launches: dict
+
+        def max_rows(self, tp: int):
+            return (4, "op-wide")
+
+        def layer_max_rows(self, tp: int, dims, layer: int):
+            return (16, f"layer {layer} at TP{tp}") if layer % 2 else None
+
+    reg = built_registry()
+    reg._by_op["in_proj"] = ByLayer("in_proj", "by-layer", {"K": 1})
+    want = {("in_proj", 1): (16, "layer 1 at TP8"), ("in_proj", 5): (16, "layer 5 at TP8")}
+    assert reg.layer_row_limits(8, K3, [0, 1, 2, 5]) == want
+    planner = start(SPECIALIZED, deployment(tp=8), registry=reg).planner(K3, [0, 1])
+    assert planner.layer_rows == {("in_proj", 1): (16, "layer 1 at TP8")}
+    assert planner.op_rows == {"in_proj": (4, "op-wide")}
+    paths = {(d.layer, d.op): d.path for d in planner.plan(decode(8)).decisions}
+    assert paths[(0, "in_proj")] == "stock" and paths[(1, "in_proj")] == "specialized"
 
 
 def test_the_shipped_limits_name_the_provider_tp_and_measurement():
@@ -279,6 +321,12 @@ def test_the_shipped_limits_name_the_provider_tp_and_measurement():
     assert rows == 8 and why.startswith("rows cute-kda-in-proj serves at TP8 (cuBLAS is faster above")
     assert max_rows("in_proj", "cute-kda-in-proj", 16)[0] == 16
     assert max_rows("in_proj", "cute-kda-in-proj", 1) is None and max_rows("attn_res", "cute-attn-res", 8) is None
+    # o_proj serves more rows where the AttnRes after attention mixes 2 or more bank blocks; blocks do not change
+    # an op without a [mixing] limit.
+    assert max_rows("o_proj", "cute-kda-o-proj", 8)[0] == max_rows("o_proj", "cute-kda-o-proj", 8, blocks=1)[0] == 32
+    rows, why = max_rows("o_proj", "cute-kda-o-proj", 16, blocks=2)
+    assert rows == 64 and "mixes 2 or more bank blocks" in why and "TP16" in why
+    assert max_rows("in_proj", "cute-kda-in-proj", 8, blocks=8)[0] == 8
 
 
 # -- providers that cannot serve a deployment with the TP all-reduces ------------------------------------------------
