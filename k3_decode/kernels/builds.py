@@ -177,7 +177,12 @@ class KdaInProjMmaBuild:
             "partial_stores": counts["partial_stores"],
             "partial_loads": counts["partial_loads"],
             "out_stores": counts["out_stores"],
-            "barriers": 2 * counts["passes"] - 1,
+            "barriers": 2 * counts["passes"] - 1 + counts["slice_barriers"],
+            "x_stages": p.x_stages,
+            "x_copies": counts["x_copies"],
+            "x_commits": counts["x_commits"],
+            "x_waits": counts["x_waits"],
+            "x_reads": counts["x_reads"],
         }
 
     def compile(self, arch: str) -> KernelArtifacts:

@@ -31,6 +31,12 @@ Why this design (the plan's numbers: kda_in_proj_mma_plan.py):
 - Batches above 16 take passes of 32 rows over W (four batch tiles of accumulators and x fragments), with fewer W
   loads in flight to make room (8 per lane at 12 warps, 4 at 14): the K split stays that of 16 rows, and so do a
   row's bits. Each pass after the first reads W again (from HBM: W is larger than the L2).
+- x staged in shared memory (plan.x_stages, TP16's one 32-row pass). There the x loads of one step ahead waited
+  on L2 (Nsight Compute: L2 and HBM well below their peaks, benchmarks/results/l2-traffic-h200.json), and four
+  tiles of x fragments held in registers left room for one step of W. So x goes by cp.async into a ring of 4 k
+  steps per K slice, 3 steps ahead without holding registers, and W keeps 2 steps in flight. The slice's warps
+  share its ring (each copies its own batch tiles) and meet at a named barrier per step
+  (stream_pass_staged). The MMAs and their order are those of the register path: the same bits.
 
 Measured on one H200 at 28f8360 (tests/k3_decode/kernels/test_kda_in_proj_gpu.py, CUDA-graph replays, W from HBM):
 83-87% of the copy bandwidth at TP8 B1-B8 (24.3-25.6 us; cuBLAS 25.1-26.5, the CUDA-core build 35.4 at B8) and
@@ -80,6 +86,7 @@ class KdaInProjKernelMma:
         trace_stamp(self.trace, launches, cta, 0, tidx)
         smem = cutlass.utils.SmemAllocator()
         partials = allocate_partials(plan, smem)
+        ring = allocate_x_ring(plan, smem)
         slots, xslots = stream_slots(plan)
 
         load_w(plan, w, slots, lanes, Int32(0))  # before the wait: W does not depend on the previous kernel
@@ -88,7 +95,7 @@ class KdaInProjKernelMma:
         if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
             cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
 
-        stream_passes(plan, x, w, out, partials, slots, xslots, lanes, warp)
+        stream_passes(plan, x, w, out, partials, slots, xslots, lanes, warp, ring)
         if const_expr(self.trace):
             cute.arch.sync_threads()  # the end stamp after every warp's last store
             trace_stamp(True, launches, cta, 2, tidx)
@@ -107,6 +114,7 @@ class LaneRows(NamedTuple):
     t: Int32
     lane: Int32
     split: Int32
+    m: Int32
 
 
 @cute.jit
@@ -121,7 +129,7 @@ def lane_rows(plan: MmaStream, first: Int32, warp: Int32) -> LaneRows:
     local = [(g + 8 * h) * plan.m_tiles + m for h in range(2)]
     rows = [first + cutlass.min(local[h], here - 1) for h in range(2)]
     vec0 = split * (plan.split_steps * STEP // VECTOR) + t
-    return LaneRows(rows, local, here, vec0, g, t, lane, split)
+    return LaneRows(rows, local, here, vec0, g, t, lane, split, m)
 
 
 def allocate_partials(plan: MmaStream, smem: Any) -> cute.Tensor:
@@ -130,15 +138,26 @@ def allocate_partials(plan: MmaStream, smem: Any) -> cute.Tensor:
     return smem.allocate_tensor(Float32, layout, byte_alignment=16)
 
 
+def allocate_x_ring(plan: MmaStream, smem: Any) -> cute.Tensor | None:
+    """Where x is staged by cp.async ahead of the MMAs (plan.x_stages > 0), else None: per warp, stage, batch tile
+    and vector, each lane's own 16 bytes, [((slice * stages + stage) * tiles + tile) * 2 + v) * 32 + lane, 8]: the
+    warps of one K slice share it (stream_pass_staged says how they take turns)."""
+    if const_expr(plan.x_stages == 0):
+        return None
+    layout = cute.make_layout((plan.x_ring_vectors, VECTOR), stride=(VECTOR, 1))
+    return smem.allocate_tensor(BFloat16, layout, byte_alignment=16)
+
+
 def stream_slots(plan: MmaStream) -> tuple[list, list]:
     """The register slots: W slot j holds k step group * depth + j as [row h][vector v] of 8 BF16; x slot j one
-    step of every batch tile. Constant indices only touch them, so they live in registers."""
+    step of every batch tile (one slot when x is staged in shared memory: the step being multiplied). Constant
+    indices only touch them, so they live in registers."""
     slots = [
         [[cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(2)] for _ in range(2)] for _ in range(plan.depth)
     ]
     xslots = [
         [[cute.make_rmem_tensor((VECTOR,), BFloat16) for _ in range(2)] for _ in range(plan.n_tiles)]
-        for _ in range(plan.x_depth)
+        for _ in range(plan.x_depth if plan.x_stages == 0 else 1)
     ]
     return slots, xslots
 
@@ -154,15 +173,20 @@ def stream_passes(
     xslots: list,
     lanes: LaneRows,
     warp: Int32,
+    ring: cute.Tensor | None = None,
 ):
     """out = x @ W^T for every batch row, a pass per `plan.passes` entry, with group 0 of W already in the slots.
-    Each later pass reads the CTA's rows of W again, from L2 by then."""
+    Each later pass reads the CTA's rows of W again, from L2 by then. `ring`: allocate_x_ring's, where x is staged
+    in shared memory."""
     start = 0
     for p, count in enumerate(plan.passes):
         if const_expr(p > 0):
             cute.arch.sync_threads()  # the previous pass's partials are read
             load_w(plan, w, slots, lanes, Int32(0))
-        stream_pass(plan, x, w, out, partials, slots, xslots, lanes, warp, start, count, p == 0)
+        if const_expr(plan.x_stages > 0):
+            stream_pass_staged(plan, x, w, out, partials, slots, xslots[0], ring, lanes, warp, start, count, p == 0)
+        else:
+            stream_pass(plan, x, w, out, partials, slots, xslots, lanes, warp, start, count, p == 0)
         start += count
 
 
@@ -185,7 +209,7 @@ def stream_pass(
     the griddepcontrol.wait: x is the previous kernel's output."""
     mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
     tiles = -(-count // TILE_N)
-    g, t, lane = lanes.g, lanes.t, lanes.lane
+    g = lanes.g
     xrows = [cutlass.min(Int32(start + TILE_N * i) + g, Int32(plan.batch - 1)) for i in range(tiles)]
     for j in cutlass.range_constexpr(plan.x_depth):
         load_x(plan, x, xslots[j], xrows, lanes.vec0, Int32(j))
@@ -208,7 +232,24 @@ def stream_pass(
             if step + plan.x_depth < plan.split_steps:
                 load_x(plan, x, xs, xrows, lanes.vec0, step + plan.x_depth)
 
-    # Fixed-order sum of the slices: every warp parks its tile, warp (m, 0) adds slices 0, 1, ... in order.
+    sum_slices(plan, out, partials, acc, lanes, warp, start, count)
+
+
+@cute.jit
+def sum_slices(
+    plan: MmaStream,
+    out: cute.Tensor,
+    partials: cute.Tensor,
+    acc: list,
+    lanes: LaneRows,
+    warp: Int32,
+    start: cutlass.Constexpr[int],
+    count: cutlass.Constexpr[int],
+):
+    """The pass's outputs from every warp's accumulators: each parks its tile in shared memory, warp (m, 0) adds the
+    slices 0, 1, ... in order (deterministic, the same for every batch) and stores the BF16 sums."""
+    tiles = len(acc)
+    t, lane = lanes.t, lanes.lane
     base = warp * plan.partial_floats
     for i in cutlass.range_constexpr(tiles):
         for c in cutlass.range_constexpr(4):
@@ -225,6 +266,92 @@ def stream_pass(
                 h = c // 2
                 if b < count and lanes.local[h] < lanes.here:
                     out[start + b, lanes.rows[h]] = total.to(BFloat16)
+
+
+@cute.jit
+def stream_pass_staged(
+    plan: MmaStream,
+    x: cute.Tensor,
+    w: cute.Tensor,
+    out: cute.Tensor,
+    partials: cute.Tensor,
+    slots: list,
+    xs: list,
+    ring: cute.Tensor,
+    lanes: LaneRows,
+    warp: Int32,
+    start: cutlass.Constexpr[int],
+    count: cutlass.Constexpr[int],
+    is_first: cutlass.Constexpr[bool],
+):
+    """stream_pass with x staged in shared memory by cp.async, `x_stages - 1` k steps ahead of the MMAs, in flight
+    without holding registers. The m_tiles warps of one K slice share their slice's ring: warp (m, s) copies the
+    batch tiles i with i % m_tiles == m, and all of them read every tile. Stage t % x_stages holds step t. At step
+    t a lane waits for its own copies of step t, the slice's warps meet at their named barrier (their copies of
+    step t are then visible to each other, and every read of step t - 1 is done), step t + x_stages - 1 is copied
+    into the stage step t - 1 used and committed as one group (empty past the slice, so the count stays uniform),
+    and step t is read back one 16-byte vector of every tile at a time (each feeds two of the step's four MMAs)."""
+    mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+    tiles = -(-count // TILE_N)
+    g = lanes.g
+    xrows = [cutlass.min(Int32(start + TILE_N * i) + g, Int32(plan.batch - 1)) for i in range(tiles)]
+    for s in cutlass.range_constexpr(plan.x_stages - 1):
+        if const_expr(s < plan.split_steps):
+            copy_x(plan, x, ring, xrows, lanes, Int32(s), Int32(s))
+        cute.arch.cp_async_commit_group()
+    if const_expr(is_first):
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
+
+    acc = [cute.make_rmem_tensor((4, 1, 1), Float32) for _ in range(tiles)]
+    for i in cutlass.range_constexpr(tiles):
+        acc[i].fill(0.0)
+    for grp in cutlass.range(plan.groups, unroll=1):
+        for j in cutlass.range_constexpr(plan.depth):
+            step = grp * plan.depth + j
+            cute.arch.cp_async_wait_group(plan.x_stages - 2)  # this lane's copies of `step` have landed
+            slice_barrier(plan, lanes)
+            ahead = step + (plan.x_stages - 1)
+            if ahead < plan.split_steps:
+                copy_x(plan, x, ring, xrows, lanes, ahead, ahead % plan.x_stages)
+            cute.arch.cp_async_commit_group()
+            stage = step % plan.x_stages
+            for v in cutlass.range_constexpr(2):
+                for i in cutlass.range_constexpr(tiles):
+                    load8(ring[_ring_vector(plan, lanes, stage, i, v), None], Int32(0), xs[i][v])
+                for q in cutlass.range_constexpr(2 * v, 2 * v + 2):
+                    a = _a_fragment(slots[j], q)
+                    for i in cutlass.range_constexpr(tiles):
+                        cute.gemm(mma, acc[i], a, _b_fragment(xs[i], q), acc[i])
+            if grp + 1 < plan.groups:  # refill the slot just used: W runs `depth` steps ahead
+                load_w(plan, w, [slots[j]], lanes, step + plan.depth)
+    cute.arch.cp_async_wait_group(0)  # nothing of this pass is in flight into the ring when the next one starts
+    slice_barrier(plan, lanes)  # nor does any warp of the slice still read it
+    sum_slices(plan, out, partials, acc, lanes, warp, start, count)
+
+
+@cute.jit
+def slice_barrier(plan: MmaStream, lanes: LaneRows):
+    """The named barrier of the lane's K slice (id 1 + slice: 0 is the CTA's), over its m_tiles warps."""
+    if const_expr(plan.m_tiles > 1):
+        cute.arch.barrier(barrier_id=lanes.split + 1, number_of_threads=plan.m_tiles * WARP)
+
+
+@cute.jit
+def copy_x(plan: MmaStream, x: cute.Tensor, ring: cute.Tensor, xrows: list, lanes: LaneRows, step: Int32,
+           stage: Int32):  # fmt: skip
+    """cp.async of k step `step` of the lane's batch row of this warp's tiles into `stage` of its slice's ring."""
+    atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=128)
+    for i in cutlass.range_constexpr(len(xrows)):
+        if lanes.m == i % plan.m_tiles:  # warp-uniform: this warp copies tile i
+            for v in cutlass.range_constexpr(2):
+                col = lanes.vec0 + step * (STEP // VECTOR) + 4 * v
+                src = cute.local_tile(x[xrows[i], None], (VECTOR,), (col,))
+                cute.copy(atom, src, ring[_ring_vector(plan, lanes, stage, i, v), None])
+
+
+@cute.jit
+def _ring_vector(plan: MmaStream, lanes: LaneRows, stage: Int32, tile: int, v: int) -> Int32:
+    return (((lanes.split * plan.x_stages + stage) * plan.n_tiles + tile) * 2 + v) * WARP + lanes.lane
 
 
 @cute.jit

@@ -27,11 +27,17 @@ W_LOADS_IN_FLIGHT = 16  # 16-byte weight loads a lane keeps outstanding: 4 per s
 # would change the K split with the batch, and a row's bits with it, so wide passes trade W loads instead:
 MAX_N_TILES = 2
 # above 16 rows a pass holds 32 (four batch tiles) where the CTA's warps leave registers for them, with (W loads per
-# lane, x steps ahead) by warps per CTA. The builds spilled with more: TP8 (12 warps, 168 registers) at 16 loads;
-# TP16 (14 warps, 128) at 8 loads and one x step (40-56 bytes of frame). Other warp counts keep 16 rows a pass.
-# On the H200 at 1c73f22 one 32-row pass took TP8 B32 28.1 us (two 16-row passes: 48) and TP16 B32 20.1 (26.3).
+# lane, x steps ahead in registers, x stages in shared memory) by warps per CTA, for one pass (to 32 rows) and for
+# several. The builds spilled with more: TP8 (12 warps, 168 registers) at 16 loads; TP16 (14 warps, 128) at 8 loads
+# and one x step in registers (40-56 bytes of frame). Other warp counts keep 16 rows a pass. On the H200 at 1c73f22
+# one 32-row pass took TP8 B32 28.1 us (two 16-row passes: 48) and TP16 B32 20.1 (26.3). At TP16 x then waited on
+# L2 (benchmarks/results/l2-traffic-h200.json), so one pass stages it in a cp.async ring of 4 k steps shared by the
+# warps of a K slice (x out of registers, which then hold 8 W loads): 18.6 us in the layer graph at b59fc02 against
+# 20.2 (kda-layer-variants-h200/ring-*.json). Two passes with the ring spilled 8-16 bytes, so they keep x in
+# registers.
 WIDE_N_TILES = 4
-WIDE_PASS_BY_WARPS = {12: (8, 2), 14: (4, 1)}
+WIDE_PASS_BY_WARPS = {12: (8, 2, 0), 14: (8, 1, 4)}
+WIDE_PASSES_BY_WARPS = {12: (8, 2, 0), 14: (4, 1, 0)}
 H200_SMS = 132
 
 
@@ -50,6 +56,7 @@ class MmaStream:
     w_loads_in_flight: int = W_LOADS_IN_FLIGHT  # 16-byte W loads a lane keeps outstanding (4 per k step)
     x_steps_ahead: int = 2  # k steps of x a lane holds at most
     max_n_tiles: int = MAX_N_TILES  # batch tiles of 8 rows one pass holds
+    x_stages: int = 0  # 0: x in registers, x_depth steps ahead; else a cp.async ring of this many k steps per slice
 
     @property
     def steps(self) -> int:
@@ -104,9 +111,15 @@ class MmaStream:
         return 4 * self.n_tiles
 
     @property
+    def x_ring_vectors(self) -> int:
+        """16-byte vectors of the x ring (kda_in_proj_mma.allocate_x_ring): per K slice, stage and batch tile, two a
+        lane."""
+        return self.k_splits * self.x_stages * self.n_tiles * 2 * WARP
+
+    @property
     def smem_bytes(self) -> int:
-        """The slices' partial sums, one FP32 tile per warp and batch tile, for the fixed-order sum."""
-        return self.warps * self.partial_floats * WARP * 4
+        """The slices' partial sums, one FP32 tile per warp and batch tile, for the fixed-order sum, and the x ring."""
+        return self.warps * self.partial_floats * WARP * 4 + self.x_ring_vectors * 16
 
     @property
     def weight_bytes(self) -> int:
@@ -123,12 +136,30 @@ class MmaStream:
             for count in self.passes
             for i in range(n_tiles(count, self.max_n_tiles))
         )
+        staged = self.x_stages > 0
+        ahead_x = min(self.x_stages - 1, self.split_steps) if staged else 0  # the ring's first steps, per pass
+        # body copies: one per step of the unrolled body, but where one group covers the slice the compiler drops
+        # those whose step lies past it (their condition is then a constant)
+        body_x = (
+            self.depth if self.groups > 1 else sum(j + self.x_stages - 1 < self.split_steps for j in range(self.depth))
+        )
         return {
             "weight_loads_ahead": ahead,
             "weight_loads": len(tiles) * ahead + (len(tiles) * ahead if self.groups > 1 else 0),
             # x: the steps ahead, then one refill per step but the last x_depth of the slice (the compiler drops
-            # those when one group covers the slice: their condition is then a constant)
-            "x_loads": sum(2 * n * (self.depth + (self.x_depth if self.groups > 1 else 0)) for n in tiles),
+            # those when one group covers the slice: their condition is then a constant); none when staged
+            "x_loads": 0
+            if staged
+            else sum(2 * n * (self.depth + (self.x_depth if self.groups > 1 else 0)) for n in tiles),
+            # staged: cp.async of every tile's two vectors per step (each warp copies its share at run time), the
+            # groups committed (one per step ahead and per body step), the waits (one per body step, one per pass)
+            # and the lane's reads of every tile back from the ring
+            "x_copies": sum(2 * n * (ahead_x + body_x) for n in tiles) if staged else 0,
+            "x_commits": len(tiles) * (self.x_stages - 1 + self.depth) if staged else 0,
+            "x_waits": len(tiles) * (self.depth + 1) if staged else 0,
+            "x_reads": sum(2 * n * self.depth for n in tiles) if staged else 0,
+            # named barriers of a K slice's warps sharing the ring: one per body step and one per pass
+            "slice_barriers": len(tiles) * (self.depth + 1) if staged and self.m_tiles > 1 else 0,
             "mmas": sum(4 * self.depth * n for n in tiles),
             "partial_stores": sum(4 * n for n in tiles),
             "partial_loads": live * self.k_splits,
@@ -167,11 +198,14 @@ class InProjMmaPlan(MmaStream):
         steps = k // STEP
         fits = [d for d in range(1, steps + 1) if steps % d == 0 and m_tiles * d * WARP <= MAX_THREADS]
         k_splits = min(fits, key=lambda d: (abs(m_tiles * d - TARGET_WARPS), -d))
-        wide = WIDE_PASS_BY_WARPS.get(m_tiles * k_splits)
+        one_pass = batch <= WIDE_N_TILES * TILE_N
+        wide = (WIDE_PASS_BY_WARPS if one_pass else WIDE_PASSES_BY_WARPS).get(m_tiles * k_splits)
         if batch <= MAX_N_TILES * TILE_N or wide is None:
             return cls(rows, k, batch, per_cta, m_tiles, k_splits, sm_count=sm_count)
-        loads, x_ahead = wide
-        return cls(rows, k, batch, per_cta, m_tiles, k_splits, loads, x_ahead, WIDE_N_TILES, sm_count=sm_count)
+        loads, x_ahead, x_stages = wide
+        return cls(
+            rows, k, batch, per_cta, m_tiles, k_splits, loads, x_ahead, WIDE_N_TILES, x_stages, sm_count=sm_count
+        )
 
     @property
     def ctas(self) -> int:

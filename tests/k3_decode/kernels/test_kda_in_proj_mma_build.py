@@ -18,6 +18,7 @@ from k3_decode.kernels.kda_in_proj_mma_plan import (
     WARP,
     WIDE_N_TILES,
     WIDE_PASS_BY_WARPS,
+    WIDE_PASSES_BY_WARPS,
     InProjMmaPlan,
 )
 from tests.k3_decode.kernels.helpers import build_command, needs_cutedsl
@@ -61,7 +62,10 @@ def test_k3_rows_spread_over_every_sm_in_one_wave(tp, ctas, m_tiles, k_splits):
         assert plan.m_tiles * TILE_M >= plan.rows_per_cta and plan.threads <= 512
         assert plan.split_steps * plan.k_splits * STEP == K3.hidden_size
         assert plan.depth * plan.groups == plan.split_steps
-        assert plan.depth * 4 >= (WIDE_PASS_BY_WARPS[plan.warps][0] if wide else 16)  # W loads per lane ahead
+        table = WIDE_PASS_BY_WARPS if batch <= 32 else WIDE_PASSES_BY_WARPS  # one pass to 32 rows, several above
+        assert plan.depth * 4 >= (table[plan.warps][0] if wide else 16)  # W loads per lane ahead
+        # x staged in a ring per K slice only in TP16's one 32-row pass (its warps' registers hold no x then)
+        assert plan.x_stages == (4 if (tp, batch) in ((16, 24), (16, 32)) else 0), batch
         assert plan.smem_bytes <= SMEM_PER_CTA
         # Every row is stored exactly once.
         stored = covered_rows(plan)
@@ -133,8 +137,16 @@ def test_build_tags_count_what_the_code_must_hold():
     b64 = tags["kda_in_proj_mma/tp8/b64"]  # two passes of four tiles, 8 W loads ahead (2 steps a loop body)
     assert (b64["passes"], b64["mmas"], b64["weight_loads_ahead"]) == (2, 2 * 4 * 2 * 4, 8)
     assert (b64["global_loads"], b64["barriers"]) == (2 * (8 + 8) + 2 * 2 * 4 * (2 + 2), 3)
-    w32 = tags["kda_in_proj_mma/tp16/b32"]  # one pass of four tiles, 4 W loads ahead, x one step ahead
-    assert (w32["passes"], w32["mmas"], w32["weight_loads_ahead"], w32["barriers"]) == (1, 16, 4, 1)
+    # TP16 B32: one pass of four tiles, 8 W loads ahead (2 steps a body, 8 loops over the 16 steps of a slice); x in a
+    # ring of 4 stages per K slice: 3 steps x 4 tiles x 2 vectors copied ahead, 2 steps a body; one group per step
+    # ahead and per body step, a wait per body step and one at the end, as many named barriers of the slice's two
+    # warps beside the CTA's one barrier; no x read from global memory but by cp.async.
+    w32 = tags["kda_in_proj_mma/tp16/b32"]
+    assert (w32["passes"], w32["mmas"], w32["weight_loads_ahead"], w32["x_stages"]) == (1, 4 * 2 * 4, 8, 4)
+    assert (w32["x_copies"], w32["x_commits"], w32["x_waits"], w32["x_reads"]) == (8 * (3 + 2), 3 + 2, 3, 8 * 2)
+    assert (w32["global_loads"], w32["barriers"]) == (8 + 8, 1 + 3)
+    w64 = tags["kda_in_proj_mma/tp16/b64"]  # two passes keep x in registers (the ring spilled there)
+    assert (w64["x_stages"], w64["x_copies"], w64["weight_loads_ahead"], w64["barriers"]) == (0, 0, 4, 3)
 
 
 def test_expectations_judge_every_mma_build():
