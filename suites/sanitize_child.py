@@ -159,7 +159,8 @@ def kda_o_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
 
 def kda_in_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
     """x [batches, hidden] @ W[rows, hidden]^T at the rank's packed rows for `tp`, once with each build (the
-    CUDA-core and the tensor-core kernel share the provider's kernel name). Returns the launches made."""
+    CUDA-core and the tensor-core kernel share the provider's kernel name), then the tensor-core build at
+    `ring_batch` rows where given. Returns the launches made."""
     from k3_decode.config import RankShapes, load_dims
     from k3_decode.kernels import kda_in_proj_op
 
@@ -171,7 +172,11 @@ def kda_in_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
     w = _bf16(gen, device, rows, dims.hidden_size, scale=0.02)
     for kernel in kda_in_proj_op.KERNELS:
         kda_in_proj_op.linear(x, w, kernel=kernel)
-    return len(kda_in_proj_op.KERNELS)
+    ring = axes.get("ring_batch")
+    if ring is None:
+        return len(kda_in_proj_op.KERNELS)
+    kda_in_proj_op.linear(_bf16(gen, device, int(ring), dims.hidden_size), w, kernel="tensor_core")
+    return len(kda_in_proj_op.KERNELS) + 1
 
 
 def _kda_step_inputs(

@@ -539,7 +539,9 @@ def test_the_table_of_a_file_from_before_timelines_is_what_it_was() -> None:
     assert "- TP8 B1 specialized: attn_res 0.0-8.0 |" in md
 
 
-@pytest.mark.parametrize("name, layer", [("kda-layer-h200.json", 6), ("kda-layer-late-h200.json", 86)])
+@pytest.mark.parametrize(
+    "name, layer", [("kda-layer-h200.json", 6), ("kda-layer-h200-tp16.json", 6), ("kda-layer-late-h200.json", 86)]
+)
 def test_the_committed_results_files_still_print_their_tables(capsys, name: str, layer: int) -> None:
     committed = bench.REPO / "benchmarks" / "results" / name
     assert bench.main(["--table", str(committed)]) == 0

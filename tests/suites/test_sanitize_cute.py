@@ -79,6 +79,10 @@ def test_the_plan_has_a_cell_per_cute_dsl_kernel_named_by_pattern():
     assert any(k.delta == "restart" for k in kinds)
     proj = dict(cute["cute_kda_in_proj"].axes)
     assert RankShapes.for_tp(K3, proj["tp"]).kda_in_proj_rows == 3216
+    from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
+
+    ring = InProjMmaPlan.for_shape(3216, K3.hidden_size, proj["ring_batch"])
+    assert ring.x_stages > 1 and ring.m_tiles > 1 and proj["ring_batch"] % 8  # a shared ring, a ragged last tile
     step = dict(cute["cute_kda_step"].axes)
     shard = RankShapes.for_tp(K3, step["tp"])
     assert step["tp"] == 16 and len(step["slots"]) == step["batches"]
@@ -139,8 +143,8 @@ def test_every_cute_cell_has_its_runner_in_the_child():
         ('kernel_patterns = ["KdaInProjKernel"]', 'kernel_patterns = ["AttnResKernel"]', "planned twice"),
         ('op = "cute_kda_in_proj"', 'op = "cute_attn_res"', "have two cells"),
         (
-            'runner = "cute"\naxes = { tp = 16, batches = 3 }',
-            'runner = "cuda"\naxes = { tp = 16, batches = 3 }',
+            'runner = "cute"\naxes = { tp = 16, batches = 3, ring_batch = 30 }',
+            'runner = "cuda"\naxes = { tp = 16, batches = 3, ring_batch = 30 }',
             "runner 'cuda'",
         ),
         ('kernel_patterns = ["KdaStepKernel"]', 'kernel_patterns = ["Kda"]', "also matches"),
@@ -214,9 +218,10 @@ def test_the_child_builds_inputs_the_ops_take_each_in_its_own_allocation(monkeyp
     assert all(batch == 3 and capacity == K3.num_attn_res_blocks for _, batch, capacity in calls)
     assert saves and saves[0].save_index == K3.num_attn_res_blocks - 1  # writes the bank's last block
     calls.clear()
-    assert sanitize_child.kda_in_proj_cell(cute["cute_kda_in_proj"], PLAN, cpu) == len(calls) == 2
-    assert [kernel for kernel, _ in calls] == ["cuda_core", "tensor_core"]  # both builds, by name
-    assert all((p.rows, p.k, p.batch) == (3216, K3.hidden_size, 3) for _, p in calls)
+    assert sanitize_child.kda_in_proj_cell(cute["cute_kda_in_proj"], PLAN, cpu) == len(calls) == 3
+    assert [kernel for kernel, _ in calls] == ["cuda_core", "tensor_core", "tensor_core"]  # both builds, by name
+    # batch 3 in each build, then the tensor-core build's 32-row pass with x staged in its ring
+    assert [(p.rows, p.k, p.batch) for _, p in calls] == [(3216, K3.hidden_size, b) for b in (3, 3, 30)]
     calls.clear()
     assert sanitize_child.kda_step_cell(cute["cute_kda_step"], PLAN, cpu) == len(calls) == 2
     (spec, slots, out, (conv, recurrent), cache), verify = calls
