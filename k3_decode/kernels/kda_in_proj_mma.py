@@ -190,6 +190,32 @@ def stream_passes(
         start += count
 
 
+def pass_setup(plan: MmaStream, lanes: LaneRows, start: int, count: int) -> tuple[Any, int, list]:
+    """(the MMA atom, the pass's batch tiles, the lane's batch row in each: row g of the tile, clamped to the
+    batch's last row so a ragged tile reads a real row and its sums are never stored)."""
+    mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+    tiles = -(-count // TILE_N)
+    xrows = [cutlass.min(Int32(start + TILE_N * i) + lanes.g, Int32(plan.batch - 1)) for i in range(tiles)]
+    return mma, tiles, xrows
+
+
+def zeroed_accumulators(tiles: int) -> list:
+    """One m16n8 FP32 accumulator tile (4 per lane) per batch tile, zeroed."""
+    acc = [cute.make_rmem_tensor((4, 1, 1), Float32) for _ in range(tiles)]
+    for i in range(tiles):
+        acc[i].fill(0.0)
+    return acc
+
+
+@cute.jit
+def mma_step(mma: Any, acc: list, slot: list, xs: list, first: cutlass.Constexpr[int], end: cutlass.Constexpr[int]):
+    """MMAs first..end-1 of a k step (of 4: 16 columns each) of the lane's W slot against every batch tile's x."""
+    for q in cutlass.range_constexpr(first, end):
+        a = _a_fragment(slot, q)
+        for i in cutlass.range_constexpr(len(acc)):
+            cute.gemm(mma, acc[i], a, _b_fragment(xs[i], q), acc[i])
+
+
 @cute.jit
 def stream_pass(
     plan: MmaStream,
@@ -207,26 +233,18 @@ def stream_pass(
 ):
     """out[start .. start + count - 1, the CTA's rows] = x @ W^T, with group 0 of W already in the slots. After
     the griddepcontrol.wait: x is the previous kernel's output."""
-    mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
-    tiles = -(-count // TILE_N)
-    g = lanes.g
-    xrows = [cutlass.min(Int32(start + TILE_N * i) + g, Int32(plan.batch - 1)) for i in range(tiles)]
+    mma, tiles, xrows = pass_setup(plan, lanes, start, count)
     for j in cutlass.range_constexpr(plan.x_depth):
         load_x(plan, x, xslots[j], xrows, lanes.vec0, Int32(j))
     if const_expr(is_first):
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
 
-    acc = [cute.make_rmem_tensor((4, 1, 1), Float32) for _ in range(tiles)]
-    for i in cutlass.range_constexpr(tiles):
-        acc[i].fill(0.0)
+    acc = zeroed_accumulators(tiles)
     for grp in cutlass.range(plan.groups, unroll=1):
         for j in cutlass.range_constexpr(plan.depth):
             step = grp * plan.depth + j
             xs = xslots[j % plan.x_depth]
-            for q in cutlass.range_constexpr(4):
-                a = _a_fragment(slots[j], q)
-                for i in cutlass.range_constexpr(tiles):
-                    cute.gemm(mma, acc[i], a, _b_fragment(xs[i], q), acc[i])
+            mma_step(mma, acc, slots[j], xs, 0, 4)
             if grp + 1 < plan.groups:  # refill the slot just used: W runs `depth` steps ahead
                 load_w(plan, w, [slots[j]], lanes, step + plan.depth)
             if step + plan.x_depth < plan.split_steps:
@@ -291,10 +309,7 @@ def stream_pass_staged(
     step t are then visible to each other, and every read of step t - 1 is done), step t + x_stages - 1 is copied
     into the stage step t - 1 used and committed as one group (empty past the slice, so the count stays uniform),
     and step t is read back one 16-byte vector of every tile at a time (each feeds two of the step's four MMAs)."""
-    mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
-    tiles = -(-count // TILE_N)
-    g = lanes.g
-    xrows = [cutlass.min(Int32(start + TILE_N * i) + g, Int32(plan.batch - 1)) for i in range(tiles)]
+    mma, tiles, xrows = pass_setup(plan, lanes, start, count)
     for s in cutlass.range_constexpr(plan.x_stages - 1):
         if const_expr(s < plan.split_steps):
             copy_x(plan, x, ring, xrows, lanes, Int32(s), Int32(s))
@@ -302,9 +317,7 @@ def stream_pass_staged(
     if const_expr(is_first):
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
 
-    acc = [cute.make_rmem_tensor((4, 1, 1), Float32) for _ in range(tiles)]
-    for i in cutlass.range_constexpr(tiles):
-        acc[i].fill(0.0)
+    acc = zeroed_accumulators(tiles)
     for grp in cutlass.range(plan.groups, unroll=1):
         for j in cutlass.range_constexpr(plan.depth):
             step = grp * plan.depth + j
@@ -318,10 +331,7 @@ def stream_pass_staged(
             for v in cutlass.range_constexpr(2):
                 for i in cutlass.range_constexpr(tiles):
                     load8(ring[_ring_vector(plan, lanes, stage, i, v), None], Int32(0), xs[i][v])
-                for q in cutlass.range_constexpr(2 * v, 2 * v + 2):
-                    a = _a_fragment(slots[j], q)
-                    for i in cutlass.range_constexpr(tiles):
-                        cute.gemm(mma, acc[i], a, _b_fragment(xs[i], q), acc[i])
+                mma_step(mma, acc, slots[j], xs, 2 * v, 2 * v + 2)
             if grp + 1 < plan.groups:  # refill the slot just used: W runs `depth` steps ahead
                 load_w(plan, w, [slots[j]], lanes, step + plan.depth)
     cute.arch.cp_async_wait_group(0)  # nothing of this pass is in flight into the ring when the next one starts
