@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,9 +12,20 @@ import torch
 from k3_decode.executor import StackExecutor, StepRequest, load_stack, random_input
 from k3_decode.executor.layer_check import layer_failures, snapshot
 from k3_decode.executor.oracle import teacher_forced
+from k3_decode.isolation_redteam import RedTeamKdaProvider
 from k3_decode.weights import LayerWeights, SyntheticWeights
 
-__all__ = ["build", "decode_requests", "layer_failures", "oracle_failures", "prefill", "snapshot", "stack_weights"]
+__all__ = [
+    "LIMITED_LAYER",
+    "LayerLimitedKda",
+    "build",
+    "decode_requests",
+    "layer_failures",
+    "oracle_failures",
+    "prefill",
+    "snapshot",
+    "stack_weights",
+]
 
 
 @functools.cache
@@ -53,3 +65,15 @@ def oracle_failures(
     assert result.trace is not None
     ref = teacher_forced(ex.dims, ex.config.tp, ex.weights, result.trace, before, dtype)
     return layer_failures(result.trace, ref)
+
+
+LIMITED_LAYER = 5  # a KDA layer of the k3-mini stacks (4, 5, 6 KDA; 7 MLA)
+
+
+@dataclass(frozen=True)
+class LayerLimitedKda(RedTeamKdaProvider):
+    """The honest KDA test double with one row at most at LIMITED_LAYER and no limit elsewhere (a provider's
+    per-layer row limit, as the fused o_proj's by bank size)."""
+
+    def layer_max_rows(self, tp: int, dims: Any, layer: int) -> tuple[int, str] | None:
+        return (1, f"rows the test provider serves at layer {layer}") if layer == LIMITED_LAYER else None

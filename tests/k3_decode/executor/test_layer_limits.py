@@ -4,24 +4,13 @@ only where the plan says, and the step's output is the stock executor's within t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from k3_decode.executor import StackExecutor, StepRequest, load_stack, random_input
 from k3_decode.executor.audit import op_log_mismatches
 from k3_decode.isolation_redteam import RedTeamKdaProvider, private_scope, private_table
 from k3_decode.runtime.backend import ProviderRegistry
-from tests.k3_decode.executor.helpers import stack_weights
+from tests.k3_decode.executor.helpers import LIMITED_LAYER, LayerLimitedKda, stack_weights
 
 STACK = "k3-mini-kda3-mla"  # layers 4, 5, 6 KDA, 7 MLA
-LIMITED_LAYER = 5
-
-
-@dataclass(frozen=True)
-class LayerLimitedKda(RedTeamKdaProvider):
-    """The honest KDA test double with one row at most at LIMITED_LAYER and no limit elsewhere."""
-
-    def layer_max_rows(self, tp: int, dims, layer: int) -> tuple[int, str] | None:
-        return (1, f"rows the test provider serves at layer {layer}") if layer == LIMITED_LAYER else None
 
 
 def _start(registry: ProviderRegistry | None = None) -> StackExecutor:

@@ -16,7 +16,9 @@ from k3_decode.isolation_redteam import RedTeamKdaProvider, private_scope, suite
 from k3_decode.isolation_suite import K3IsolationSuite, SuiteDataError, describe_writes, parse_data, suite_data
 from k3_decode.runtime.audit import Change
 from k3_decode.runtime.ledger import Ledger
+from k3_decode.runtime.optable import OpTable
 from k3_decode.runtime.writeset import Region, WriteSet
+from tests.k3_decode.executor.helpers import LayerLimitedKda
 
 CELLS = [c.name for c in suite_data().cells]
 SPECULATIVE = suite_data().speculative
@@ -109,6 +111,34 @@ def test_an_honest_specialized_provider_passes(honest):
     assert f"{run}: no stock code ran inside the {3 * verify_cells} specialized provider calls" in names
     summary = evidence.runs[1].ledger["summary"]["dispatches"]
     assert summary["by_op"]["kda"] == {"specialized": 3 * verify_cells, "stock": 3}
+
+
+def test_a_per_layer_row_limit_is_expected_at_its_layer_only():
+    """The provider serves one row at layer 5: the decode cell (2 rows) and the verify cells expect layer 5's KDA
+    stock and layers 4 and 6 specialized, the one-row decode cell all three specialized, and the suite passes."""
+    evidence, records = _run(suite_for(LayerLimitedKda("honest")))
+    failed = [c.name for c in evidence.checks if not c.passed]
+    assert derive_verdict(records.to_json()).verdict is Verdict.PASSED, failed
+    assert evidence.runs[0].ledger["summary"]["dispatches"]["by_op"]["kda"] == {"specialized": 2 + 3, "stock": 6 + 1}
+    verify_cells = sum(c.kind == "verify" for c in SPECULATIVE.cells)
+    by_op = evidence.runs[1].ledger["summary"]["dispatches"]["by_op"]["kda"]
+    assert by_op == {"specialized": 2 * verify_cells, "stock": 3 + verify_cells}
+
+
+def test_expectations_that_ignore_a_per_layer_limit_fail(monkeypatch):
+    """Broken case: the expected paths drop the per-layer limits, so the cells expect layer 5 specialized where the
+    plan (which keeps them) ran it stock."""
+    plain = OpTable.expected_paths
+
+    def without_layer_limits(self, dims, layers, rows, limits, kept=(), layer_limits=None):
+        return plain(self, dims, layers, rows, limits, kept)
+
+    monkeypatch.setattr(OpTable, "expected_paths", without_layer_limits)
+    evidence, records = _run(suite_for(LayerLimitedKda("honest")))
+    assert derive_verdict(records.to_json()).verdict is Verdict.FAILED
+    failed = [c for c in evidence.checks if not c.passed]
+    assert failed and all("layer 5 kda ran stock" in str(c.detail) for c in failed)
+    assert "but specialized was expected by isolation cell decode" in str(failed[0].detail)
 
 
 def test_the_timeline_says_when_the_specialized_path_ran_and_why_execution_returned_to_stock(honest):
