@@ -67,18 +67,26 @@ class KdaStepPlan:
 
     @classmethod
     def for_shape(
-        cls, heads: int, rows: int, batch: int, sm_count: int = H200_SMS, slot_dtype: SlotDtype = "int32"
+        cls,
+        heads: int,
+        rows: int,
+        batch: int,
+        sm_count: int = H200_SMS,
+        slot_dtype: SlotDtype = "int32",
+        cluster: int | None = None,
     ) -> KdaStepPlan:
-        """The smallest cluster whose grid still gives every SM a CTA, else the largest (8).
+        """The smallest cluster whose grid still gives every SM a CTA, else the largest (8); `cluster` overrides the
+        choice (the GPU test times and checks every cluster at every batch).
 
         Every head costs 32 warps of state work whatever the cluster (128 rows, 4 per warp); the cluster only
         groups them. Small clusters repeat less per-CTA work (every CTA convolves the head's whole q and k, and
         exchanges once per cluster), large ones spread a small batch over more SMs: at TP8 B1 the 12 heads fill
         only 12 SMs with one CTA per head, 96 with eight.
         """
-        pairs = heads * batch
-        filling = [c for c in sorted(CLUSTERS) if pairs * c >= sm_count]
-        return cls(heads, rows, batch, filling[0] if filling else max(CLUSTERS), slot_dtype, sm_count)
+        if cluster is None:
+            filling = [c for c in sorted(CLUSTERS) if heads * batch * c >= sm_count]
+            cluster = filling[0] if filling else max(CLUSTERS)
+        return cls(heads, rows, batch, cluster, slot_dtype, sm_count)
 
     # --- the packed row ---------------------------------------------------------------------------------------
 

@@ -92,6 +92,15 @@ def test_the_cluster_fills_the_gpu_until_the_batch_does():
         assert all(shard.kda_heads * batch * c < H200_SMS for c in smaller), (tp, batch)
 
 
+def test_a_cluster_asked_for_overrides_the_choice_and_is_checked():
+    """The GPU test times every cluster through this override; a cluster the kernel cannot run is refused."""
+    for cluster in CLUSTERS:
+        plan = KdaStepPlan.for_shape(12, 6288, 8, H200_SMS, cluster=cluster)
+        assert (plan.cluster, plan.ctas) == (cluster, 12 * 8 * cluster)
+    with pytest.raises(ValueError, match="cluster of"):
+        KdaStepPlan.for_shape(12, 6288, 8, H200_SMS, cluster=1)
+
+
 def test_the_plan_refuses_what_the_kernel_cannot_take():
     with pytest.raises(ValueError, match="cluster of"):
         KdaStepPlan(12, 6288, 1, 16)

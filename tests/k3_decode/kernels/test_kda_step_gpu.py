@@ -20,9 +20,12 @@ Every test prints what it measured (METRIC lines): run with -s to see them.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import re
 import tempfile
+from collections.abc import Callable
 from functools import cache
 
 import pytest
@@ -33,7 +36,7 @@ from harness.numerics.compare import ToleranceTable, compare
 from k3_decode.config import K3
 from k3_decode.kernels import kda_step_op
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaStepBuild
-from k3_decode.kernels.kda_step_plan import KdaStepPlan
+from k3_decode.kernels.kda_step_plan import CLUSTERS, KdaStepPlan
 from k3_decode.kernels.providers import not_built_reason
 from k3_decode.reference import kda as rk
 from k3_decode.stock import kda as sk
@@ -117,9 +120,11 @@ class Step:
     """One decode step's inputs at (tp, batch): weights, packed rows, a cache, and identical copies for the oracle
     and the stock path."""
 
-    def __init__(self, tp: int, batch: int, seed: int, slot_dtype: torch.dtype = torch.int32) -> None:
+    def __init__(
+        self, tp: int, batch: int, seed: int, slot_dtype: torch.dtype = torch.int32, cluster: int | None = None
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.tp, self.batch = tp, batch
+        self.tp, self.batch, self.forced = tp, batch, cluster
         self.spec, self.weights = spec_for(tp), kda_weights(tp)
         self.cache = random_kda_cache(self.spec, 2 * batch + 2, 0, gen, DEV)
         self.start = clone_cache(self.cache)
@@ -129,9 +134,8 @@ class Step:
 
     def kernel(self, cache: rk.KdaCache | None = None, packed: Tensor | None = None) -> Tensor:
         packed = self.packed if packed is None else packed
-        return kda_step_op.decode_step(
-            self.spec, self.weights, packed, self.cache if cache is None else cache, self.slots
-        )
+        cache = self.cache if cache is None else cache
+        return kda_step_op.decode_step(self.spec, self.weights, packed, cache, self.slots, cluster=self.forced)
 
     def oracle(self, cache: rk.KdaCache, packed: Tensor | None = None) -> Tensor:
         packed = self.packed if packed is None else packed
@@ -143,7 +147,7 @@ class Step:
 
     @property
     def cluster(self) -> int:
-        return kda_step_op.plan_for(self.spec, self.packed, self.slots).cluster
+        return kda_step_op.plan_for(self.spec, self.packed, self.slots, self.forced).cluster
 
 
 # --- against the oracle and the stock step -------------------------------------------------------------------------
@@ -151,7 +155,30 @@ class Step:
 
 @pytest.mark.parametrize("tp, batch", CASES, ids=[f"tp{t}-b{b}" for t, b in CASES])
 def test_step_matches_the_oracle_and_the_stock_step(tp: int, batch: int):
-    step = Step(tp, batch, seed=tp * 1000 + batch)
+    check_step(Step(tp, batch, seed=tp * 1000 + batch))
+
+
+# Every cluster the plan does not choose at a built batch: the timing below compares them, so each must be right.
+OTHER_CLUSTERS = [
+    (b.tp, b.plan.batch, c)
+    for b in BUILDS
+    if b.plan.batch in (1, 4, 8, 16, 64)
+    for c in CLUSTERS
+    if c != b.plan.cluster
+]
+
+
+@pytest.mark.parametrize("tp, batch, cluster", OTHER_CLUSTERS, ids=[f"tp{t}-b{b}-c{c}" for t, b, c in OTHER_CLUSTERS])
+def test_every_cluster_matches_the_oracle(tp: int, batch: int, cluster: int):
+    step = Step(tp, batch, seed=tp * 1000 + batch, cluster=cluster)
+    assert step.cluster == cluster
+    check_step(step)
+
+
+def check_step(step: Step) -> None:
+    """The kernel's step against the oracle (both tolerance styles, the conv state exact, nothing outside the
+    write set touched) and the stock step from the same state."""
+    tp, batch = step.tp, step.batch
     ref_cache, stock_cache = clone_cache(step.cache), clone_cache(step.cache)
     got = step.kernel()
     ref = step.oracle(ref_cache)
@@ -341,8 +368,11 @@ def weight_copy(weights: KdaWeights) -> KdaWeights:
     return dataclasses.replace(weights, **small)
 
 
-def time_batch(tp: int, batch: int) -> tuple[float, float, int, int, float]:
-    """(CuTe seconds per call, stock seconds per call, cluster, rotating copies, bytes per call) at one batch."""
+def time_batch(
+    tp: int, batch: int, clusters: tuple[int | None, ...] = (None,)
+) -> tuple[list[float], float, int, int, float]:
+    """([CuTe seconds per call for each of `clusters`], stock seconds per call, the plan's cluster, rotating copies,
+    bytes per call) at one batch; a cluster of None is the plan's choice."""
     spec, weights = spec_for(tp), kda_weights(tp)
     gen = torch.Generator().manual_seed(batch)
     state_bytes = batch * spec.heads * 128 * 128 * 4 * 2  # read and written
@@ -353,14 +383,18 @@ def time_batch(tp: int, batch: int) -> tuple[float, float, int, int, float]:
     packed = projected_rows(weights.in_proj, (batch,), gen)
     out = torch.empty(batch, spec.proj, dtype=torch.bfloat16, device=DEV)
 
-    def cute(i: int) -> None:
-        kda_step_op.decode_step(spec, small[i % copies], packed, caches[i % copies], slots, out)
+    def cute(cluster: int | None) -> Callable[[int], None]:
+        def call(i: int) -> None:
+            kda_step_op.decode_step(spec, small[i % copies], packed, caches[i % copies], slots, out, cluster)
+
+        return call
 
     def stock(i: int) -> None:
         sk.kda_decode_step(spec, small[i % copies], packed, caches[i % copies], slots, validate=False)
 
     calls = 2 * copies
-    t_cute, t_stock = _graph_seconds_per_call(cute, calls), _graph_seconds_per_call(stock, calls)
+    t_cute = [_graph_seconds_per_call(cute(c), calls) for c in clusters]
+    t_stock = _graph_seconds_per_call(stock, calls)
     moved = state_bytes + batch * spec.conv_channels * 3 * 2 * 2 + spec.proj * 128 * 2
     return t_cute, t_stock, kda_step_op.plan_for(spec, packed, slots).cluster, copies, moved
 
@@ -372,7 +406,7 @@ def test_timing_against_the_stock_step(tp: int):
     shared (it is in L2 in decode too). Stock is the cuBLAS f_b GEMM plus the Triton kernel on the same inputs."""
     slow = []
     for batch in sorted({b.plan.batch for b in BUILDS}):
-        t_cute, t_stock, cluster, copies, moved = time_batch(tp, batch)
+        (t_cute,), t_stock, cluster, copies, moved = time_batch(tp, batch)
         torch.cuda.empty_cache()
         print(
             f"METRIC KDA step timing TP{tp} B{batch} (cluster {cluster}): CuTe {t_cute * 1e6:.2f} us "
@@ -382,3 +416,59 @@ def test_timing_against_the_stock_step(tp: int):
         if t_cute > 2 * t_stock:  # loose: a kernel twice as slow as the two launches it replaces is a regression
             slow.append(f"B{batch}: {t_cute * 1e6:.1f} vs {t_stock * 1e6:.1f} us")
     assert not slow, f"TP{tp}: the fused step is more than twice as slow as stock at {', '.join(slow)}"
+
+
+TIMED_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+CLUSTER_MARGIN = 1.10  # the plan's cluster may be this much slower than the fastest before the test calls it wrong
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_the_plan_picks_a_cluster_within_ten_percent_of_the_fastest(tp: int):
+    """Every cluster at every batch, per call as above (the same graph method, rotating caches), side by side in one
+    process. Fails where KdaStepPlan.for_shape's cluster is more than CLUSTER_MARGIN slower than the fastest, so a
+    choice that measurement contradicts cannot stand. With K3_STEP_CLUSTER_RESULTS set, appends the figures to that
+    JSON file (benchmarks/results/kda-step-clusters-h200.json)."""
+    rows, wrong = [], []
+    for batch in TIMED_BATCHES:
+        times, _, chosen, copies, moved = time_batch(tp, batch, CLUSTERS)
+        torch.cuda.empty_cache()
+        by_cluster = dict(zip(CLUSTERS, times, strict=True))
+        best = min(by_cluster, key=by_cluster.__getitem__)
+        print(
+            f"METRIC KDA step clusters TP{tp} B{batch}: "
+            + ", ".join(f"c{c} {t * 1e6:.2f} us" for c, t in by_cluster.items())
+            + f"; plan c{chosen}, fastest c{best}"
+        )
+        rows.append(
+            {
+                "tp": tp,
+                "batch": batch,
+                "plan_cluster": chosen,
+                "fastest_cluster": best,
+                "us": {str(c): round(t * 1e6, 3) for c, t in by_cluster.items()},
+                "bytes": moved,
+                "rotating_caches": copies,
+            }
+        )
+        if by_cluster[chosen] > CLUSTER_MARGIN * by_cluster[best]:
+            wrong.append(
+                f"B{batch}: c{chosen} {by_cluster[chosen] * 1e6:.1f} vs c{best} {by_cluster[best] * 1e6:.1f} us"
+            )
+    if path := os.environ.get("K3_STEP_CLUSTER_RESULTS"):
+        _append_results(path, rows)
+    assert not wrong, f"TP{tp}: the plan's cluster is more than {CLUSTER_MARGIN - 1:.0%} slower at {', '.join(wrong)}"
+
+
+def _append_results(path: str, rows: list[dict]) -> None:
+    from benchmarks.stock_h200 import environment
+
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        doc = {"what": "KDA decode step per call by CTAs per head (tests/k3_decode/kernels/test_kda_step_gpu.py)"}
+        doc["env"] = environment()
+        doc["cells"] = []
+    doc["cells"] += rows
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
