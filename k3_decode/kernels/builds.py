@@ -20,7 +20,7 @@ from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
 from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
-from k3_decode.kernels.kda_step_plan import ROWS_PER_WARP, KdaStepPlan, KdaVerifyPlan
+from k3_decode.kernels.kda_step_plan import RESIDENT_THREADS, ROWS_PER_WARP, KdaStepPlan, KdaVerifyPlan
 
 PACKAGE = "k3_decode.kernels"
 
@@ -299,7 +299,8 @@ class KdaStepBuild:
 
     @property
     def name(self) -> str:
-        return f"kda_step/tp{self.tp}/b{self.plan.batch}"
+        wide = "" if self.plan.resident_threads == RESIDENT_THREADS else f"/t{self.plan.resident_threads}"
+        return f"kda_step/tp{self.tp}/b{self.plan.batch}{wide}"
 
     @property
     def tags(self) -> dict[str, Any]:
@@ -316,6 +317,7 @@ class KdaStepBuild:
             "threads": p.threads,
             "ctas": p.ctas,
             "ctas_per_sm": p.ctas_per_sm,
+            "resident_threads": p.resident_threads,
             "smem_bytes": p.smem_bytes,
             # Bulk copies into shared memory: before the wait the f_b rows and the conv weights of the three
             # channel runs (the head's q and k, the CTA's v); after it the packed row's sections (the three runs'
@@ -547,6 +549,12 @@ class K3KernelBuilds:
                 raise ValueError(f"builds.toml kda_step.tp: {exc}") from None
             for batch in spec["batches"]:
                 plan = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, spec["sm_count"])
+                builds.append(KdaStepBuild(tp, plan))
+            wide = spec.get("wide_residency", {"threads": 0, "batches": []})
+            for batch in wide["batches"]:
+                plan = KdaStepPlan.for_shape(
+                    shard.kda_heads, shard.kda_in_proj_rows, batch, spec["sm_count"], resident_threads=wide["threads"]
+                )
                 builds.append(KdaStepBuild(tp, plan))
         return builds
 

@@ -56,7 +56,9 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   plain loads into registers: ptxas schedules those to save registers, and it sank the state loads (the largest
   read, needed last) below the conv, serializing two memory latencies; a bulk copy has no register result to
   economize on, and its consumers cannot run before it is issued. It also leaves ~24 registers per thread instead
-  of ~90, so every plan keeps 32 warps per SM (.minnctapersm, 64 registers: 8 CTAs of 128 threads or 2 of 512).
+  of ~90, so every plan keeps 32 warps per SM (.minnctapersm, 64 registers: 8 CTAs of 128 threads or 2 of 512);
+  a plan may hold 48 instead (`resident_threads` 1536, 40 registers: 3 CTAs of 512), which fits without a spill
+  when the output gate is read after the norm exchange's wait rather than before it.
 - Programmatic dependent launch. The weights are copied before `griddepcontrol.wait` (f_b, the conv weights, and
   A_log, dt_bias and o_norm, those three into registers): they do not depend on the previous kernel. The packed
   row (the in_proj output) is copied only after it, first thing. The state (recurrent and conv) is NOT copied
@@ -112,6 +114,7 @@ from k3_decode.kernels.kda_step_plan import (
     CONV_WIDTH,
     GATE_RANK,
     HEAD_DIM,
+    RESIDENT_THREADS,
     ROWS_PER_WARP,
     KdaStepPlan,
     KdaVerifyPlan,
@@ -391,9 +394,12 @@ class KdaStepKernel:
             trace_stamp(on, launches, cta, 8, tidx)
             self._push_norm(o, norm_s, 0, bars, place)
             gate = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
-            _copy(x_s, ROWS_PER_WARP, gate_at // ROWS_PER_WARP + warp, gate)
+            if const_expr(plan.resident_threads == RESIDENT_THREADS):  # read while the partials travel
+                _copy(x_s, ROWS_PER_WARP, gate_at // ROWS_PER_WARP + warp, gate)
             cute.arch.mbarrier_wait(bars + 1, 0)
             trace_stamp(on, launches, cta, 9, tidx)
+            if const_expr(plan.resident_threads != RESIDENT_THREADS):  # at 40 registers, held across it spilled
+                _copy(x_s, ROWS_PER_WARP, gate_at // ROWS_PER_WARP + warp, gate)
             rstd = _rstd(norm_s[lane], norm_eps)  # plan.slots == 32: one partial per lane
             y = _gated(o, rstd, w_norm, gate)
             if lane == 0:

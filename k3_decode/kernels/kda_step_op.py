@@ -31,7 +31,15 @@ from torch import Tensor
 
 from k3_decode.kernels import phase_trace
 from k3_decode.kernels.counters import count, device_counter, leading
-from k3_decode.kernels.kda_step_plan import CONV_WIDTH, GATE_RANK, HEAD_DIM, MAX_TOKENS, KdaStepPlan, KdaVerifyPlan
+from k3_decode.kernels.kda_step_plan import (
+    CONV_WIDTH,
+    GATE_RANK,
+    HEAD_DIM,
+    MAX_TOKENS,
+    RESIDENT_THREADS,
+    KdaStepPlan,
+    KdaVerifyPlan,
+)
 from k3_decode.reference.kda import KdaCache, KdaSpec
 
 _COUNTERS: dict[int, Tensor] = {}
@@ -66,9 +74,15 @@ def _check_tensor(name: str, t: Tensor, dtype: torch.dtype, shape: tuple[int, ..
         raise ValueError(f"CuTe KDA step: {name} must be contiguous and {ALIGN}-byte aligned; pass .contiguous()")
 
 
-def plan_for(spec: KdaSpec, packed: Tensor, slots: Tensor, cluster: int | None = None) -> KdaStepPlan:
-    """The plan that runs this step on packed's device (`cluster`: CTAs per head, else the plan's choice); raises
-    for what the kernel cannot take."""
+def plan_for(
+    spec: KdaSpec,
+    packed: Tensor,
+    slots: Tensor,
+    cluster: int | None = None,
+    resident_threads: int = RESIDENT_THREADS,
+) -> KdaStepPlan:
+    """The plan that runs this step on packed's device (`cluster`: CTAs per head, else the plan's choice;
+    `resident_threads`: the register budget, KdaStepPlan's); raises for what the kernel cannot take."""
     if packed.device.type != "cuda":
         raise ValueError(f"the CuTe DSL KDA step runs on a CUDA device, got {packed.device}; use the stock op")
     if (spec.head_dim, spec.gate_rank, spec.conv_width) != (HEAD_DIM, GATE_RANK, CONV_WIDTH):
@@ -79,7 +93,8 @@ def plan_for(spec: KdaSpec, packed: Tensor, slots: Tensor, cluster: int | None =
     if slots.dim() != 1 or slots.dtype not in SLOT_DTYPES:
         raise ValueError(f"decode slots must be a 1-d int32 or int64 tensor, got {slots.dim()}-d {slots.dtype}")
     sms = torch.cuda.get_device_properties(packed.device).multi_processor_count
-    plan = KdaStepPlan.for_shape(spec.heads, spec.in_proj_rows, slots.shape[0], sms, SLOT_DTYPES[slots.dtype], cluster)
+    dtype = SLOT_DTYPES[slots.dtype]
+    plan = KdaStepPlan.for_shape(spec.heads, spec.in_proj_rows, slots.shape[0], sms, dtype, cluster, resident_threads)
     starts = {name: s.start for name, s in spec.sections.items() if name != "pad"}
     if starts != plan.sections:
         raise ValueError(f"the packed row's sections {starts} are not the kernel's {plan.sections}")
@@ -94,14 +109,16 @@ def decode_step(
     slots: Tensor,
     out: Tensor | None = None,
     cluster: int | None = None,
+    resident_threads: int = RESIDENT_THREADS,
 ) -> Tensor:
     """One q = 1 KDA decode step on the current stream of packed's device; returns BF16 [B, P].
 
     `weights` has f_b [P, 128] BF16, conv [3P, 4] BF16, a_log [H] FP32, dt_bias [P] FP32 and o_norm [128] BF16
     (k3_decode.weights.KdaWeights). The conv state must hold exactly the 3 decode taps (no speculative columns).
-    `cluster` (CTAs per head) overrides the plan's choice; the provider never passes it.
+    `cluster` (CTAs per head) and `resident_threads` (the register budget) override the plan's choice; the
+    provider passes neither.
     """
-    plan = plan_for(spec, packed, slots, cluster)
+    plan = plan_for(spec, packed, slots, cluster, resident_threads)
     dev, p, batch = packed.device, spec.proj, slots.shape[0]
     bf16 = torch.bfloat16
     _check_tensor("packed", packed, bf16, (batch, spec.in_proj_rows), dev)

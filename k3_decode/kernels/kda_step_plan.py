@@ -27,6 +27,11 @@ GATE_RANK = 128  # f_a width: one f_b row is 16 vectors of 8 BF16, one half-warp
 CONV_WIDTH = 4  # 3 stored taps per channel: 8 channels are 48 contiguous bytes, three 16-byte vectors
 ROWS_PER_WARP = 4  # value rows of S per warp: 4 independent butterflies in flight per lane
 RESIDENT_THREADS = 1024  # per SM: 32 warps, a 64-register budget per thread
+# The budgets a plan may hold per SM: 1536 threads is 40 registers, three CTAs of 512 threads (C = 2) where 1024 holds
+# two, so more of the per-CTA chains (state copy, conv, exchanges, delta rule, stores) are in flight on an SM. It
+# builds without a spill since the output gate is read after the norm exchange's wait, not before it (8 bytes of
+# frame before); 2048 (32 registers) still spills 8 bytes.
+RESIDENT_CHOICES = (1024, 1536)
 CLUSTERS = (8, 4, 2)  # CTAs per head, most first; 8 is the portable cluster size on Hopper
 H200_SMS = 132
 MAX_TOKENS = 8  # a verify step's tokens per request: 1 + up to 7 speculative ones (vLLM's KdaSplit takes 1..8)
@@ -46,8 +51,11 @@ class KdaStepPlan:
     cluster: int
     slot_dtype: SlotDtype = "int32"
     sm_count: int = H200_SMS  # the SMs the grid is spread over (launch_smem_bytes)
+    resident_threads: int = RESIDENT_THREADS  # per SM, which sets the register budget (RESIDENT_CHOICES)
 
     def __post_init__(self) -> None:
+        if self.resident_threads not in RESIDENT_CHOICES:
+            raise ValueError(f"the KDA step holds {RESIDENT_CHOICES} threads per SM, not {self.resident_threads}")
         if self.sm_count < 1:
             raise ValueError(f"sm_count must be at least 1, got {self.sm_count}")
         if self.heads < 1:
@@ -74,9 +82,11 @@ class KdaStepPlan:
         sm_count: int = H200_SMS,
         slot_dtype: SlotDtype = "int32",
         cluster: int | None = None,
+        resident_threads: int = RESIDENT_THREADS,
     ) -> KdaStepPlan:
         """The smallest cluster whose grid still gives every SM a CTA, else the largest (8); `cluster` overrides the
-        choice (the GPU test times and checks every cluster at every batch).
+        choice, and `resident_threads` the register budget (the GPU test times and checks every cluster at every
+        batch, and the larger budget at the built batches).
 
         Every head costs 32 warps of state work whatever the cluster (128 rows, 4 per warp); the cluster only
         groups them. Small clusters repeat less per-CTA work (every CTA convolves the head's whole q and k, and
@@ -86,7 +96,7 @@ class KdaStepPlan:
         if cluster is None:
             filling = [c for c in sorted(CLUSTERS) if heads * batch * c >= sm_count]
             cluster = filling[0] if filling else max(CLUSTERS)
-        return cls(heads, rows, batch, cluster, slot_dtype, sm_count)
+        return cls(heads, rows, batch, cluster, slot_dtype, sm_count, resident_threads)
 
     # --- the packed row ---------------------------------------------------------------------------------------
 
@@ -126,9 +136,10 @@ class KdaStepPlan:
 
     @property
     def ctas_per_sm(self) -> int:
-        """CTAs the compiled kernel must fit on one SM at once: RESIDENT_THREADS threads, so at most 64 registers
-        per thread (ptxas is told, .minnctapersm). Every plan then holds the same 32 warps per SM."""
-        return RESIDENT_THREADS // self.threads
+        """CTAs the compiled kernel must fit on one SM at once: `resident_threads` threads, so at most 64 registers
+        per thread at 1024 and 40 at 1536 (ptxas is told, .minnctapersm). Every plan of a budget holds the same warps
+        per SM: 32 at 1024, 48 at 1536."""
+        return self.resident_threads // self.threads
 
     @property
     def ctas(self) -> int:
@@ -222,7 +233,8 @@ class KdaStepPlan:
 
     @property
     def tag(self) -> str:
-        return f"h{self.heads}/b{self.batch}/c{self.cluster}"
+        wide = "" if self.resident_threads == RESIDENT_THREADS else f"/t{self.resident_threads}"
+        return f"h{self.heads}/b{self.batch}/c{self.cluster}{wide}"
 
 
 @dataclass(frozen=True)

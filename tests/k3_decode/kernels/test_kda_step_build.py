@@ -1,10 +1,11 @@
 """The fused KDA decode step kernel's plan and builds: what is built (fast, no CuTe DSL), and real sm_90a builds of
 one shape per cluster size with their PTX, SASS and cubin checked, a wrong expectation and two broken kernels that
 must fail (slow; needs CuTe DSL, `pip install 'k3gate[cutedsl]'`). `k3gate kernels build --arch sm_90a --match
-'kda_step*'` compiles all twelve."""
+'kda_step*'` compiles all sixteen."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -101,6 +102,16 @@ def test_a_cluster_asked_for_overrides_the_choice_and_is_checked():
         KdaStepPlan.for_shape(12, 6288, 8, H200_SMS, cluster=1)
 
 
+def test_the_register_budget_sets_the_ctas_an_sm_holds():
+    for cluster, threads in ((8, 128), (4, 256), (2, 512)):
+        narrow = KdaStepPlan(12, 6288, 64, cluster)
+        wide = KdaStepPlan(12, 6288, 64, cluster, resident_threads=1536)
+        assert (narrow.ctas_per_sm, wide.ctas_per_sm) == (1024 // threads, 1536 // threads)
+        assert narrow.tag == f"h12/b64/c{cluster}" and wide.tag == f"h12/b64/c{cluster}/t1536"
+    with pytest.raises(ValueError, match="threads per SM"):
+        KdaStepPlan(12, 6288, 64, 2, resident_threads=2048)  # 32 registers: the build spills
+
+
 def test_the_plan_refuses_what_the_kernel_cannot_take():
     with pytest.raises(ValueError, match="cluster of"):
         KdaStepPlan(12, 6288, 1, 16)
@@ -177,13 +188,22 @@ def test_the_copies_fill_exactly_the_bytes_their_barriers_wait_for(tp, cluster):
 
 
 def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
-    builds = step_builds()
+    every = step_builds()
+    builds = [b for b in every if b.plan.resident_threads == RESIDENT_THREADS]
+    wide = [b for b in every if b.plan.resident_threads != RESIDENT_THREADS]
     assert [(b.tp, b.plan.batch) for b in builds] == [(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8, 16, 64)]
     assert {b.name for b in builds} == {f"kda_step/tp{tp}/b{b}" for tp in (8, 16) for b in (1, 2, 4, 8, 16, 64)}
-    assert {b.tp: (b.plan.heads, b.plan.rows) for b in builds} == {8: (12, 6288), 16: (6, 3216)}
+    assert {b.tp: (b.plan.heads, b.plan.rows) for b in every} == {8: (12, 6288), 16: (6, 3216)}
     assert {(b.tp, b.plan.batch): b.plan.cluster for b in builds} == CLUSTER
-    assert {b.kernel for b in builds} == {"kda_step"} and {b.plan.slot_dtype for b in builds} == {"int32"}
-    assert K3_KERNEL_BUILDS.kda_step_builds() == builds
+    # the wider register budget at the batches where it changes what an SM holds, at the plan's cluster
+    assert {b.name for b in wide} == {f"kda_step/tp{tp}/b{b}/t1536" for tp in (8, 16) for b in (32, 64)}
+    for b in wide:
+        chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
+        assert b.plan == dataclasses.replace(chosen, resident_threads=1536), b.name
+        assert b.plan.ctas_per_sm == 3 and b.plan.spread == 3, b.name  # three CTAs of 512 threads an SM, all used
+        assert b.plan.launch_smem_bytes == b.plan.smem_bytes and 3 * (b.plan.smem_bytes + 2048) <= 228 * 1024
+    assert {b.kernel for b in every} == {"kda_step"} and {b.plan.slot_dtype for b in every} == {"int32"}
+    assert K3_KERNEL_BUILDS.kda_step_builds() == every
 
 
 def test_build_tags_count_what_the_code_must_hold():
@@ -201,7 +221,7 @@ def test_build_tags_count_what_the_code_must_hold():
 def test_expectations_judge_every_kda_step_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_step/*")  # every named tag exists
-    assert len(builds) == 12
+    assert len(builds) == 16  # 12 at 1024 threads per SM, 4 at 1536
     step = expectations["kda_step"]
     assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
 
@@ -337,6 +357,25 @@ def test_a_kernel_without_its_synchronization_fails_its_build(tmp_path, removed)
     assert "compiles" not in failed and "registers" not in failed  # it built; the synchronization rules caught it
     assert set(BROKEN_KERNELS[removed]) <= failed, sorted(failed)
     assert len(failed) <= 8, sorted(failed)  # those rules, not everything (the SASS was read)
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_the_larger_budget_spills_with_the_gate_read_before_the_norm_wait(tmp_path):
+    """The broken case of the 40-register builds: with the output gate read before the norm exchange's wait, as the
+    64-register builds read it (the kernel's comparison patched in the compiling process only), ptxas spills and the
+    frame and local-memory rules fail the build."""
+    prelude = (
+        "import os\nos.environ['CUTE_DSL_ARCH'] = 'sm_90a'\nimport cutlass.cute as cute\n"
+        "from k3_decode.kernels import kda_step\nkda_step.RESIDENT_THREADS = 1536"
+    )
+    out = tmp_path / "out"
+    proc = build_command(tmp_path, "--out", str(out), "--match", "kda_step/tp16/b64/t1536", prelude=prelude)
+    assert proc.returncode == 1, proc.stderr
+    (result,) = json.loads((out / "report.json").read_text())["builds"]
+    failed = {c["name"] for c in result["checks"] if not c["passed"]}
+    assert "compiles" not in failed and "registers" not in failed, sorted(failed)
+    assert failed == {"local-memory frame bytes", "sass '\\\\b(LDL|STL)\\\\b'"}, sorted(failed)
 
 
 LAUNCH_ON_CPU = """
