@@ -36,7 +36,7 @@ from harness.numerics.compare import ToleranceTable, compare
 from k3_decode.config import K3
 from k3_decode.kernels import kda_step_op
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaStepBuild
-from k3_decode.kernels.kda_step_plan import CLUSTERS, RESIDENT_THREADS, KdaStepPlan
+from k3_decode.kernels.kda_step_plan import CLUSTERS, RESIDENT_CHOICES, RESIDENT_THREADS, KdaStepPlan
 from k3_decode.kernels.providers import not_built_reason
 from k3_decode.reference import kda as rk
 from k3_decode.stock import kda as sk
@@ -66,6 +66,7 @@ SUITE_TOL = ToleranceTable.load()  # suites/tolerances.toml
 ALL_BUILDS = [b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, KdaStepBuild)]  # what CI compiles
 BUILDS = [b for b in ALL_BUILDS if b.plan.resident_threads == RESIDENT_THREADS]  # the plans the provider runs
 WIDE = [b for b in ALL_BUILDS if b.plan.resident_threads != RESIDENT_THREADS]  # the larger register budget
+WIDE_BUDGET = max(RESIDENT_CHOICES)
 # Every built shape, and two batches the builds do not list (the provider gets whatever the executor prepares).
 CASES = [(b.tp, b.plan.batch) for b in BUILDS] + [(8, 3), (16, 5)]
 
@@ -185,11 +186,21 @@ def test_every_cluster_matches_the_oracle(tp: int, batch: int, cluster: int):
     check_step(step)
 
 
-@pytest.mark.parametrize("build", WIDE, ids=[b.name for b in WIDE])
-def test_the_larger_register_budget_matches_the_oracle(build: KdaStepBuild):
-    plan = build.plan
-    step = Step(build.tp, plan.batch, seed=build.tp * 1000 + plan.batch, resident_threads=plan.resident_threads)
-    assert kda_step_op.plan_for(step.spec, step.packed, step.slots, None, plan.resident_threads) == plan
+# The larger register budget at every cluster where it changes what an SM holds (the builds' B32 and B64 at the
+# plan's cluster among them): the timing below runs them all.
+WIDE_CASES = [(tp, batch, c) for tp in (8, 16) for batch in (32, 64) for c in CLUSTERS]
+assert {(b.tp, b.plan.batch, b.plan.cluster) for b in WIDE} <= set(WIDE_CASES)
+
+
+@pytest.mark.parametrize("tp, batch, cluster", WIDE_CASES, ids=[f"tp{t}-b{b}-c{c}-t1536" for t, b, c in WIDE_CASES])
+def test_the_larger_register_budget_matches_the_oracle(tp: int, batch: int, cluster: int):
+    step = Step(tp, batch, seed=tp * 1000 + batch, cluster=cluster, resident_threads=WIDE_BUDGET)
+    plan = kda_step_op.plan_for(step.spec, step.packed, step.slots, cluster, WIDE_BUDGET)
+    assert (plan.cluster, plan.resident_threads, plan.ctas_per_sm) == (
+        cluster,
+        WIDE_BUDGET,
+        WIDE_BUDGET // plan.threads,
+    )
     check_step(step)
 
 
@@ -438,44 +449,38 @@ def test_timing_against_the_stock_step(tp: int):
 
 TIMED_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CLUSTER_MARGIN = 1.10  # the plan's cluster may be this much slower than the fastest before the test calls it wrong
-WIDE_BUDGET = 1536  # kda_step_plan.RESIDENT_CHOICES' larger budget
 
 
 @pytest.mark.parametrize("tp", [8, 16])
 def test_the_plan_picks_a_cluster_within_ten_percent_of_the_fastest(tp: int):
-    """Every cluster at every batch, and the plan's cluster at the larger register budget (1536 threads per SM), per
-    call as above (the same graph method, rotating caches), side by side in one process. Fails where the plan
-    (KdaStepPlan.for_shape's cluster, 1024 threads) is more than CLUSTER_MARGIN slower than the fastest of them, so
-    a choice that measurement contradicts cannot stand. With K3_STEP_CLUSTER_RESULTS set, appends the figures to
-    that JSON file (benchmarks/results/kda-step-clusters-h200.json)."""
-    variants = (*((c, RESIDENT_THREADS) for c in CLUSTERS), (None, WIDE_BUDGET))
+    """Every cluster at both register budgets (1024 and 1536 threads per SM) at every batch, per call as above (the
+    same graph method, rotating caches), side by side in one process. Fails where the plan (KdaStepPlan.for_shape's
+    cluster at 1024 threads) is more than CLUSTER_MARGIN slower than the fastest of them, so a choice that
+    measurement contradicts cannot stand. With K3_STEP_CLUSTER_RESULTS set, appends the figures to that JSON file
+    (benchmarks/results/kda-step-clusters-h200.json)."""
+    variants = tuple((c, r) for r in RESIDENT_CHOICES for c in CLUSTERS)
+    labels = [f"c{c}" if r == RESIDENT_THREADS else f"c{c}/t{r}" for c, r in variants]
     rows, wrong = [], []
     for batch in TIMED_BATCHES:
         times, _, chosen, copies, moved = time_batch(tp, batch, variants)
         torch.cuda.empty_cache()
-        by_cluster = dict(zip(CLUSTERS, times, strict=False))
-        wide = times[-1]
-        fastest = min(times)
-        best = f"c{chosen}/t{WIDE_BUDGET}" if wide == fastest else f"c{min(by_cluster, key=by_cluster.__getitem__)}"
-        print(
-            f"METRIC KDA step clusters TP{tp} B{batch}: "
-            + ", ".join(f"c{c} {t * 1e6:.2f} us" for c, t in by_cluster.items())
-            + f", c{chosen} at {WIDE_BUDGET} threads per SM {wide * 1e6:.2f} us; plan c{chosen}, fastest {best}"
-        )
+        us = dict(zip(labels, (t * 1e6 for t in times), strict=True))
+        best, plan = min(us, key=us.__getitem__), f"c{chosen}"
+        shown = ", ".join(f"{k} {v:.2f} us" for k, v in us.items())
+        print(f"METRIC KDA step clusters TP{tp} B{batch}: {shown}; plan {plan}, fastest {best}")
         rows.append(
             {
                 "tp": tp,
                 "batch": batch,
-                "plan_cluster": chosen,
+                "plan": plan,
                 "fastest": best,
-                "us": {str(c): round(t * 1e6, 3) for c, t in by_cluster.items()},
-                f"us_plan_cluster_at_{WIDE_BUDGET}_threads": round(wide * 1e6, 3),
+                "us": {k: round(v, 3) for k, v in us.items()},
                 "bytes": moved,
                 "rotating_caches": copies,
             }
         )
-        if by_cluster[chosen] > CLUSTER_MARGIN * fastest:
-            wrong.append(f"B{batch}: c{chosen} {by_cluster[chosen] * 1e6:.1f} vs {best} {fastest * 1e6:.1f} us")
+        if us[plan] > CLUSTER_MARGIN * us[best]:
+            wrong.append(f"B{batch}: {plan} {us[plan]:.1f} vs {best} {us[best]:.1f} us")
     if path := os.environ.get("K3_STEP_CLUSTER_RESULTS"):
         _append_results(path, rows)
     assert not wrong, (
