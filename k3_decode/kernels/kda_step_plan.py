@@ -86,7 +86,7 @@ class KdaStepPlan:
     ) -> KdaStepPlan:
         """The smallest cluster whose grid still gives every SM a CTA, else the largest (8); `cluster` overrides the
         choice, and `resident_threads` the register budget (the GPU test times and checks every cluster at every
-        batch, and the larger budget at the built batches).
+        batch, and the larger budget at every cluster at B32 and B64).
 
         Every head costs 32 warps of state work whatever the cluster (128 rows, 4 per warp); the cluster only
         groups them. Small clusters repeat less per-CTA work (every CTA convolves the head's whole q and k, and
