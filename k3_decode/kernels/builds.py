@@ -20,7 +20,7 @@ from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
 from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
-from k3_decode.kernels.kda_step_plan import RESIDENT_THREADS, ROWS_PER_WARP, KdaStepPlan, KdaVerifyPlan
+from k3_decode.kernels.kda_step_plan import ROWS_PER_WARP, KdaStepPlan, KdaVerifyPlan
 
 PACKAGE = "k3_decode.kernels"
 
@@ -299,8 +299,7 @@ class KdaStepBuild:
 
     @property
     def name(self) -> str:
-        wide = "" if self.plan.resident_threads == RESIDENT_THREADS else f"/t{self.plan.resident_threads}"
-        return f"kda_step/tp{self.tp}/b{self.plan.batch}{wide}"
+        return f"kda_step/tp{self.tp}/b{self.plan.batch}{self.plan.budget_suffix}"
 
     @property
     def tags(self) -> dict[str, Any]:

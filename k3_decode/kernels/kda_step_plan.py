@@ -232,9 +232,14 @@ class KdaStepPlan:
         return sum(-(-n // 128) * 128 for n in parts)
 
     @property
+    def budget_suffix(self) -> str:
+        """ "" at the default register budget, else "/t<threads per SM>": builds and compiles of other budgets are
+        named apart."""
+        return "" if self.resident_threads == RESIDENT_THREADS else f"/t{self.resident_threads}"
+
+    @property
     def tag(self) -> str:
-        wide = "" if self.resident_threads == RESIDENT_THREADS else f"/t{self.resident_threads}"
-        return f"h{self.heads}/b{self.batch}/c{self.cluster}{wide}"
+        return f"h{self.heads}/b{self.batch}/c{self.cluster}{self.budget_suffix}"
 
 
 @dataclass(frozen=True)
