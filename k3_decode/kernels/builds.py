@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from importlib import resources
 from typing import Any
@@ -299,7 +299,7 @@ class KdaStepBuild:
 
     @property
     def name(self) -> str:
-        return f"kda_step/tp{self.tp}/b{self.plan.batch}{self.plan.budget_suffix}"
+        return f"kda_step/tp{self.tp}/b{self.plan.batch}{self.plan.variant_suffix}"
 
     @property
     def tags(self) -> dict[str, Any]:
@@ -326,10 +326,12 @@ class KdaStepBuild:
             "tap_copies": 3,
             "state_copies": 1,
             "prefetches": 1 + 3,  # before the wait, into L2: the state rows and the three runs' taps
+            "warm_ahead": p.warm_ahead,
+            "warm_prefetches": 1 + 3 if p.ahead else 0,  # after it, the same for the CTA one wave later
             # Plain loads before the wait: A_log, dt_bias (two), o_norm (8 bytes), the slot steering the prefetch;
-            # after it: the slot again and beta.
+            # after it: the slot again and beta (and the next wave's slot, when warming).
             "early_loads": 1 + 2 + 1 + 1,
-            "late_loads": 2,
+            "late_loads": 3 if p.ahead else 2,
             "state_stores": rows,
             "tap_stores": 3,
             "out_stores": 2,  # the output of a live request and the zeros of a NULL one
@@ -555,6 +557,12 @@ class K3KernelBuilds:
                     shard.kda_heads, shard.kda_in_proj_rows, batch, spec["sm_count"], resident_threads=wide["threads"]
                 )
                 builds.append(KdaStepBuild(tp, plan))
+            warm = set(spec.get("warm_ahead", {"batches": []})["batches"])
+            builds += [
+                KdaStepBuild(tp, replace(b.plan, warm_ahead=True))
+                for b in list(builds)
+                if b.tp == tp and b.plan.batch in warm and b.plan.wave_requests < b.plan.batch
+            ]
         return builds
 
     def kda_step_verify_builds(self) -> list[KdaStepVerifyBuild]:

@@ -75,9 +75,14 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   which is latency-bound and leaves HBM nearly idle. Its own griddepcontrol.wait still covers all of this grid,
   whatever it reads. Triggering after the conv instead cost 2.5-3 us per layer at B1 (the KDA layer benchmark's
   timeline: o_proj started only as this kernel ended).
+- Warming the next wave (a plan with `warm_ahead`, not served until measured): from B32 the grid runs in waves of
+  `wave_requests` requests, and each CTA's reads wait for HBM while its SM holds only the resident CTAs' chains.
+  Thread 0, after its own copies, issues the same L2 prefetches for the CTA of its rank and head one wave later
+  (request b + `ahead`, its slot read after the wait), so HBM streams the next wave's state during this one.
 - The only plain global loads are A_log, dt_bias, o_norm and the slot hint (before the wait) and the slot and beta
-  (after it), none invariant (`.nc`, which may legally be hoisted above the wait; the build checks there are none).
-  The stores are plain 16-byte stores from registers: the state rows, the taps, the BF16 outputs (8 bytes a warp).
+  (after it; with warming, the next wave's slot too), none invariant (`.nc`, which may legally be hoisted above
+  the wait; the build checks there are none). The stores are plain 16-byte stores from registers: the state rows,
+  the taps, the BF16 outputs (8 bytes a warp).
 
 Verify (`KdaStepKernel.verify`, a KdaVerifyPlan): one launch does what the stock verify pipeline does in five (the
 f_b GEMM, the conv, fla-core's recurrence, a state scatter, the gated norm), with the semantics of the oracle's
@@ -334,6 +339,8 @@ class KdaStepKernel:
             conv_row = conv_state[row0, None]
             if tidx == 0:  # the state rows, then the taps; both from L2 (prefetched before the wait)
                 self._copy_state(state_s, taps_s, state, row0, conv_row, TAPS, bars, place)
+                if const_expr(plan.ahead > 0):
+                    self._warm_ahead(conv_state, state, slots, place)
             trace_stamp(on, launches, cta, 3, tidx)
             beta = _sigmoid(x[sec["beta"] + head].to(Float32))
 
@@ -531,6 +538,17 @@ class KdaStepKernel:
         for start, _, count in plan.conv_runs(place.head, place.rank):
             run = cute.local_tile(taps, (columns * VECTOR,), (start // VECTOR,))
             _bulk_prefetch(run.iterator, count * columns * 2)
+
+    @cute.jit
+    def _warm_ahead(self, conv_state: cute.Tensor, state: cute.Tensor, slots: cute.Tensor, place: _Place):
+        """Thread 0, after its own copies: the L2 prefetches `_prefetch` issues, for the CTA of the same rank and
+        head `plan.ahead` requests later, which runs in the next wave (KdaStepPlan.ahead). After the wait, so the
+        slot is the one that CTA will read; a NULL one warms nothing."""
+        later = place.b + self.plan.ahead
+        if later < self.plan.batch:
+            slot = Int32(slots[later])
+            if slot > 0:
+                self._prefetch(conv_state, state, slot, slot, TAPS, place)
 
     @cute.jit
     def _head_constants(self, a_log: cute.Tensor, dt_bias: cute.Tensor, o_norm: cute.Tensor, place: _Place):

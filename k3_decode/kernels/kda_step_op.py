@@ -80,9 +80,11 @@ def plan_for(
     slots: Tensor,
     cluster: int | None = None,
     resident_threads: int = RESIDENT_THREADS,
+    warm_ahead: bool = False,
 ) -> KdaStepPlan:
     """The plan that runs this step on packed's device (`cluster`: CTAs per head, else the plan's choice;
-    `resident_threads`: the register budget, KdaStepPlan's); raises for what the kernel cannot take."""
+    `resident_threads`: the register budget, `warm_ahead`: the next wave's L2 warming, KdaStepPlan's); raises for
+    what the kernel cannot take."""
     if packed.device.type != "cuda":
         raise ValueError(f"the CuTe DSL KDA step runs on a CUDA device, got {packed.device}; use the stock op")
     if (spec.head_dim, spec.gate_rank, spec.conv_width) != (HEAD_DIM, GATE_RANK, CONV_WIDTH):
@@ -94,7 +96,9 @@ def plan_for(
         raise ValueError(f"decode slots must be a 1-d int32 or int64 tensor, got {slots.dim()}-d {slots.dtype}")
     sms = torch.cuda.get_device_properties(packed.device).multi_processor_count
     dtype = SLOT_DTYPES[slots.dtype]
-    plan = KdaStepPlan.for_shape(spec.heads, spec.in_proj_rows, slots.shape[0], sms, dtype, cluster, resident_threads)
+    plan = KdaStepPlan.for_shape(
+        spec.heads, spec.in_proj_rows, slots.shape[0], sms, dtype, cluster, resident_threads, warm_ahead
+    )
     starts = {name: s.start for name, s in spec.sections.items() if name != "pad"}
     if starts != plan.sections:
         raise ValueError(f"the packed row's sections {starts} are not the kernel's {plan.sections}")
@@ -110,15 +114,16 @@ def decode_step(
     out: Tensor | None = None,
     cluster: int | None = None,
     resident_threads: int = RESIDENT_THREADS,
+    warm_ahead: bool = False,
 ) -> Tensor:
     """One q = 1 KDA decode step on the current stream of packed's device; returns BF16 [B, P].
 
     `weights` has f_b [P, 128] BF16, conv [3P, 4] BF16, a_log [H] FP32, dt_bias [P] FP32 and o_norm [128] BF16
     (k3_decode.weights.KdaWeights). The conv state must hold exactly the 3 decode taps (no speculative columns).
-    `cluster` (CTAs per head) and `resident_threads` (the register budget) override the plan's choice; the
-    provider passes neither.
+    `cluster` (CTAs per head), `resident_threads` (the register budget) and `warm_ahead` (the next wave's L2
+    warming) override the plan's choice; the provider passes none of them.
     """
-    plan = plan_for(spec, packed, slots, cluster, resident_threads)
+    plan = plan_for(spec, packed, slots, cluster, resident_threads, warm_ahead)
     dev, p, batch = packed.device, spec.proj, slots.shape[0]
     bf16 = torch.bfloat16
     _check_tensor("packed", packed, bf16, (batch, spec.in_proj_rows), dev)

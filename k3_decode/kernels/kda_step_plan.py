@@ -52,6 +52,7 @@ class KdaStepPlan:
     slot_dtype: SlotDtype = "int32"
     sm_count: int = H200_SMS  # the SMs the grid is spread over (launch_smem_bytes)
     resident_threads: int = RESIDENT_THREADS  # per SM, which sets the register budget (RESIDENT_CHOICES)
+    warm_ahead: bool = False  # each CTA warms in L2 the state of the CTA one wave behind it (`ahead`)
 
     def __post_init__(self) -> None:
         if self.resident_threads not in RESIDENT_CHOICES:
@@ -72,6 +73,11 @@ class KdaStepPlan:
             )
         if self.rows % 8:
             raise ValueError(f"the packed row must be a whole number of 16-byte vectors, got {self.rows} columns")
+        if self.warm_ahead and self.wave_requests >= self.batch:
+            raise ValueError(
+                f"warm_ahead warms the requests of the next wave, and at batch {self.batch} the grid is one wave "
+                f"({self.wave_requests} requests fit the {self.sm_count} SMs at once): leave it off"
+            )
 
     @classmethod
     def for_shape(
@@ -83,10 +89,12 @@ class KdaStepPlan:
         slot_dtype: SlotDtype = "int32",
         cluster: int | None = None,
         resident_threads: int = RESIDENT_THREADS,
+        warm_ahead: bool = False,
     ) -> KdaStepPlan:
         """The smallest cluster whose grid still gives every SM a CTA, else the largest (8); `cluster` overrides the
-        choice, and `resident_threads` the register budget (the GPU test times and checks every cluster at every
-        batch, and the larger budget at every cluster at B32 and B64).
+        choice, `resident_threads` the register budget and `warm_ahead` turns on the next wave's L2 warming (the GPU
+        test times and checks every cluster at every batch, and the other budget and the warming at every cluster
+        at B32 and B64).
 
         Every head costs 32 warps of state work whatever the cluster (128 rows, 4 per warp); the cluster only
         groups them. Small clusters repeat less per-CTA work (every CTA convolves the head's whole q and k, and
@@ -96,7 +104,7 @@ class KdaStepPlan:
         if cluster is None:
             filling = [c for c in sorted(CLUSTERS) if heads * batch * c >= sm_count]
             cluster = filling[0] if filling else max(CLUSTERS)
-        return cls(heads, rows, batch, cluster, slot_dtype, sm_count, resident_threads)
+        return cls(heads, rows, batch, cluster, slot_dtype, sm_count, resident_threads, warm_ahead)
 
     # --- the packed row ---------------------------------------------------------------------------------------
 
@@ -144,6 +152,22 @@ class KdaStepPlan:
     @property
     def ctas(self) -> int:
         return self.cluster * self.heads * self.batch
+
+    @property
+    def wave_requests(self) -> int:
+        """Requests whose clusters are all resident at once when the grid fills every SM (ctas_per_sm CTAs each):
+        the grid's CTAs are scheduled request after request (the request is its slowest index), so the CTA of
+        request b + wave_requests takes the place of request b's, about when it ends."""
+        return self.sm_count * self.ctas_per_sm // (self.cluster * self.heads)
+
+    @property
+    def ahead(self) -> int:
+        """How many requests ahead a CTA warms the state of (0: none). Why: from B32 the grid runs in waves, and a
+        CTA's chain (copies, conv, exchanges, delta rule, stores) holds its SM's slot while HBM serves only the
+        resident CTAs' reads; an L2 prefetch of the next wave's state rows and taps, issued by thread 0 after its
+        own copies, lets HBM stream them during this wave, so the next wave's copies hit L2. A prefetch returns no
+        data and the lines it warms are written by no one before their own CTA runs, so it changes no value."""
+        return self.wave_requests if self.warm_ahead else 0
 
     @property
     def spread(self) -> int:
@@ -232,14 +256,15 @@ class KdaStepPlan:
         return sum(-(-n // 128) * 128 for n in parts)
 
     @property
-    def budget_suffix(self) -> str:
-        """ "" at the default register budget, else "/t<threads per SM>": builds and compiles of other budgets are
-        named apart."""
-        return "" if self.resident_threads == RESIDENT_THREADS else f"/t{self.resident_threads}"
+    def variant_suffix(self) -> str:
+        """ "" for the served variant (the default register budget, no warming), else "/t<threads per SM>" and
+        "/warm": builds and compiles of other variants are named apart."""
+        budget = "" if self.resident_threads == RESIDENT_THREADS else f"/t{self.resident_threads}"
+        return budget + ("/warm" if self.warm_ahead else "")
 
     @property
     def tag(self) -> str:
-        return f"h{self.heads}/b{self.batch}/c{self.cluster}{self.budget_suffix}"
+        return f"h{self.heads}/b{self.batch}/c{self.cluster}{self.variant_suffix}"
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,23 @@ def test_the_register_budget_sets_the_ctas_an_sm_holds():
         KdaStepPlan(12, 6288, 64, 2, resident_threads=2048)  # 32 registers: the build spills
 
 
+def test_warming_reaches_one_wave_ahead_and_is_refused_where_there_is_none():
+    """A warming CTA prefetches the state of the CTA that takes its place: wave_requests requests later, the
+    requests whose CTAs fill every SM at ctas_per_sm. One wave of CTAs has no later one to warm."""
+    cases = {(12, 64, 1024): 11, (12, 64, 1536): 16, (12, 32, 1536): 16, (6, 64, 1024): 22, (6, 64, 1536): 33}
+    for (heads, batch, threads), ahead in cases.items():
+        plan = KdaStepPlan.for_shape(heads, 6288 if heads == 12 else 3216, batch, H200_SMS, resident_threads=threads)
+        warm = dataclasses.replace(plan, warm_ahead=True)
+        assert (plan.ahead, warm.ahead, warm.wave_requests) == (0, ahead, ahead), (heads, batch, threads)
+        # the CTAs of `ahead` requests are exactly what the SMs hold at once, one more request's would not fit
+        assert ahead * warm.cluster * heads <= H200_SMS * warm.ctas_per_sm < (ahead + 1) * warm.cluster * heads
+        assert warm.tag == plan.tag + "/warm" and warm.smem_bytes == plan.smem_bytes
+    with pytest.raises(ValueError, match="one wave"):
+        KdaStepPlan.for_shape(12, 6288, 8, H200_SMS, warm_ahead=True)  # 192 CTAs: all resident at once
+    with pytest.raises(ValueError, match="one wave"):
+        KdaStepPlan.for_shape(6, 3216, 32, H200_SMS, resident_threads=1536, warm_ahead=True)  # 33 requests a wave
+
+
 def test_the_plan_refuses_what_the_kernel_cannot_take():
     with pytest.raises(ValueError, match="cluster of"):
         KdaStepPlan(12, 6288, 1, 16)
@@ -189,8 +206,9 @@ def test_the_copies_fill_exactly_the_bytes_their_barriers_wait_for(tp, cluster):
 
 def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     every = step_builds()
-    builds = [b for b in every if b.plan.resident_threads == RESIDENT_THREADS]
-    wide = [b for b in every if b.plan.resident_threads != RESIDENT_THREADS]
+    builds = [b for b in every if b.plan.resident_threads == RESIDENT_THREADS and not b.plan.warm_ahead]
+    wide = [b for b in every if b.plan.resident_threads != RESIDENT_THREADS and not b.plan.warm_ahead]
+    warm = [b for b in every if b.plan.warm_ahead]
     assert [(b.tp, b.plan.batch) for b in builds] == [(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8, 16, 64)]
     assert {b.name for b in builds} == {f"kda_step/tp{tp}/b{b}" for tp in (8, 16) for b in (1, 2, 4, 8, 16, 64)}
     assert {b.tp: (b.plan.heads, b.plan.rows) for b in every} == {8: (12, 6288), 16: (6, 3216)}
@@ -202,6 +220,18 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
         assert b.plan == dataclasses.replace(chosen, resident_threads=1536), b.name
         assert b.plan.ctas_per_sm == 3 and b.plan.spread == 3, b.name  # three CTAs of 512 threads an SM, all used
         assert b.plan.launch_smem_bytes == b.plan.smem_bytes and 3 * (b.plan.smem_bytes + 2048) <= 228 * 1024
+    # warming at B32 and B64, at every budget built there whose grid runs in more than one wave (not TP16 B32 at
+    # 1536 threads, whose 33 requests a wave cover it)
+    assert {b.name for b in warm} == {
+        "kda_step/tp8/b64/warm",
+        "kda_step/tp8/b32/t1536/warm",
+        "kda_step/tp8/b64/t1536/warm",
+        "kda_step/tp16/b64/warm",
+        "kda_step/tp16/b64/t1536/warm",
+    }
+    unwarmed = {(b.tp, b.plan) for b in builds + wide}
+    assert all((b.tp, dataclasses.replace(b.plan, warm_ahead=False)) in unwarmed for b in warm)
+    assert all(0 < b.plan.ahead < b.plan.batch for b in warm)
     assert {b.kernel for b in every} == {"kda_step"} and {b.plan.slot_dtype for b in every} == {"int32"}
     assert K3_KERNEL_BUILDS.kda_step_builds() == every
 
@@ -216,12 +246,18 @@ def test_build_tags_count_what_the_code_must_hold():
     assert (b1["state_stores"], b1["tap_stores"], b1["out_stores"], b1["shuffles"]) == (4, 3, 2, 57)
     b64 = tags["kda_step/tp16/b64"]
     assert (b64["cluster"], b64["threads"], b64["ctas"], b64["ctas_per_sm"]) == (2, 512, 768, 2)
+    assert (b64["warm_ahead"], b64["warm_prefetches"], b64["late_loads"]) == (False, 0, 2)
+    warm = tags["kda_step/tp16/b64/warm"]  # the next wave's slot, its state rows and three tap runs
+    assert (warm["warm_ahead"], warm["warm_prefetches"], warm["late_loads"]) == (True, 4, 3)
+    assert {k: v for k, v in warm.items() if k not in ("warm_ahead", "warm_prefetches", "late_loads")} == {
+        k: v for k, v in b64.items() if k not in ("warm_ahead", "warm_prefetches", "late_loads")
+    }
 
 
 def test_expectations_judge_every_kda_step_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_step/*")  # every named tag exists
-    assert len(builds) == 16  # 12 at 1024 threads per SM, 4 at 1536
+    assert len(builds) == 21  # 12 at 1024 threads per SM, 4 at 1536, 5 of them warming the next wave
     step = expectations["kda_step"]
     assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
 
@@ -376,6 +412,47 @@ def test_the_larger_budget_spills_with_the_gate_read_before_the_norm_wait(tmp_pa
     failed = {c["name"] for c in result["checks"] if not c["passed"]}
     assert "compiles" not in failed and "registers" not in failed, sorted(failed)
     assert failed == {"local-memory frame bytes", "sass '\\\\b(LDL|STL)\\\\b'"}, sorted(failed)
+
+
+WARM_FIRST = """
+import os
+os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+import cutlass
+import cutlass.cute as cute
+from k3_decode.kernels import kda_step
+
+own = kda_step.KdaStepKernel._copy_state
+
+
+@cute.jit
+def warm_first(self, state_s, taps_s, state, slot, conv_row, columns: cutlass.Constexpr[int], bars, place):
+    rows = self.plan.rows_per_cta
+    kda_step._bulk_prefetch(state[slot, place.head, place.rank * rows, None].iterator, rows * 512)
+    own(self, state_s, taps_s, state, slot, conv_row, columns, bars, place)
+
+
+kda_step.KdaStepKernel._copy_state = warm_first
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_next_wave_warmed_before_the_ctas_own_copies_fails_its_build(tmp_path):
+    """The broken case of the warming builds: a prefetch issued after the wait but before the CTA's own state and
+    tap copies (`_copy_state` patched in the compiling process only) puts the next wave's reads ahead of this
+    one's. The order rule catches it, and the prefetch counts do."""
+    (tmp_path / "warm_first.py").write_text(WARM_FIRST)  # CuTe DSL reads a jit function's source from its file
+    prelude = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport warm_first"
+    out = tmp_path / "out"
+    proc = build_command(tmp_path, "--out", str(out), "--match", "kda_step/tp16/b64/warm", prelude=prelude)
+    assert proc.returncode == 1, proc.stderr
+    (result,) = json.loads((out / "report.json").read_text())["builds"]
+    failed = {c["name"] for c in result["checks"] if not c["passed"]}
+    assert "compiles" not in failed and "registers" not in failed, sorted(failed)
+    rules = [n.split(" before ") for n in failed]  # a rule's name: "ptx '<pattern>'[ before '<pattern>']"
+    order = [r for r in rules if len(r) == 2 and "shared::cluster" in r[0] and "prefetch" in r[1]]
+    prefetches = [r for r in rules if "prefetch" in r[0]]
+    assert len(order) == 1 and len(prefetches) == 2 and len(failed) == 3, sorted(failed)
 
 
 LAUNCH_ON_CPU = """

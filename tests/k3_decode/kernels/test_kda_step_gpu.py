@@ -64,8 +64,10 @@ KDA_LAYER = 13
 RMS_TOL = load_tolerances()  # tests/k3_decode/stock/attention_tolerances.toml
 SUITE_TOL = ToleranceTable.load()  # suites/tolerances.toml
 ALL_BUILDS = [b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, KdaStepBuild)]  # what CI compiles
-BUILDS = [b for b in ALL_BUILDS if b.plan.resident_threads == RESIDENT_THREADS]  # the plans the provider runs
-WIDE = [b for b in ALL_BUILDS if b.plan.resident_threads != RESIDENT_THREADS]  # the larger register budget
+SERVED = [b for b in ALL_BUILDS if not b.plan.warm_ahead]
+BUILDS = [b for b in SERVED if b.plan.resident_threads == RESIDENT_THREADS]  # the plans the provider runs
+WIDE = [b for b in SERVED if b.plan.resident_threads != RESIDENT_THREADS]  # the larger register budget
+WARM = [b for b in ALL_BUILDS if b.plan.warm_ahead]  # warming the next wave's state in L2
 WIDE_BUDGET = max(RESIDENT_CHOICES)
 # Every built shape, and two batches the builds do not list (the provider gets whatever the executor prepares).
 CASES = [(b.tp, b.plan.batch) for b in BUILDS] + [(8, 3), (16, 5)]
@@ -74,6 +76,12 @@ CASES = [(b.tp, b.plan.batch) for b in BUILDS] + [(8, 3), (16, 5)]
 @cache
 def kda_weights(tp: int):
     return weights_for(K3, tp, DEV).attention(KDA_LAYER)
+
+
+def step_plan(tp: int, batch: int, **choice) -> KdaStepPlan:
+    """The plan at an H200's 132 SMs (the GPU's own count is what the op plans for)."""
+    shard = K3.shard(tp)
+    return KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, **choice)
 
 
 def spec_for(tp: int) -> rk.KdaSpec:
@@ -131,9 +139,10 @@ class Step:
         slot_dtype: torch.dtype = torch.int32,
         cluster: int | None = None,
         resident_threads: int = RESIDENT_THREADS,
+        warm_ahead: bool = False,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.tp, self.batch, self.forced, self.resident = tp, batch, cluster, resident_threads
+        self.tp, self.batch, self.forced, self.resident, self.warm = tp, batch, cluster, resident_threads, warm_ahead
         self.spec, self.weights = spec_for(tp), kda_weights(tp)
         self.cache = random_kda_cache(self.spec, 2 * batch + 2, 0, gen, DEV)
         self.start = clone_cache(self.cache)
@@ -145,7 +154,7 @@ class Step:
         packed = self.packed if packed is None else packed
         cache = self.cache if cache is None else cache
         return kda_step_op.decode_step(
-            self.spec, self.weights, packed, cache, self.slots, cluster=self.forced, resident_threads=self.resident
+            self.spec, self.weights, packed, cache, self.slots, None, self.forced, self.resident, self.warm
         )
 
     def oracle(self, cache: rk.KdaCache, packed: Tensor | None = None) -> Tensor:
@@ -158,7 +167,11 @@ class Step:
 
     @property
     def cluster(self) -> int:
-        return kda_step_op.plan_for(self.spec, self.packed, self.slots, self.forced, self.resident).cluster
+        return self.plan.cluster
+
+    @property
+    def plan(self) -> KdaStepPlan:
+        return kda_step_op.plan_for(self.spec, self.packed, self.slots, self.forced, self.resident, self.warm)
 
 
 # --- against the oracle and the stock step -------------------------------------------------------------------------
@@ -201,6 +214,27 @@ def test_the_larger_register_budget_matches_the_oracle(tp: int, batch: int, clus
         WIDE_BUDGET,
         WIDE_BUDGET // plan.threads,
     )
+    check_step(step)
+
+
+# Warming the next wave at the plan's cluster, at every budget whose grid at B16-B64 runs in more than one wave
+# (the warming builds among them). A prefetch changes no value, so the plan's cluster stands for the others the
+# timing below runs; one of those would be checked here before it is served.
+WARM_CASES = [
+    (tp, batch, r)
+    for tp in (8, 16)
+    for batch in (16, 32, 64)
+    for r in RESIDENT_CHOICES
+    if step_plan(tp, batch, resident_threads=r).wave_requests < batch
+]
+assert {(b.tp, b.plan.batch, b.plan.resident_threads) for b in WARM} <= set(WARM_CASES)
+
+
+@pytest.mark.parametrize("tp, batch, threads", WARM_CASES, ids=[f"tp{t}-b{b}-t{r}-warm" for t, b, r in WARM_CASES])
+def test_warming_the_next_wave_matches_the_oracle(tp: int, batch: int, threads: int):
+    step = Step(tp, batch, seed=tp * 1000 + batch, resident_threads=threads, warm_ahead=True)
+    plan = step.plan
+    assert plan.warm_ahead and 0 < plan.ahead < batch and plan.resident_threads == threads
     check_step(step)
 
 
@@ -397,11 +431,14 @@ def weight_copy(weights: KdaWeights) -> KdaWeights:
     return dataclasses.replace(weights, **small)
 
 
+Variant = tuple[int | None, int, bool]  # cluster (None: the plan's), resident threads per SM, warm_ahead
+
+
 def time_batch(
-    tp: int, batch: int, variants: tuple[tuple[int | None, int], ...] = ((None, RESIDENT_THREADS),)
+    tp: int, batch: int, variants: tuple[Variant, ...] = ((None, RESIDENT_THREADS, False),)
 ) -> tuple[list[float], float, int, int, float]:
     """([CuTe seconds per call for each of `variants`], stock seconds per call, the plan's cluster, rotating copies,
-    bytes per call) at one batch; a variant is (cluster, resident threads per SM), a cluster of None the plan's."""
+    bytes per call) at one batch."""
     spec, weights = spec_for(tp), kda_weights(tp)
     gen = torch.Generator().manual_seed(batch)
     state_bytes = batch * spec.heads * 128 * 128 * 4 * 2  # read and written
@@ -412,9 +449,10 @@ def time_batch(
     packed = projected_rows(weights.in_proj, (batch,), gen)
     out = torch.empty(batch, spec.proj, dtype=torch.bfloat16, device=DEV)
 
-    def cute(cluster: int | None, resident: int) -> Callable[[int], None]:
+    def cute(cluster: int | None, resident: int, warm: bool) -> Callable[[int], None]:
         def call(i: int) -> None:
-            kda_step_op.decode_step(spec, small[i % copies], packed, caches[i % copies], slots, out, cluster, resident)
+            cache = caches[i % copies]
+            kda_step_op.decode_step(spec, small[i % copies], packed, cache, slots, out, cluster, resident, warm)
 
         return call
 
@@ -422,7 +460,7 @@ def time_batch(
         sk.kda_decode_step(spec, small[i % copies], packed, caches[i % copies], slots, validate=False)
 
     calls = 2 * copies
-    t_cute = [_graph_seconds_per_call(cute(c, r), calls) for c, r in variants]
+    t_cute = [_graph_seconds_per_call(cute(*variant), calls) for variant in variants]
     t_stock = _graph_seconds_per_call(stock, calls)
     moved = state_bytes + batch * spec.conv_channels * 3 * 2 * 2 + spec.proj * 128 * 2
     return t_cute, t_stock, kda_step_op.plan_for(spec, packed, slots).cluster, copies, moved
@@ -453,15 +491,26 @@ CLUSTER_MARGIN = 1.10  # the plan's cluster may be this much slower than the fas
 
 @pytest.mark.parametrize("tp", [8, 16])
 def test_the_plan_picks_a_cluster_within_ten_percent_of_the_fastest(tp: int):
-    """Every cluster at both register budgets (1024 and 1536 threads per SM) at every batch, per call as above (the
-    same graph method, rotating caches), side by side in one process. Fails where the plan (KdaStepPlan.for_shape's
-    cluster at 1024 threads) is more than CLUSTER_MARGIN slower than the fastest of them, so a choice that
-    measurement contradicts cannot stand. With K3_STEP_CLUSTER_RESULTS set, appends the figures to that JSON file
-    (benchmarks/results/kda-step-clusters-h200.json)."""
-    variants = tuple((c, r) for r in RESIDENT_CHOICES for c in CLUSTERS)
-    labels = [f"c{c}" if r == RESIDENT_THREADS else f"c{c}/t{r}" for c, r in variants]
+    """Every cluster at both register budgets (1024 and 1536 threads per SM), each also warming the next wave where
+    its grid runs in more than one, at every batch, per call as above (the same graph method, rotating caches), side
+    by side in one process. Fails where the plan (KdaStepPlan.for_shape's cluster at 1024 threads, no warming) is
+    more than CLUSTER_MARGIN slower than the fastest of them, so a choice that measurement contradicts cannot stand.
+    With K3_STEP_CLUSTER_RESULTS set, appends the figures to that JSON file
+    (benchmarks/results/kda-step-clusters-h200.json); a variant's label is c<cluster> and the plan's
+    variant_suffix (/t1536, /warm)."""
     rows, wrong = [], []
     for batch in TIMED_BATCHES:
+        variants = tuple(
+            (c, r, w)
+            for r in RESIDENT_CHOICES
+            for c in CLUSTERS
+            for w in (False, True)
+            if not w or step_plan(tp, batch, cluster=c, resident_threads=r).wave_requests < batch
+        )
+        labels = [
+            f"c{c}{step_plan(tp, batch, cluster=c, resident_threads=r, warm_ahead=w).variant_suffix}"
+            for c, r, w in variants
+        ]
         times, _, chosen, copies, moved = time_batch(tp, batch, variants)
         torch.cuda.empty_cache()
         us = dict(zip(labels, (t * 1e6 for t in times), strict=True))
