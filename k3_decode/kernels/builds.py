@@ -539,7 +539,8 @@ class K3KernelBuilds:
         return builds
 
     def kda_step_builds(self) -> list[KdaStepBuild]:
-        """The fused KDA decode step at every TP and batch of builds.toml's [kda_step], at each rank's heads."""
+        """The fused KDA decode step at every TP and batch of builds.toml's [kda_step], at each rank's heads: the
+        served variant (kda_step_choice.toml), and the other register budget and the warming where it lists them."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_step"]
         builds = []
@@ -553,8 +554,9 @@ class K3KernelBuilds:
                 builds.append(KdaStepBuild(tp, plan))
             wide = spec.get("wide_residency", {"threads": 0, "batches": []})
             for batch in wide["batches"]:
+                heads, rows, sms = shard.kda_heads, shard.kda_in_proj_rows, spec["sm_count"]
                 plan = KdaStepPlan.for_shape(
-                    shard.kda_heads, shard.kda_in_proj_rows, batch, spec["sm_count"], resident_threads=wide["threads"]
+                    heads, rows, batch, sms, resident_threads=wide["threads"], warm_ahead=False
                 )
                 builds.append(KdaStepBuild(tp, plan))
             warm = set(spec.get("warm_ahead", {"batches": []})["batches"])
@@ -563,7 +565,8 @@ class K3KernelBuilds:
                 for b in list(builds)
                 if b.tp == tp and b.plan.batch in warm and b.plan.wave_requests < b.plan.batch
             ]
-        return builds
+        # a variant kda_step_choice.toml serves is built once, whichever table entry also asks for it
+        return list({b.name: b for b in builds}.values())
 
     def kda_step_verify_builds(self) -> list[KdaStepVerifyBuild]:
         """The fused KDA verify step at every TP, tokens per request and batch of builds.toml's [kda_step_verify]

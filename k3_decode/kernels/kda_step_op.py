@@ -36,7 +36,6 @@ from k3_decode.kernels.kda_step_plan import (
     GATE_RANK,
     HEAD_DIM,
     MAX_TOKENS,
-    RESIDENT_THREADS,
     KdaStepPlan,
     KdaVerifyPlan,
 )
@@ -79,12 +78,12 @@ def plan_for(
     packed: Tensor,
     slots: Tensor,
     cluster: int | None = None,
-    resident_threads: int = RESIDENT_THREADS,
-    warm_ahead: bool = False,
+    resident_threads: int | None = None,
+    warm_ahead: bool | None = None,
 ) -> KdaStepPlan:
-    """The plan that runs this step on packed's device (`cluster`: CTAs per head, else the plan's choice;
-    `resident_threads`: the register budget, `warm_ahead`: the next wave's L2 warming, KdaStepPlan's); raises for
-    what the kernel cannot take."""
+    """The plan that runs this step on packed's device (`cluster`: CTAs per head, `resident_threads`: the register
+    budget, `warm_ahead`: the next wave's L2 warming; each None: the plan's choice, KdaStepPlan.for_shape); raises
+    for what the kernel cannot take."""
     if packed.device.type != "cuda":
         raise ValueError(f"the CuTe DSL KDA step runs on a CUDA device, got {packed.device}; use the stock op")
     if (spec.head_dim, spec.gate_rank, spec.conv_width) != (HEAD_DIM, GATE_RANK, CONV_WIDTH):
@@ -113,8 +112,8 @@ def decode_step(
     slots: Tensor,
     out: Tensor | None = None,
     cluster: int | None = None,
-    resident_threads: int = RESIDENT_THREADS,
-    warm_ahead: bool = False,
+    resident_threads: int | None = None,
+    warm_ahead: bool | None = None,
 ) -> Tensor:
     """One q = 1 KDA decode step on the current stream of packed's device; returns BF16 [B, P].
 

@@ -18,7 +18,10 @@ tokens) and its state rows once, and exchanges q times the decays and the norm p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import tomllib
+from dataclasses import dataclass, field, replace
+from functools import cache
+from pathlib import Path
 from typing import Any, Literal
 
 WARP = 32
@@ -38,7 +41,72 @@ MAX_TOKENS = 8  # a verify step's tokens per request: 1 + up to 7 speculative on
 SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory
 SMEM_PER_CTA_RESERVED = 2 * 1024  # at most, per CTA beside its dynamic bytes: the driver's 1 KiB (the cubin's 1 KiB)
 
+CHOICE = Path(__file__).with_name("kda_step_choice.toml")
+
 SlotDtype = Literal["int32", "int64"]
+
+
+@dataclass(frozen=True)
+class StepVariant:
+    """What the plan takes beside its cluster: the register budget and the next wave's warming."""
+
+    resident_threads: int
+    warm_ahead: bool
+
+
+@dataclass(frozen=True)
+class VariantRule:
+    heads: int | None  # None: any
+    first: int
+    last: int
+    variant: StepVariant
+
+    def matches(self, heads: int, batch: int) -> bool:
+        return (self.heads is None or self.heads == heads) and self.first <= batch <= self.last
+
+
+def _variant(entry: Any, where: str) -> StepVariant:
+    if not isinstance(entry, dict) or set(entry) - {"heads", "batches"} != {"resident_threads", "warm_ahead"}:
+        raise ValueError(f"{where} must name resident_threads and warm_ahead (and a rule heads and batches)")
+    threads, warm = entry["resident_threads"], entry["warm_ahead"]
+    if threads not in RESIDENT_CHOICES or not isinstance(warm, bool):
+        raise ValueError(f"{where}: resident_threads is one of {RESIDENT_CHOICES} and warm_ahead true or false")
+    return StepVariant(threads, warm)
+
+
+def variant_rules(path: Path | None = None) -> tuple[StepVariant, tuple[VariantRule, ...]]:
+    """kda_step_choice.toml (or `path`): the default variant and the rules, checked; a malformed file is an error
+    naming it."""
+    return _variant_rules(path or CHOICE)
+
+
+@cache
+def _variant_rules(path: Path) -> tuple[StepVariant, tuple[VariantRule, ...]]:
+    table = tomllib.loads(path.read_text())
+    if set(table) != {"default", "rules"}:
+        raise ValueError(f"{path.name} holds `default` and `rules`, got {sorted(table)}")
+    default = _variant(table["default"], f"{path.name} default")
+    rules = []
+    for i, entry in enumerate(table["rules"]):
+        where = f"{path.name} rules[{i}]"
+        variant = _variant(entry, where)
+        span = entry.get("batches")
+        if not (isinstance(span, list) and len(span) == 2 and all(isinstance(b, int) for b in span)):
+            raise ValueError(f"{where}: batches is [first, last], got {span!r}")
+        if not 1 <= span[0] <= span[1]:
+            raise ValueError(f"{where}: batches [{span[0]}, {span[1]}] is not a range of batches")
+        heads = entry.get("heads")
+        if heads is not None and (not isinstance(heads, int) or heads < 1):
+            raise ValueError(f"{where}: heads is a positive count, got {heads!r}")
+        rules.append(VariantRule(heads, span[0], span[1], variant))
+    return default, tuple(rules)
+
+
+def chosen_variant(heads: int, batch: int, path: Path | None = None) -> StepVariant:
+    """The variant kda_step_choice.toml (or `path`) serves at (heads, batch): the first matching rule's, else the
+    default."""
+    default, rules = variant_rules(path)
+    return next((r.variant for r in rules if r.matches(heads, batch)), default)
 
 
 @dataclass(frozen=True)
@@ -88,13 +156,13 @@ class KdaStepPlan:
         sm_count: int = H200_SMS,
         slot_dtype: SlotDtype = "int32",
         cluster: int | None = None,
-        resident_threads: int = RESIDENT_THREADS,
-        warm_ahead: bool = False,
+        resident_threads: int | None = None,
+        warm_ahead: bool | None = None,
     ) -> KdaStepPlan:
-        """The smallest cluster whose grid still gives every SM a CTA, else the largest (8); `cluster` overrides the
-        choice, `resident_threads` the register budget and `warm_ahead` turns on the next wave's L2 warming (the GPU
-        test times and checks every cluster at every batch, and the other budget and the warming at every cluster
-        at B32 and B64).
+        """The smallest cluster whose grid still gives every SM a CTA, else the largest (8), and the register budget
+        and the warming kda_step_choice.toml serves at this batch (`chosen_variant`). `cluster`, `resident_threads`
+        and `warm_ahead` override each choice (the GPU test times and checks every cluster at every batch, and the
+        other budget and the warming at every cluster where they apply).
 
         Every head costs 32 warps of state work whatever the cluster (128 rows, 4 per warp); the cluster only
         groups them. Small clusters repeat less per-CTA work (every CTA convolves the head's whole q and k, and
@@ -104,7 +172,12 @@ class KdaStepPlan:
         if cluster is None:
             filling = [c for c in sorted(CLUSTERS) if heads * batch * c >= sm_count]
             cluster = filling[0] if filling else max(CLUSTERS)
-        return cls(heads, rows, batch, cluster, slot_dtype, sm_count, resident_threads, warm_ahead)
+        served = chosen_variant(heads, batch)
+        threads = served.resident_threads if resident_threads is None else resident_threads
+        plan = cls(heads, rows, batch, cluster, slot_dtype, sm_count, threads)
+        # A served rule warms where the grid has a next wave; asked for explicitly, warming a single wave is refused.
+        warm = served.warm_ahead and plan.wave_requests < batch if warm_ahead is None else warm_ahead
+        return replace(plan, warm_ahead=True) if warm else plan
 
     # --- the packed row ---------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The fused KDA decode step kernel's plan and builds: what is built (fast, no CuTe DSL), and real sm_90a builds of
 one shape per cluster size with their PTX, SASS and cubin checked, a wrong expectation and two broken kernels that
 must fail (slow; needs CuTe DSL, `pip install 'k3gate[cutedsl]'`). `k3gate kernels build --arch sm_90a --match
-'kda_step*'` compiles all sixteen."""
+'kda_step*'` compiles all twenty-one."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from harness.kernels_cmd import cubin_resources, parse_expectations, select_builds
 from k3_decode.config import K3
+from k3_decode.kernels import kda_step_plan
 from k3_decode.kernels.attn_res_plan import AttnResKind
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds, KdaStepBuild
 from k3_decode.kernels.kda_o_proj_plan import MAX_BATCH as O_PROJ_MAX_BATCH
@@ -127,6 +128,57 @@ def test_warming_reaches_one_wave_ahead_and_is_refused_where_there_is_none():
         KdaStepPlan.for_shape(12, 6288, 8, H200_SMS, warm_ahead=True)  # 192 CTAs: all resident at once
     with pytest.raises(ValueError, match="one wave"):
         KdaStepPlan.for_shape(6, 3216, 32, H200_SMS, resident_threads=1536, warm_ahead=True)  # 33 requests a wave
+
+
+def _choice_file(tmp_path, rules: str, default: str = "{ resident_threads = 1024, warm_ahead = false }"):
+    path = tmp_path / "kda_step_choice.toml"
+    path.write_text(f"default = {default}\nrules = [{rules}]\n")
+    return path
+
+
+def test_the_plan_takes_the_variant_the_choice_file_serves(tmp_path, monkeypatch):
+    """for_shape takes its budget and warming from kda_step_choice.toml: the first rule whose heads and batches
+    match, else the default; a rule's warming applies where the grid has a next wave; an argument overrides."""
+    rules = (
+        "{ heads = 12, batches = [32, 64], resident_threads = 1536, warm_ahead = true }, "
+        "{ batches = [8, 64], resident_threads = 1024, warm_ahead = true }"
+    )
+    path = _choice_file(tmp_path, rules)
+    monkeypatch.setattr(kda_step_plan, "CHOICE", path)
+    tags = {
+        (h, b): KdaStepPlan.for_shape(h, 6288 if h == 12 else 3216, b, H200_SMS).tag
+        for h in (12, 6)
+        for b in (4, 8, 16, 32, 64)
+    }
+    assert tags == {
+        (12, 4): "h12/b4/c4", (12, 8): "h12/b8/c2", (12, 16): "h12/b16/c2/warm",  # B8: one wave, nothing to warm
+        (12, 32): "h12/b32/c2/t1536/warm", (12, 64): "h12/b64/c2/t1536/warm",
+        (6, 4): "h6/b4/c8", (6, 8): "h6/b8/c4", (6, 16): "h6/b16/c2",
+        (6, 32): "h6/b32/c2/warm", (6, 64): "h6/b64/c2/warm",
+    }  # fmt: skip
+    plan = KdaStepPlan.for_shape(12, 6288, 64, H200_SMS, resident_threads=1024, warm_ahead=False)
+    assert plan.tag == "h12/b64/c2"
+    # the shipped file: the variant every measurement so far ran, at every batch
+    monkeypatch.undo()
+    default, shipped = kda_step_plan.variant_rules()
+    assert default == kda_step_plan.StepVariant(RESIDENT_THREADS, False)
+    assert all(r.first <= r.last for r in shipped)
+
+
+BAD_CHOICES = {
+    "resident_threads = 2048": ("{ batches = [1, 2], resident_threads = 2048, warm_ahead = false }", "one of"),
+    "a batch range backwards": ("{ batches = [8, 4], resident_threads = 1024, warm_ahead = false }", "not a range"),
+    "no batches": ("{ resident_threads = 1024, warm_ahead = false }", "batches is"),
+    "an unknown key": ("{ batches = [1, 2], resident_threads = 1024, warm_ahead = false, c = 2 }", "must name"),
+    "a string for warm_ahead": ("{ batches = [1, 2], resident_threads = 1024, warm_ahead = 'yes' }", "true or false"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_CHOICES))
+def test_a_malformed_choice_file_is_an_error_naming_it(tmp_path, bad):
+    rules, message = BAD_CHOICES[bad]
+    with pytest.raises(ValueError, match=rf"kda_step_choice\.toml rules\[0\].*{message}"):
+        kda_step_plan.variant_rules(_choice_file(tmp_path, rules))
 
 
 def test_the_plan_refuses_what_the_kernel_cannot_take():
