@@ -65,9 +65,11 @@ class VariantRule:
         return (self.heads is None or self.heads == heads) and self.first <= batch <= self.last
 
 
-def _variant(entry: Any, where: str) -> StepVariant:
-    if not isinstance(entry, dict) or set(entry) - {"heads", "batches"} != {"resident_threads", "warm_ahead"}:
-        raise ValueError(f"{where} must name resident_threads and warm_ahead (and a rule heads and batches)")
+def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
+    keys = {"resident_threads", "warm_ahead"}
+    if not isinstance(entry, dict) or (set(entry) - {"heads", "batches"} if rule else set(entry)) != keys:
+        scope = "; a rule also batches and optionally heads" if rule else ", nothing else"
+        raise ValueError(f"{where} must name resident_threads and warm_ahead{scope}, got {entry!r}")
     threads, warm = entry["resident_threads"], entry["warm_ahead"]
     if threads not in RESIDENT_CHOICES or not isinstance(warm, bool):
         raise ValueError(f"{where}: resident_threads is one of {RESIDENT_CHOICES} and warm_ahead true or false")
@@ -85,11 +87,11 @@ def _variant_rules(path: Path) -> tuple[StepVariant, tuple[VariantRule, ...]]:
     table = tomllib.loads(path.read_text())
     if set(table) != {"default", "rules"}:
         raise ValueError(f"{path.name} holds `default` and `rules`, got {sorted(table)}")
-    default = _variant(table["default"], f"{path.name} default")
+    default = _variant(table["default"], f"{path.name} default", rule=False)
     rules = []
     for i, entry in enumerate(table["rules"]):
         where = f"{path.name} rules[{i}]"
-        variant = _variant(entry, where)
+        variant = _variant(entry, where, rule=True)
         span = entry.get("batches")
         if not (isinstance(span, list) and len(span) == 2 and all(isinstance(b, int) for b in span)):
             raise ValueError(f"{where}: batches is [first, last], got {span!r}")
@@ -120,7 +122,7 @@ class KdaStepPlan:
     slot_dtype: SlotDtype = "int32"
     sm_count: int = H200_SMS  # the SMs the grid is spread over (launch_smem_bytes)
     resident_threads: int = RESIDENT_THREADS  # per SM, which sets the register budget (RESIDENT_CHOICES)
-    warm_ahead: bool = False  # each CTA warms in L2 the state of the CTA one wave behind it (`ahead`)
+    warm_ahead: bool = False  # each CTA warms in L2 the state of the CTA that runs a wave after it (`ahead`)
 
     def __post_init__(self) -> None:
         if self.resident_threads not in RESIDENT_CHOICES:
@@ -227,15 +229,22 @@ class KdaStepPlan:
         return self.cluster * self.heads * self.batch
 
     @property
+    def resident_ctas(self) -> int:
+        """CTAs of this plan one SM holds at once when the grid fills it: ctas_per_sm (the register budget) unless
+        shared memory is short for that many."""
+        return min(self.ctas_per_sm, SMEM_PER_SM // (self.smem_bytes + SMEM_PER_CTA_RESERVED))
+
+    @property
     def wave_requests(self) -> int:
-        """Requests whose clusters are all resident at once when the grid fills every SM (ctas_per_sm CTAs each):
-        the grid's CTAs are scheduled request after request (the request is its slowest index), so the CTA of
-        request b + wave_requests takes the place of request b's, about when it ends."""
-        return self.sm_count * self.ctas_per_sm // (self.cluster * self.heads)
+        """Requests whose clusters are all resident at once when the grid fills every SM (resident_ctas each): the
+        grid's CTAs are scheduled request after request (the request is its slowest index), so the CTA of request
+        b + wave_requests takes the place of request b's, about when it ends."""
+        return self.sm_count * self.resident_ctas // (self.cluster * self.heads)
 
     @property
     def ahead(self) -> int:
-        """How many requests ahead a CTA warms the state of (0: none). Why: from B32 the grid runs in waves, and a
+        """How many requests ahead a CTA warms the state of (0: none). Why: from TP8 B16 and TP16 B32 the grid runs
+        in waves, and a
         CTA's chain (copies, conv, exchanges, delta rule, stores) holds its SM's slot while HBM serves only the
         resident CTAs' reads; an L2 prefetch of the next wave's state rows and taps, issued by thread 0 after its
         own copies, lets HBM stream them during this wave, so the next wave's copies hit L2. A prefetch returns no
@@ -330,8 +339,8 @@ class KdaStepPlan:
 
     @property
     def variant_suffix(self) -> str:
-        """ "" for the served variant (the default register budget, no warming), else "/t<threads per SM>" and
-        "/warm": builds and compiles of other variants are named apart."""
+        """ "" at 1024 threads per SM without warming, else "/t<threads per SM>" and "/warm": builds and compiles of
+        the variants are named apart."""
         budget = "" if self.resident_threads == RESIDENT_THREADS else f"/t{self.resident_threads}"
         return budget + ("/warm" if self.warm_ahead else "")
 
@@ -409,7 +418,8 @@ class KdaVerifyPlan(KdaStepPlan):
     @property
     def smem_bytes(self) -> int:
         """The copies above, the exchanges, and per token q and k (FP32, the head's), v and o (the CTA's rows),
-        beta and the token's state slot; six mbarriers; each buffer 128-byte aligned."""
+        beta and the token's state slot; six mbarriers; each buffer 128-byte aligned. Only clusters of 8 from q = 4
+        are short of shared memory for ctas_per_sm CTAs an SM (resident_ctas: 7 at q = 4, 5 at q = 8)."""
         r, q = self.rows_per_cta, self.tokens
         parts = [6 * 8, self.state_bytes, self.weight_bytes, self.packed_bytes, self.tap_bytes]
         parts += [self.decay_bytes, q * 2 * HEAD_DIM * 4, q * r * 4, q * r * 4, self.norm_bytes, q * 4, q * 4]
@@ -419,12 +429,6 @@ class KdaVerifyPlan(KdaStepPlan):
     def launch_smem_bytes(self) -> int:
         """The verify kernel asks for its own shared memory only: its launch is not spread (not yet measured)."""
         return self.smem_bytes
-
-    @property
-    def resident_ctas(self) -> int:
-        """CTAs of this plan one SM holds at once: ctas_per_sm (the register budget) unless shared memory is short
-        (only clusters of 8 from q = 4 are: 7 CTAs at q = 4, 5 at q = 8, of 4 warps each)."""
-        return min(self.ctas_per_sm, SMEM_PER_SM // (self.smem_bytes + SMEM_PER_CTA_RESERVED))
 
     @property
     def tag(self) -> str:

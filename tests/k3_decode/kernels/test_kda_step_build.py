@@ -181,6 +181,16 @@ def test_a_malformed_choice_file_is_an_error_naming_it(tmp_path, bad):
         kda_step_plan.variant_rules(_choice_file(tmp_path, rules))
 
 
+def test_a_default_with_a_batch_range_or_a_missing_table_is_an_error(tmp_path):
+    default = "{ batches = [1, 8], resident_threads = 1024, warm_ahead = false }"
+    with pytest.raises(ValueError, match=r"kda_step_choice\.toml default must name .* nothing else"):
+        kda_step_plan.variant_rules(_choice_file(tmp_path, "", default))
+    path = tmp_path / "kda_step_choice.toml"
+    path.write_text('default = { resident_threads = 1024, warm_ahead = false }\n')
+    with pytest.raises(ValueError, match="holds `default` and `rules`"):
+        kda_step_plan.variant_rules(path)
+
+
 def test_the_plan_refuses_what_the_kernel_cannot_take():
     with pytest.raises(ValueError, match="cluster of"):
         KdaStepPlan(12, 6288, 1, 16)
