@@ -75,10 +75,11 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   which is latency-bound and leaves HBM nearly idle. Its own griddepcontrol.wait still covers all of this grid,
   whatever it reads. Triggering after the conv instead cost 2.5-3 us per layer at B1 (the KDA layer benchmark's
   timeline: o_proj started only as this kernel ended).
-- Warming the next wave (a plan with `warm_ahead`, not served until measured): from B32 the grid runs in waves of
-  `wave_requests` requests, and each CTA's reads wait for HBM while its SM holds only the resident CTAs' chains.
-  Thread 0, after its own copies, issues the same L2 prefetches for the CTA of its rank and head one wave later
-  (request b + `ahead`, its slot read after the wait), so HBM streams the next wave's state during this one.
+- Warming the next wave (a plan with `warm_ahead`, not served until measured): from TP8 B16 and TP16 B32 the grid
+  runs in waves of `wave_requests` requests, and each CTA's reads wait for HBM while its SM holds only the resident
+  CTAs' chains. Thread 0, after its own copies, issues the same L2 prefetches for the CTA of its rank and head one
+  wave later (request b + `ahead`, its slot read after the wait), so HBM streams the next wave's state during this
+  one.
 - The only plain global loads are A_log, dt_bias, o_norm and the slot hint (before the wait) and the slot and beta
   (after it; with warming, the next wave's slot too), none invariant (`.nc`, which may legally be hoisted above
   the wait; the build checks there are none). The stores are plain 16-byte stores from registers: the state rows,
@@ -543,7 +544,8 @@ class KdaStepKernel:
     def _warm_ahead(self, conv_state: cute.Tensor, state: cute.Tensor, slots: cute.Tensor, place: _Place):
         """Thread 0, after its own copies: the L2 prefetches `_prefetch` issues, for the CTA of the same rank and
         head `plan.ahead` requests later, which runs in the next wave (KdaStepPlan.ahead). After the wait, so the
-        slot is the one that CTA will read; a NULL one warms nothing."""
+        slot is the one that CTA will read; a NULL one warms nothing, and neither does a CTA of a NULL request
+        (graph padding, whose later rows are padding too)."""
         later = place.b + self.plan.ahead
         if later < self.plan.batch:
             slot = Int32(slots[later])
