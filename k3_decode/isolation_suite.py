@@ -24,12 +24,14 @@ small real stack (k3-mini on the CPU, K3's real per-rank shapes on CUDA) runs th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import tempfile
+import time
 import tomllib
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -493,6 +495,16 @@ class _profiled:
 # -- the suite -------------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _timed(into: dict[str, Any], key: str) -> Iterator[None]:
+    """Adds the wall-clock seconds of the block to `into[key]` (rounded to milliseconds), even when it raises."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        into[key] = round(into.get(key, 0.0) + time.perf_counter() - start, 3)
+
+
 def _merge(items: Sequence[tuple[str, NotRun]]) -> list[NotRun]:
     """One not-run item per (what, reason), naming every run it holds for."""
     runs: dict[tuple[str, str], list[str]] = {}
@@ -550,9 +562,14 @@ class K3IsolationSuite:
         not_run: list[tuple[str, NotRun]] = []
         runs: list[RunEvidence] = []
         total = len(self.tps) * len(self.backends)
+        # Where the stage's time goes (seconds, wall clock under the coverage trace): building each TP's weights,
+        # and per run its start-up (compiles), each cell and the closing checks; at real shapes on a GPU the stage
+        # takes minutes, and this says which part to make faster.
+        seconds: dict[str, Any] = {}
         for t, tp in enumerate(self.tps):
             config = self._config(tp)
-            weights = self._weights(config)
+            with _timed(seconds, f"weights tp{tp}"):
+                weights = self._weights(config)
             for b, backend in enumerate(self.backends):
                 name = f"tp{tp} {backend}"
                 progress(name, (t * len(self.backends) + b) / total)
@@ -562,12 +579,16 @@ class K3IsolationSuite:
                     verify_config = dataclasses.replace(config, num_speculative_tokens=spec.num_speculative_tokens)
                     plans.append((f"{name} q{q}", verify_config, spec.cells))
                 for run_name, run_config, cells in plans:
-                    run = self._start(run_name, run_config, weights, backend, not_run)
+                    times = seconds[run_name] = {"cells": {}}
+                    with _timed(times, "start"):
+                        run = self._start(run_name, run_config, weights, backend, not_run)
                     if run is None:
                         continue
                     for cell in cells:
-                        self._cell(run, cell, not_run)
-                    run.finish()
+                        with _timed(times["cells"], cell.name):
+                            self._cell(run, cell, not_run)
+                    with _timed(times, "finish"):
+                        run.finish()
                     checks += run.checks
                     not_run += [(run_name, item) for item in run.not_run]
                     runs.append(run.evidence())
@@ -603,6 +624,7 @@ class K3IsolationSuite:
             "cells": [c.name for c in self.data.cells],
             "speculative_cells": [c.name for c in self.data.speculative.cells] if self.data.speculative else [],
             "providers": sorted(f"{p.op}: {p.name}" for p in self.registry),
+            "seconds": seconds,
         }
         return RuntimeEvidence(checks, _merge(not_run), runs, metrics)
 

@@ -186,7 +186,7 @@ def test_a_default_with_a_batch_range_or_a_missing_table_is_an_error(tmp_path):
     with pytest.raises(ValueError, match=r"kda_step_choice\.toml default must name .* nothing else"):
         kda_step_plan.variant_rules(_choice_file(tmp_path, "", default))
     path = tmp_path / "kda_step_choice.toml"
-    path.write_text('default = { resident_threads = 1024, warm_ahead = false }\n')
+    path.write_text("default = { resident_threads = 1024, warm_ahead = false }\n")
     with pytest.raises(ValueError, match="holds `default` and `rules`"):
         kda_step_plan.variant_rules(path)
 

@@ -51,6 +51,25 @@ def test_the_stock_path_passes_every_check_of_every_eager_cell(stock):
     assert f"tp1 auto {VERIFY_RUN}: every op the executor ran is the path its ledger records (op log)" in names
 
 
+def test_the_evidence_says_where_the_time_went(stock):
+    """Seconds per TP's weights and per run's start-up, cells and closing checks: on a GPU the stage takes minutes,
+    and these say which part to make faster. A run start-up refuses has no cells timed."""
+    evidence, _ = stock
+    seconds = evidence.metrics["seconds"]
+    assert set(seconds) == {"weights tp1", "tp1 auto", f"tp1 auto {VERIFY_RUN}", "tp1 latency_specialized",
+                            f"tp1 latency_specialized {VERIFY_RUN}"}  # fmt: skip
+    assert set(seconds["tp1 auto"]) == {"start", "cells", "finish"}
+    assert list(seconds["tp1 auto"]["cells"]) == CELLS  # the graph cell too: it is timed, and says why it cannot run
+    assert list(seconds[f"tp1 auto {VERIFY_RUN}"]["cells"]) == [c.name for c in SPECULATIVE.cells]
+    assert seconds["tp1 latency_specialized"] == {"cells": {}, "start": seconds["tp1 latency_specialized"]["start"]}
+    timed = [seconds["weights tp1"]] + [
+        t for run in seconds.values() if isinstance(run, dict) for t in (run.get("start", 0.0), run.get("finish", 0.0))
+    ]
+    timed += [t for run in seconds.values() if isinstance(run, dict) for t in run["cells"].values()]
+    assert all(isinstance(t, float) and t >= 0 for t in timed), seconds
+    assert sum(seconds["tp1 auto"]["cells"].values()) > 0  # eager steps of a real stack take time
+
+
 def test_the_speculative_run_makes_verify_steps_with_the_cells_accepted_counts(stock):
     """The verify cells run as verify steps: q tokens per request in the ledger, the stock kda_verify in the op log
     (so the specialized path's verify body is what a GPU run reaches), and each request's q slots written."""
