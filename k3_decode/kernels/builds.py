@@ -20,7 +20,7 @@ from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
 from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
-from k3_decode.kernels.kda_step_plan import ROWS_PER_WARP, KdaStepPlan, KdaVerifyPlan
+from k3_decode.kernels.kda_step_plan import RESIDENT_THREADS, ROWS_PER_WARP, KdaStepPlan, KdaVerifyPlan
 
 PACKAGE = "k3_decode.kernels"
 
@@ -307,7 +307,7 @@ class KdaStepBuild:
         same for every plan but for its constants (the plan sets the grid, the block, the sizes and the offsets), so
         the counts are fixed by its structure (kda_step.py)."""
         p = self.plan
-        rows = ROWS_PER_WARP
+        rows, n = ROWS_PER_WARP, p.requests_per_cta
         return {
             "tp": self.tp,
             "batch": p.batch,
@@ -321,32 +321,40 @@ class KdaStepBuild:
             # Bulk copies into shared memory: before the wait the f_b rows and the conv weights of the three
             # channel runs (the head's q and k, the CTA's v); after it the packed row's sections (the three runs'
             # inputs, f_a, the output gates), the three runs' taps and the state rows.
+            # A group kernel (kda_step_group.py) copies and computes all but the weights once per request of its
+            # group (n of them).
+            "requests_per_cta": n,
+            "barriers": 6 * n,
+            "armed": 6 + 5 * (n - 1),
             "weight_copies": 1 + 3,
-            "packed_copies": 3 + 2,
-            "tap_copies": 3,
-            "state_copies": 1,
-            "prefetches": 1 + 3,  # before the wait, into L2: the state rows and the three runs' taps
+            "packed_copies": (3 + 2) * n,
+            "tap_copies": 3 * n,
+            "state_copies": n,
+            "prefetches": (1 + 3) * n,  # before the wait, into L2: the state rows and the three runs' taps
             "warm_ahead": p.warm_ahead,
             "warm_prefetches": 1 + 3 if p.ahead else 0,  # after it, the same for the CTA one wave later
             # Plain loads before the wait: A_log, dt_bias (two), o_norm (8 bytes), the slot steering the prefetch;
             # after it: the slot again and beta (and the next wave's slot, when warming).
-            "early_loads": 1 + 2 + 1 + 1,
-            "late_loads": 3 if p.ahead else 2,
-            "state_stores": rows,
-            "tap_stores": 3,
-            "out_stores": 2,  # the output of a live request and the zeros of a NULL one
-            "pushes": 2 + 1,  # the decay pairs of both f_b rows, the norm partial
+            "early_loads": 1 + 2 + 1 + n,
+            "late_loads": 3 if p.ahead else 2 * n,
+            "state_stores": rows * n,
+            "tap_stores": 3 * n,
+            # the output of a live request and the zeros of a NULL one; a group's NULL requests are zeroed where
+            # the group has a live one and where it has none
+            "out_stores": 2 if n == 1 else 3 * n,
+            "pushes": (2 + 1) * n,  # the decay pairs of both f_b rows, the norm partial
             # mbarrier waits: weights, packed row, taps, decays, state, norm on the live path; weights, packed row on
-            # the NULL path.
-            "waits": 6 + 2,
+            # the NULL path. A group waits for the weights once, and for each request's five others.
+            "waits": 6 + 2 if n == 1 else 1 + 5 * n,
             # The f_b rows (2 x 4 steps over a half-warp), the L2 norms (4), S k and S q per row (2 x 5), the norm (5).
-            "shuffles": 2 * 4 + 4 + rows * 2 * 5 + 5,
+            "shuffles": (2 * 4 + 4 + rows * 2 * 5 + 5) * n,
         }
 
     def compile(self, arch: str) -> KernelArtifacts:
-        from k3_decode.kernels.kda_step import KdaStepKernel, compile_args  # imports CuTe DSL
+        from k3_decode.kernels.kda_step import compile_args  # imports CuTe DSL
+        from k3_decode.kernels.kda_step_group import step_kernel
 
-        return cutedsl.compile_artifacts(KdaStepKernel(self.plan), compile_args(self.plan), arch)
+        return cutedsl.compile_artifacts(step_kernel(self.plan), compile_args(self.plan), arch)
 
 
 @dataclass(frozen=True)
@@ -540,31 +548,37 @@ class K3KernelBuilds:
 
     def kda_step_builds(self) -> list[KdaStepBuild]:
         """The fused KDA decode step at every TP and batch of builds.toml's [kda_step], at each rank's heads: the
-        served variant (kda_step_choice.toml), and the other register budget and the warming where it lists them."""
+        served variant (kda_step_choice.toml), and the other register budget, the warming and the request groups
+        where it lists them."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_step"]
+        wide = spec.get("wide_residency", {"threads": 0, "batches": []})
+        warm = set(spec.get("warm_ahead", {"batches": []})["batches"])
+        groups = spec.get("request_groups", {"requests": 1, "batches": []})
         builds = []
         for tp in spec["tp"]:
             try:
                 shard = dims.shard(tp)
             except ShardError as exc:
                 raise ValueError(f"builds.toml kda_step.tp: {exc}") from None
-            for batch in spec["batches"]:
-                plan = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, spec["sm_count"])
-                builds.append(KdaStepBuild(tp, plan))
-            wide = spec.get("wide_residency", {"threads": 0, "batches": []})
-            for batch in wide["batches"]:
-                heads, rows, sms = shard.kda_heads, shard.kda_in_proj_rows, spec["sm_count"]
-                plan = KdaStepPlan.for_shape(
-                    heads, rows, batch, sms, resident_threads=wide["threads"], warm_ahead=False
-                )
-                builds.append(KdaStepBuild(tp, plan))
-            warm = set(spec.get("warm_ahead", {"batches": []})["batches"])
-            builds += [
-                KdaStepBuild(tp, replace(b.plan, warm_ahead=True))
-                for b in list(builds)
-                if b.tp == tp and b.plan.batch in warm and b.plan.wave_requests < b.plan.batch
+            heads, rows, sms = shard.kda_heads, shard.kda_in_proj_rows, spec["sm_count"]
+            mine = [KdaStepPlan.for_shape(heads, rows, batch, sms) for batch in spec["batches"]]
+            mine += [
+                KdaStepPlan.for_shape(heads, rows, batch, sms, resident_threads=wide["threads"], warm_ahead=False)
+                for batch in wide["batches"]
             ]
+            mine += [
+                replace(plan, warm_ahead=True)
+                for plan in list(mine)
+                if plan.batch in warm and plan.requests_per_cta == 1 and plan.wave_requests < plan.batch
+            ]
+            mine += [
+                KdaStepPlan.for_shape(
+                    heads, rows, batch, sms, resident_threads=RESIDENT_THREADS, requests_per_cta=groups["requests"]
+                )
+                for batch in groups["batches"]
+            ]
+            builds += [KdaStepBuild(tp, plan) for plan in mine]
         # a variant kda_step_choice.toml serves is built once, whichever table entry also asks for it
         return list({b.name: b for b in builds}.values())
 

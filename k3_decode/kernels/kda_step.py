@@ -278,7 +278,7 @@ class KdaStepKernel:
         plan = self.plan
         launch_resident(
             kernel,
-            grid=[plan.cluster, plan.heads, plan.batch],
+            grid=[plan.cluster, plan.heads, plan.groups],  # groups: requests (kda_step_group.py)
             threads=plan.threads,
             cluster=[plan.cluster, 1, 1],
             ctas_per_sm=plan.ctas_per_sm,

@@ -50,9 +50,10 @@ SLOT_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 def _compiled(plan: KdaStepPlan, trace: bool = False) -> Any:
     import cutlass.cute as cute
 
-    from k3_decode.kernels.kda_step import KdaStepKernel, compile_args
+    from k3_decode.kernels.kda_step import compile_args
+    from k3_decode.kernels.kda_step_group import step_kernel
 
-    return cute.compile(KdaStepKernel(plan, trace), *compile_args(plan, trace))
+    return cute.compile(step_kernel(plan, trace), *compile_args(plan, trace))
 
 
 @cache
@@ -80,10 +81,11 @@ def plan_for(
     cluster: int | None = None,
     resident_threads: int | None = None,
     warm_ahead: bool | None = None,
+    requests_per_cta: int | None = None,
 ) -> KdaStepPlan:
     """The plan that runs this step on packed's device (`cluster`: CTAs per head, `resident_threads`: the register
-    budget, `warm_ahead`: the next wave's L2 warming; each None: the plan's choice, KdaStepPlan.for_shape); raises
-    for what the kernel cannot take."""
+    budget, `warm_ahead`: the next wave's L2 warming, `requests_per_cta`: requests a cluster serves; each None: the
+    plan's choice, KdaStepPlan.for_shape); raises for what the kernel cannot take."""
     if packed.device.type != "cuda":
         raise ValueError(f"the CuTe DSL KDA step runs on a CUDA device, got {packed.device}; use the stock op")
     if (spec.head_dim, spec.gate_rank, spec.conv_width) != (HEAD_DIM, GATE_RANK, CONV_WIDTH):
@@ -96,7 +98,15 @@ def plan_for(
     sms = torch.cuda.get_device_properties(packed.device).multi_processor_count
     dtype = SLOT_DTYPES[slots.dtype]
     plan = KdaStepPlan.for_shape(
-        spec.heads, spec.in_proj_rows, slots.shape[0], sms, dtype, cluster, resident_threads, warm_ahead
+        spec.heads,
+        spec.in_proj_rows,
+        slots.shape[0],
+        sms,
+        dtype,
+        cluster,
+        resident_threads,
+        warm_ahead,
+        requests_per_cta,
     )
     starts = {name: s.start for name, s in spec.sections.items() if name != "pad"}
     if starts != plan.sections:
@@ -114,15 +124,16 @@ def decode_step(
     cluster: int | None = None,
     resident_threads: int | None = None,
     warm_ahead: bool | None = None,
+    requests_per_cta: int | None = None,
 ) -> Tensor:
     """One q = 1 KDA decode step on the current stream of packed's device; returns BF16 [B, P].
 
     `weights` has f_b [P, 128] BF16, conv [3P, 4] BF16, a_log [H] FP32, dt_bias [P] FP32 and o_norm [128] BF16
     (k3_decode.weights.KdaWeights). The conv state must hold exactly the 3 decode taps (no speculative columns).
-    `cluster` (CTAs per head), `resident_threads` (the register budget) and `warm_ahead` (the next wave's L2
-    warming) override the plan's choice; the provider passes none of them.
+    `cluster` (CTAs per head), `resident_threads` (the register budget), `warm_ahead` (the next wave's L2 warming)
+    and `requests_per_cta` (requests a cluster serves) override the plan's choice; the provider passes none of them.
     """
-    plan = plan_for(spec, packed, slots, cluster, resident_threads, warm_ahead)
+    plan = plan_for(spec, packed, slots, cluster, resident_threads, warm_ahead, requests_per_cta)
     dev, p, batch = packed.device, spec.proj, slots.shape[0]
     bf16 = torch.bfloat16
     _check_tensor("packed", packed, bf16, (batch, spec.in_proj_rows), dev)

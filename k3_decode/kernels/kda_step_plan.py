@@ -35,6 +35,9 @@ RESIDENT_THREADS = 1024  # per SM: 32 warps, a 64-register budget per thread
 # builds without a spill since the output gate is read after the norm exchange's wait, not before it (8 bytes of
 # frame before); 2048 (32 registers) still spills 8 bytes.
 RESIDENT_CHOICES = (1024, 1536)
+# Requests one cluster may serve: a group of 2 copies both requests' state at once (twice the bytes in flight per
+# CTA at the same registers), reads its f_b rows and conv weights once for both, and runs the two chains in turn.
+REQUEST_GROUPS = (1, 2)
 CLUSTERS = (8, 4, 2)  # CTAs per head, most first; 8 is the portable cluster size on Hopper
 H200_SMS = 132
 MAX_TOKENS = 8  # a verify step's tokens per request: 1 + up to 7 speculative ones (vLLM's KdaSplit takes 1..8)
@@ -48,10 +51,11 @@ SlotDtype = Literal["int32", "int64"]
 
 @dataclass(frozen=True)
 class StepVariant:
-    """What the plan takes beside its cluster: the register budget and the next wave's warming."""
+    """What the plan takes beside its cluster: the register budget, the next wave's warming, requests per CTA."""
 
     resident_threads: int
     warm_ahead: bool
+    requests_per_cta: int = 1
 
 
 @dataclass(frozen=True)
@@ -67,13 +71,21 @@ class VariantRule:
 
 def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
     keys = {"resident_threads", "warm_ahead"}
-    if not isinstance(entry, dict) or (set(entry) - {"heads", "batches"} if rule else set(entry)) != keys:
+    named = set(entry) - {"heads", "batches"} if rule and isinstance(entry, dict) else set(entry or ())
+    if not isinstance(entry, dict) or named - {"requests_per_cta"} != keys:
         scope = "; a rule also batches and optionally heads" if rule else ", nothing else"
-        raise ValueError(f"{where} must name resident_threads and warm_ahead{scope}, got {entry!r}")
-    threads, warm = entry["resident_threads"], entry["warm_ahead"]
-    if threads not in RESIDENT_CHOICES or not isinstance(warm, bool):
-        raise ValueError(f"{where}: resident_threads is one of {RESIDENT_CHOICES} and warm_ahead true or false")
-    return StepVariant(threads, warm)
+        raise ValueError(
+            f"{where} must name resident_threads and warm_ahead (requests_per_cta optional){scope}, got {entry!r}"
+        )
+    threads, warm, group = entry["resident_threads"], entry["warm_ahead"], entry.get("requests_per_cta", 1)
+    if threads not in RESIDENT_CHOICES or not isinstance(warm, bool) or group not in REQUEST_GROUPS:
+        raise ValueError(
+            f"{where}: resident_threads is one of {RESIDENT_CHOICES}, warm_ahead true or false, requests_per_cta "
+            f"one of {REQUEST_GROUPS}"
+        )
+    if warm and group > 1:
+        raise ValueError(f"{where}: warm_ahead and requests_per_cta > 1 are not built together")
+    return StepVariant(threads, warm, group)
 
 
 def variant_rules(path: Path | None = None) -> tuple[StepVariant, tuple[VariantRule, ...]]:
@@ -123,6 +135,7 @@ class KdaStepPlan:
     sm_count: int = H200_SMS  # the SMs the grid is spread over (launch_smem_bytes)
     resident_threads: int = RESIDENT_THREADS  # per SM, which sets the register budget (RESIDENT_CHOICES)
     warm_ahead: bool = False  # each CTA warms in L2 the state of the CTA that runs a wave after it (`ahead`)
+    requests_per_cta: int = 1  # REQUEST_GROUPS: a cluster serves this many requests of its head, their copies at once
 
     def __post_init__(self) -> None:
         if self.resident_threads not in RESIDENT_CHOICES:
@@ -143,6 +156,15 @@ class KdaStepPlan:
             )
         if self.rows % 8:
             raise ValueError(f"the packed row must be a whole number of 16-byte vectors, got {self.rows} columns")
+        if self.requests_per_cta not in REQUEST_GROUPS:
+            raise ValueError(f"a KDA step cluster serves {REQUEST_GROUPS} requests, not {self.requests_per_cta}")
+        if self.batch % self.requests_per_cta:
+            raise ValueError(
+                f"batch {self.batch} is not a whole number of groups of {self.requests_per_cta} requests: "
+                "serve it one request a cluster"
+            )
+        if self.requests_per_cta > 1 and self.warm_ahead:
+            raise ValueError("warm_ahead and requests_per_cta > 1 are not built together: choose one")
         if self.warm_ahead and self.wave_requests >= self.batch:
             raise ValueError(
                 f"warm_ahead warms the requests of the next wave, and at batch {self.batch} the grid is one wave "
@@ -160,11 +182,12 @@ class KdaStepPlan:
         cluster: int | None = None,
         resident_threads: int | None = None,
         warm_ahead: bool | None = None,
+        requests_per_cta: int | None = None,
     ) -> KdaStepPlan:
-        """The smallest cluster whose grid still gives every SM a CTA, else the largest (8), and the register budget
-        and the warming kda_step_choice.toml serves at this batch (`chosen_variant`). `cluster`, `resident_threads`
-        and `warm_ahead` override each choice (the GPU test times and checks every cluster at every batch, and the
-        other budget and the warming at every cluster where they apply).
+        """The smallest cluster whose grid still gives every SM a CTA, else the largest (8), and the register budget,
+        the warming and the requests per CTA kda_step_choice.toml serves at this batch (`chosen_variant`).
+        `cluster`, `resident_threads`, `warm_ahead` and `requests_per_cta` override each choice (the GPU test times
+        and checks every cluster at every batch, and the other variants at every cluster where they apply).
 
         Every head costs 32 warps of state work whatever the cluster (128 rows, 4 per warp); the cluster only
         groups them. Small clusters repeat less per-CTA work (every CTA convolves the head's whole q and k, and
@@ -177,9 +200,13 @@ class KdaStepPlan:
         served = chosen_variant(heads, batch)
         threads = served.resident_threads if resident_threads is None else resident_threads
         plan = cls(heads, rows, batch, cluster, slot_dtype, sm_count, threads)
-        # A served rule warms where the grid has a next wave; asked for explicitly, warming a single wave is refused.
+        # A served rule applies where it can: warming where the grid has a next wave, groups where the batch divides
+        # into them. Asked for explicitly, either is refused where it cannot apply.
         warm = served.warm_ahead and plan.wave_requests < batch if warm_ahead is None else warm_ahead
-        return replace(plan, warm_ahead=True) if warm else plan
+        group = requests_per_cta
+        if group is None:
+            group = served.requests_per_cta if batch % served.requests_per_cta == 0 else 1
+        return replace(plan, warm_ahead=warm, requests_per_cta=group)
 
     # --- the packed row ---------------------------------------------------------------------------------------
 
@@ -225,8 +252,13 @@ class KdaStepPlan:
         return self.resident_threads // self.threads
 
     @property
+    def groups(self) -> int:
+        """The grid's slowest dimension: groups of requests_per_cta requests, each on its own cluster per head."""
+        return self.batch // self.requests_per_cta
+
+    @property
     def ctas(self) -> int:
-        return self.cluster * self.heads * self.batch
+        return self.cluster * self.heads * self.groups
 
     @property
     def resident_ctas(self) -> int:
@@ -239,7 +271,7 @@ class KdaStepPlan:
         """Requests whose clusters are all resident at once when the grid fills every SM (resident_ctas each): the
         grid's CTAs are scheduled request after request (the request is its slowest index), so the CTA of request
         b + wave_requests takes the place of request b's, about when it ends."""
-        return self.sm_count * self.resident_ctas // (self.cluster * self.heads)
+        return self.sm_count * self.resident_ctas // (self.cluster * self.heads) * self.requests_per_cta
 
     @property
     def ahead(self) -> int:
@@ -331,18 +363,20 @@ class KdaStepPlan:
     @property
     def smem_bytes(self) -> int:
         """Shared memory of one CTA: the copies above, the exchanged decays and norm partials, q, k and v as FP32,
-        six mbarriers, each buffer 128-byte aligned."""
+        six mbarriers, each buffer 128-byte aligned; all but the weights once per request of the CTA's group."""
         r = self.rows_per_cta
-        parts = [6 * 8, self.state_bytes, self.weight_bytes, self.packed_bytes, self.tap_bytes]
-        parts += [HEAD_DIM * 4, 2 * HEAD_DIM * 4, r * 4, self.slots * 4]
+        parts = [6 * 8 * self.requests_per_cta, self.weight_bytes]
+        each = [self.state_bytes, self.packed_bytes, self.tap_bytes, HEAD_DIM * 4, 2 * HEAD_DIM * 4, r * 4]
+        parts += [*each, self.slots * 4] * self.requests_per_cta
         return sum(-(-n // 128) * 128 for n in parts)
 
     @property
     def variant_suffix(self) -> str:
-        """ "" at 1024 threads per SM without warming, else "/t<threads per SM>" and "/warm": builds and compiles of
-        the variants are named apart."""
+        """ "" at 1024 threads per SM without warming, one request a cluster, else "/t<threads per SM>", "/warm" and
+        "/r<requests per CTA>": builds and compiles of the variants are named apart."""
         budget = "" if self.resident_threads == RESIDENT_THREADS else f"/t{self.resident_threads}"
-        return budget + ("/warm" if self.warm_ahead else "")
+        group = "" if self.requests_per_cta == 1 else f"/r{self.requests_per_cta}"
+        return budget + ("/warm" if self.warm_ahead else "") + group
 
     @property
     def tag(self) -> str:

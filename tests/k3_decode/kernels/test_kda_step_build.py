@@ -1,7 +1,7 @@
 """The fused KDA decode step kernel's plan and builds: what is built (fast, no CuTe DSL), and real sm_90a builds of
 one shape per cluster size with their PTX, SASS and cubin checked, a wrong expectation and two broken kernels that
 must fail (slow; needs CuTe DSL, `pip install 'k3gate[cutedsl]'`). `k3gate kernels build --arch sm_90a --match
-'kda_step*'` compiles all twenty-one."""
+'kda_step*'` compiles all twenty-five."""
 
 from __future__ import annotations
 
@@ -131,6 +131,7 @@ def test_warming_reaches_one_wave_ahead_and_is_refused_where_there_is_none():
 
 
 def _choice_file(tmp_path, rules: str, default: str = "{ resident_threads = 1024, warm_ahead = false }"):
+    tmp_path.mkdir(exist_ok=True)
     path = tmp_path / "kda_step_choice.toml"
     path.write_text(f"default = {default}\nrules = [{rules}]\n")
     return path
@@ -158,6 +159,13 @@ def test_the_plan_takes_the_variant_the_choice_file_serves(tmp_path, monkeypatch
     }  # fmt: skip
     plan = KdaStepPlan.for_shape(12, 6288, 64, H200_SMS, resident_threads=1024, warm_ahead=False)
     assert plan.tag == "h12/b64/c2"
+    # a group rule: two requests a cluster where the batch divides into pairs, one where it does not
+    group = "{ batches = [16, 64], resident_threads = 1024, warm_ahead = false, requests_per_cta = 2 }"
+    path = _choice_file(tmp_path / "groups", group)  # its own file: the table is read once per path
+    monkeypatch.setattr(kda_step_plan, "CHOICE", path)
+    assert [KdaStepPlan.for_shape(12, 6288, b, H200_SMS).tag for b in (8, 16, 17, 64)] == [
+        "h12/b8/c2", "h12/b16/c2/r2", "h12/b17/c2", "h12/b64/c2/r2"
+    ]  # fmt: skip
     # the shipped file: the variant every measurement so far ran, at every batch
     monkeypatch.undo()
     default, shipped = kda_step_plan.variant_rules()
@@ -171,6 +179,14 @@ BAD_CHOICES = {
     "no batches": ("{ resident_threads = 1024, warm_ahead = false }", "batches is"),
     "an unknown key": ("{ batches = [1, 2], resident_threads = 1024, warm_ahead = false, c = 2 }", "must name"),
     "a string for warm_ahead": ("{ batches = [1, 2], resident_threads = 1024, warm_ahead = 'yes' }", "true or false"),
+    "three requests a cluster": (
+        "{ batches = [1, 2], resident_threads = 1024, warm_ahead = false, requests_per_cta = 3 }",
+        "requests_per_cta one of",
+    ),
+    "a warmed group": (
+        "{ batches = [1, 2], resident_threads = 1024, warm_ahead = true, requests_per_cta = 2 }",
+        "not built together",
+    ),
 }
 
 
@@ -189,6 +205,25 @@ def test_a_default_with_a_batch_range_or_a_missing_table_is_an_error(tmp_path):
     path.write_text("default = { resident_threads = 1024, warm_ahead = false }\n")
     with pytest.raises(ValueError, match="holds `default` and `rules`"):
         kda_step_plan.variant_rules(path)
+
+
+def test_a_cluster_serving_two_requests_holds_both_and_is_refused_where_it_cannot():
+    """A group of 2 requests per cluster: the grid's slowest dimension halves, each CTA holds both requests' state
+    rows, copies, exchanges and barriers (the weights once), and 2 CTAs of 512 threads still fit an SM at C = 2. An
+    odd batch cannot be grouped, nor a group warmed; a served rule applies only where the batch divides."""
+    one = KdaStepPlan.for_shape(12, 6288, 64, H200_SMS)
+    two = KdaStepPlan.for_shape(12, 6288, 64, H200_SMS, requests_per_cta=2)
+    assert (two.cluster, two.groups, two.ctas, two.tag) == (2, 32, one.ctas // 2, "h12/b64/c2/r2")
+    # the second request's areas, each 128-byte aligned (its six barriers share the first's 128 bytes)
+    areas = (one.state_bytes, one.packed_bytes, one.tap_bytes, 128 * 4, 256 * 4, one.rows_per_cta * 4, 32 * 4)
+    assert two.smem_bytes - one.smem_bytes == sum(-(-n // 128) * 128 for n in areas)
+    assert two.resident_ctas == two.ctas_per_sm == 2 and two.wave_requests == 2 * one.wave_requests
+    with pytest.raises(ValueError, match="whole number of groups"):
+        KdaStepPlan.for_shape(12, 6288, 3, H200_SMS, requests_per_cta=2)
+    with pytest.raises(ValueError, match="not built together"):
+        KdaStepPlan.for_shape(12, 6288, 64, H200_SMS, warm_ahead=True, requests_per_cta=2)
+    with pytest.raises(ValueError, match="serves"):
+        KdaStepPlan(12, 6288, 64, 2, requests_per_cta=4)
 
 
 def test_the_plan_refuses_what_the_kernel_cannot_take():
@@ -268,9 +303,11 @@ def test_the_copies_fill_exactly_the_bytes_their_barriers_wait_for(tp, cluster):
 
 def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     every = step_builds()
-    builds = [b for b in every if b.plan.resident_threads == RESIDENT_THREADS and not b.plan.warm_ahead]
-    wide = [b for b in every if b.plan.resident_threads != RESIDENT_THREADS and not b.plan.warm_ahead]
-    warm = [b for b in every if b.plan.warm_ahead]
+    one = [b for b in every if b.plan.requests_per_cta == 1]
+    builds = [b for b in one if b.plan.resident_threads == RESIDENT_THREADS and not b.plan.warm_ahead]
+    wide = [b for b in one if b.plan.resident_threads != RESIDENT_THREADS and not b.plan.warm_ahead]
+    warm = [b for b in one if b.plan.warm_ahead]
+    pairs = [b for b in every if b.plan.requests_per_cta > 1]
     assert [(b.tp, b.plan.batch) for b in builds] == [(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8, 16, 64)]
     assert {b.name for b in builds} == {f"kda_step/tp{tp}/b{b}" for tp in (8, 16) for b in (1, 2, 4, 8, 16, 64)}
     assert {b.tp: (b.plan.heads, b.plan.rows) for b in every} == {8: (12, 6288), 16: (6, 3216)}
@@ -294,6 +331,12 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     unwarmed = {(b.tp, b.plan) for b in builds + wide}
     assert all((b.tp, dataclasses.replace(b.plan, warm_ahead=False)) in unwarmed for b in warm)
     assert all(0 < b.plan.ahead < b.plan.batch for b in warm)
+    # two requests a cluster at B32 and B64, at the plan's cluster and 1024 threads
+    assert {b.name for b in pairs} == {f"kda_step/tp{tp}/b{b}/r2" for tp in (8, 16) for b in (32, 64)}
+    for b in pairs:
+        chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
+        assert b.plan == dataclasses.replace(chosen, requests_per_cta=2), b.name
+        assert b.plan.resident_ctas == b.plan.ctas_per_sm == 2 and b.plan.groups == b.plan.batch // 2, b.name
     assert {b.kernel for b in every} == {"kda_step"} and {b.plan.slot_dtype for b in every} == {"int32"}
     assert K3_KERNEL_BUILDS.kda_step_builds() == every
 
@@ -309,6 +352,14 @@ def test_build_tags_count_what_the_code_must_hold():
     b64 = tags["kda_step/tp16/b64"]
     assert (b64["cluster"], b64["threads"], b64["ctas"], b64["ctas_per_sm"]) == (2, 512, 768, 2)
     assert (b64["warm_ahead"], b64["warm_prefetches"], b64["late_loads"]) == (False, 0, 2)
+    assert (b64["requests_per_cta"], b64["barriers"], b64["armed"]) == (1, 6, 6)
+    pair = tags["kda_step/tp16/b64/r2"]  # all but the weights once per request; one wait for the weights
+    assert (pair["barriers"], pair["armed"], pair["packed_copies"], pair["state_copies"], pair["prefetches"]) == (
+        12, 11, 10, 2, 8
+    )  # fmt: skip
+    assert (pair["early_loads"], pair["late_loads"], pair["waits"], pair["out_stores"], pair["shuffles"]) == (
+        6, 4, 11, 6, 2 * b64["shuffles"]
+    )  # fmt: skip
     warm = tags["kda_step/tp16/b64/warm"]  # the next wave's slot, its state rows and three tap runs
     assert (warm["warm_ahead"], warm["warm_prefetches"], warm["late_loads"]) == (True, 4, 3)
     assert {k: v for k, v in warm.items() if k not in ("warm_ahead", "warm_prefetches", "late_loads")} == {
@@ -319,7 +370,7 @@ def test_build_tags_count_what_the_code_must_hold():
 def test_expectations_judge_every_kda_step_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_step/*")  # every named tag exists
-    assert len(builds) == 21  # 12 at 1024 threads per SM, 4 at 1536, 5 of them warming the next wave
+    assert len(builds) == 25  # 12 at 1024 threads per SM, 4 at 1536, 5 warming the next wave, 4 of request pairs
     step = expectations["kda_step"]
     assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
 
@@ -515,6 +566,38 @@ def test_a_next_wave_warmed_before_the_ctas_own_copies_fails_its_build(tmp_path)
     order = [r for r in rules if len(r) == 2 and "shared::cluster" in r[0] and "prefetch" in r[1]]
     prefetches = [r for r in rules if "prefetch" in r[0]]
     assert len(order) == 1 and len(prefetches) == 2 and len(failed) == 3, sorted(failed)
+
+
+UNARMED_SECOND = """
+import os
+os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+import cutlass.cute as cute
+from k3_decode.kernels import kda_step_group
+
+
+@cute.jit
+def unarmed(self, bars, exchange_bytes):
+    pass
+
+
+kda_step_group.KdaStepGroupKernel._arm = unarmed
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_group_kernel_that_leaves_its_second_requests_barriers_unarmed_fails_its_build(tmp_path):
+    """The broken case of the group builds: the second request's barriers initialized but never armed with the
+    bytes that complete them (`_arm` patched out in the compiling process only), so its copies would complete
+    barriers that expect nothing. The arming count catches it, and nothing else needs to."""
+    (tmp_path / "unarmed_second.py").write_text(UNARMED_SECOND)
+    prelude = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport unarmed_second"
+    out = tmp_path / "out"
+    proc = build_command(tmp_path, "--out", str(out), "--match", "kda_step/tp16/b64/r2", prelude=prelude)
+    assert proc.returncode == 1, proc.stderr
+    (result,) = json.loads((out / "report.json").read_text())["builds"]
+    failed = sorted(c["name"] for c in result["checks"] if not c["passed"])
+    assert len(failed) == 1 and "expect_tx" in failed[0], failed
 
 
 LAUNCH_ON_CPU = """

@@ -74,6 +74,7 @@ def served(plan: KdaStepPlan) -> bool:
 BUILDS = [b for b in ALL_BUILDS if served(b.plan)]  # the plans the provider runs
 WIDE = [b for b in ALL_BUILDS if b.plan.resident_threads != RESIDENT_THREADS and not b.plan.warm_ahead]
 WARM = [b for b in ALL_BUILDS if b.plan.warm_ahead]  # warming the next wave's state in L2
+GROUP = [b for b in ALL_BUILDS if b.plan.requests_per_cta > 1]  # clusters serving two requests each
 WIDE_BUDGET = max(RESIDENT_CHOICES)
 # Every built shape, and two batches the builds do not list (the provider gets whatever the executor prepares).
 CASES = [(b.tp, b.plan.batch) for b in BUILDS] + [(8, 3), (16, 5)]
@@ -146,9 +147,11 @@ class Step:
         cluster: int | None = None,
         resident_threads: int | None = None,
         warm_ahead: bool | None = None,
+        requests_per_cta: int | None = None,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.tp, self.batch, self.forced, self.resident, self.warm = tp, batch, cluster, resident_threads, warm_ahead
+        self.group = requests_per_cta
         self.spec, self.weights = spec_for(tp), kda_weights(tp)
         self.cache = random_kda_cache(self.spec, 2 * batch + 2, 0, gen, DEV)
         self.start = clone_cache(self.cache)
@@ -160,7 +163,7 @@ class Step:
         packed = self.packed if packed is None else packed
         cache = self.cache if cache is None else cache
         return kda_step_op.decode_step(
-            self.spec, self.weights, packed, cache, self.slots, None, self.forced, self.resident, self.warm
+            self.spec, self.weights, packed, cache, self.slots, None, self.forced, self.resident, self.warm, self.group
         )
 
     def oracle(self, cache: rk.KdaCache, packed: Tensor | None = None) -> Tensor:
@@ -177,7 +180,9 @@ class Step:
 
     @property
     def plan(self) -> KdaStepPlan:
-        return kda_step_op.plan_for(self.spec, self.packed, self.slots, self.forced, self.resident, self.warm)
+        return kda_step_op.plan_for(
+            self.spec, self.packed, self.slots, self.forced, self.resident, self.warm, self.group
+        )
 
 
 # --- against the oracle and the stock step -------------------------------------------------------------------------
@@ -241,6 +246,34 @@ def test_warming_the_next_wave_matches_the_oracle(tp: int, batch: int, threads: 
     step = Step(tp, batch, seed=tp * 1000 + batch, resident_threads=threads, warm_ahead=True)
     plan = step.plan
     assert plan.warm_ahead and 0 < plan.ahead < batch and plan.resident_threads == threads
+    check_step(step)
+
+
+# Two requests a cluster at the plan's cluster, 1024 threads per SM, at B16-B64 (the group builds among them).
+GROUP_CASES = [(tp, batch) for tp in (8, 16) for batch in (16, 32, 64)]
+assert {(b.tp, b.plan.batch) for b in GROUP} <= set(GROUP_CASES)
+
+
+@pytest.mark.parametrize("tp, batch", GROUP_CASES, ids=[f"tp{t}-b{b}-r2" for t, b in GROUP_CASES])
+def test_a_cluster_serving_two_requests_gives_the_one_request_kernels_bits(tp: int, batch: int):
+    """kda_step_group.py runs each request's arithmetic as the decode kernel does, so outputs, state and taps must
+    be bit-identical to it from the same state, with a group of two NULL rows (0 and -1: the group skips its
+    barriers), groups with one NULL row (the table's own) and live ones; then the oracle checks, as for any plan."""
+    step = Step(tp, batch, seed=tp * 1000 + batch, resident_threads=RESIDENT_THREADS, requests_per_cta=2)
+    step.slots[:2] = torch.tensor([0, -1], dtype=step.slots.dtype)  # request 0's and 1's odd slots become canaries
+    step.live = step.slots > 0
+    plan = step.plan
+    assert (plan.requests_per_cta, plan.groups, plan.resident_threads) == (2, batch // 2, RESIDENT_THREADS)
+    grouped_cache, one_cache = clone_cache(step.cache), clone_cache(step.cache)
+    grouped = step.kernel(cache=grouped_cache)
+    one = kda_step_op.decode_step(
+        step.spec, step.weights, step.packed, one_cache, step.slots, None, plan.cluster, RESIDENT_THREADS, False, 1
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(grouped, one), f"TP{tp} B{batch}: the group kernel's outputs differ from the decode kernel's"
+    assert torch.equal(grouped_cache.recurrent, one_cache.recurrent), "the recurrent states differ"
+    assert torch.equal(grouped_cache.conv, one_cache.conv), "the conv states differ"
+    print(f"METRIC KDA step TP{tp} B{batch} c{plan.cluster}/r2: bit-identical to the one-request kernel")
     check_step(step)
 
 
@@ -379,11 +412,12 @@ def decode_cubin(plan: KdaStepPlan) -> tuple[bytes, str]:
     machine has no nvdisasm)."""
     import cutlass.cute as cute
 
-    from k3_decode.kernels.kda_step import KdaStepKernel, compile_args
+    from k3_decode.kernels.kda_step import compile_args
+    from k3_decode.kernels.kda_step_group import step_kernel
 
     with tempfile.TemporaryDirectory(prefix="k3-step-") as tmp:
         options = f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir {tmp}"
-        compiled = cute.compile(KdaStepKernel(plan), *compile_args(plan), options=options)
+        compiled = cute.compile(step_kernel(plan), *compile_args(plan), options=options)
         ptx, cubin = compiled.__ptx__, compiled.__cubin__
     entry = re.search(r"\.entry\s+(\w+)\s*\(", ptx)
     assert isinstance(cubin, bytes) and entry, "CuTe DSL returned no cubin or no kernel entry"
@@ -437,11 +471,12 @@ def weight_copy(weights: KdaWeights) -> KdaWeights:
     return dataclasses.replace(weights, **small)
 
 
-Variant = tuple[int | None, int, bool]  # cluster (None: the plan's), resident threads per SM, warm_ahead
+# cluster (None: the plan's), resident threads per SM, warm_ahead, requests per CTA; None: the plan's choice
+Variant = tuple[int | None, int | None, bool | None, int | None]
 
 
 def time_batch(
-    tp: int, batch: int, variants: tuple[Variant, ...] = ((None, None, None),)
+    tp: int, batch: int, variants: tuple[Variant, ...] = ((None, None, None, None),)
 ) -> tuple[list[float], float, KdaStepPlan, int, float]:
     """([CuTe seconds per call for each of `variants`], stock seconds per call, the served plan, rotating copies,
     bytes per call) at one batch; a variant's None is the plan's choice."""
@@ -455,10 +490,10 @@ def time_batch(
     packed = projected_rows(weights.in_proj, (batch,), gen)
     out = torch.empty(batch, spec.proj, dtype=torch.bfloat16, device=DEV)
 
-    def cute(cluster: int | None, resident: int, warm: bool) -> Callable[[int], None]:
+    def cute(cluster: int | None, resident: int | None, warm: bool | None, group: int | None) -> Callable[[int], None]:
         def call(i: int) -> None:
             cache = caches[i % copies]
-            kda_step_op.decode_step(spec, small[i % copies], packed, cache, slots, out, cluster, resident, warm)
+            kda_step_op.decode_step(spec, small[i % copies], packed, cache, slots, out, cluster, resident, warm, group)
 
         return call
 
@@ -508,16 +543,19 @@ def test_the_plan_picks_a_cluster_within_ten_percent_of_the_fastest(tp: int):
     rows, wrong = [], []
     for batch in TIMED_BATCHES:
         variants = tuple(
-            (c, r, w)
+            (c, r, w, 1)
             for r in RESIDENT_CHOICES
             for c in CLUSTERS
             for w in (False, True)
             if not w or step_plan(tp, batch, cluster=c, resident_threads=r).wave_requests < batch
         )
-        labels = [
-            f"c{c}{step_plan(tp, batch, cluster=c, resident_threads=r, warm_ahead=w).variant_suffix}"
-            for c, r, w in variants
+        if batch >= 16:  # two requests a cluster at 1024 threads: from where the grid fills the SMs twice
+            variants += tuple((c, RESIDENT_THREADS, False, 2) for c in CLUSTERS)
+        named = [
+            step_plan(tp, batch, cluster=c, resident_threads=r, warm_ahead=w, requests_per_cta=g)
+            for c, r, w, g in variants
         ]
+        labels = [f"c{plan.cluster}{plan.variant_suffix}" for plan in named]
         times, _, chosen, copies, moved = time_batch(tp, batch, variants)
         torch.cuda.empty_cache()
         us = dict(zip(labels, (t * 1e6 for t in times), strict=True))
