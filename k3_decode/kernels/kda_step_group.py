@@ -162,8 +162,10 @@ class KdaStepGroupKernel(KdaStepKernel):
             cute.arch.cluster_arrive()  # this CTA's tap reads are complete: peers may rewrite theirs (release)
             for r in cutlass.range_constexpr(n):  # phase B: the delta rule and the gated norm of each live request
                 if live[r] > 0:
-                    self._finish_request(state, packed, out, areas[r], bars + BARRIERS * r, b0 + r, live[r], place,
-                                         w_norm, gate_at, norm_eps)  # fmt: skip
+                    self._finish_request(
+                        state, packed, out, areas[r], bars + BARRIERS * r, b0 + r, live[r], place, w_norm, gate_at,
+                        norm_eps,
+                    )  # fmt: skip
                 else:
                     self._zeros(out, b0 + r, place)
             cute.arch.cluster_wait()
