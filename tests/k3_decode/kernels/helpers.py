@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -43,6 +44,21 @@ def build_command(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.C
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200
     )
+
+
+def failed_checks_of_broken_build(tmp_path: Path, match: str, patch: str) -> set[str]:
+    """The checks that fail when the one build `match` is compiled with `patch` (a module's source, imported in the
+    compiling process only: CuTe DSL reads a jit function's source from its file) applied first. The build command
+    must fail, and the build must still compile and meet its register cap: the rules are what catch it."""
+    (tmp_path / "broken_patch.py").write_text(patch)
+    prelude = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport broken_patch"
+    out = tmp_path / "out"
+    proc = build_command(tmp_path, "--out", str(out), "--match", match, prelude=prelude)
+    assert proc.returncode == 1, proc.stderr
+    (result,) = json.loads((out / "report.json").read_text())["builds"]
+    failed = {c["name"] for c in result["checks"] if not c["passed"]}
+    assert "compiles" not in failed and "registers" not in failed, sorted(failed)
+    return failed
 
 
 def o_proj_cta_smem(plan: OProjPlan) -> int:

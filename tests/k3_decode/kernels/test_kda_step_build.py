@@ -32,6 +32,7 @@ from k3_decode.reference.kda import KdaSpec
 from tests.k3_decode.kernels.helpers import (
     assert_launch_reaches_the_driver,
     build_command,
+    failed_checks_of_broken_build,
     needs_cutedsl,
     o_proj_cta_smem,
 )
@@ -514,16 +515,11 @@ def test_the_larger_budget_spills_with_the_gate_read_before_the_norm_wait(tmp_pa
     """The broken case of the 40-register builds: with the output gate read before the norm exchange's wait, as the
     64-register builds read it (the kernel's comparison patched in the compiling process only), ptxas spills and the
     frame and local-memory rules fail the build."""
-    prelude = (
+    patch = (
         "import os\nos.environ['CUTE_DSL_ARCH'] = 'sm_90a'\nimport cutlass.cute as cute\n"
-        "from k3_decode.kernels import kda_step\nkda_step.RESIDENT_THREADS = 1536"
+        "from k3_decode.kernels import kda_step\nkda_step.RESIDENT_THREADS = 1536\n"
     )
-    out = tmp_path / "out"
-    proc = build_command(tmp_path, "--out", str(out), "--match", "kda_step/tp16/b64/t1536", prelude=prelude)
-    assert proc.returncode == 1, proc.stderr
-    (result,) = json.loads((out / "report.json").read_text())["builds"]
-    failed = {c["name"] for c in result["checks"] if not c["passed"]}
-    assert "compiles" not in failed and "registers" not in failed, sorted(failed)
+    failed = failed_checks_of_broken_build(tmp_path, "kda_step/tp16/b64/t1536", patch)
     assert failed == {"local-memory frame bytes", "sass '\\\\b(LDL|STL)\\\\b'"}, sorted(failed)
 
 
@@ -554,14 +550,7 @@ def test_a_next_wave_warmed_before_the_ctas_own_copies_fails_its_build(tmp_path)
     """The broken case of the warming builds: a prefetch issued after the wait but before the CTA's own state and
     tap copies (`_copy_state` patched in the compiling process only) puts the next wave's reads ahead of this
     one's. The order rule catches it, and the prefetch counts do."""
-    (tmp_path / "warm_first.py").write_text(WARM_FIRST)  # CuTe DSL reads a jit function's source from its file
-    prelude = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport warm_first"
-    out = tmp_path / "out"
-    proc = build_command(tmp_path, "--out", str(out), "--match", "kda_step/tp16/b64/warm", prelude=prelude)
-    assert proc.returncode == 1, proc.stderr
-    (result,) = json.loads((out / "report.json").read_text())["builds"]
-    failed = {c["name"] for c in result["checks"] if not c["passed"]}
-    assert "compiles" not in failed and "registers" not in failed, sorted(failed)
+    failed = failed_checks_of_broken_build(tmp_path, "kda_step/tp16/b64/warm", WARM_FIRST)
     rules = [n.split(" before ") for n in failed]  # a rule's name: "ptx '<pattern>'[ before '<pattern>']"
     order = [r for r in rules if len(r) == 2 and "shared::cluster" in r[0] and "prefetch" in r[1]]
     prefetches = [r for r in rules if "prefetch" in r[0]]
@@ -590,13 +579,7 @@ def test_a_group_kernel_that_leaves_its_second_requests_barriers_unarmed_fails_i
     """The broken case of the group builds: the second request's barriers initialized but never armed with the
     bytes that complete them (`_arm` patched out in the compiling process only), so its copies would complete
     barriers that expect nothing. The arming count catches it, and nothing else needs to."""
-    (tmp_path / "unarmed_second.py").write_text(UNARMED_SECOND)
-    prelude = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport unarmed_second"
-    out = tmp_path / "out"
-    proc = build_command(tmp_path, "--out", str(out), "--match", "kda_step/tp16/b64/r2", prelude=prelude)
-    assert proc.returncode == 1, proc.stderr
-    (result,) = json.loads((out / "report.json").read_text())["builds"]
-    failed = sorted(c["name"] for c in result["checks"] if not c["passed"])
+    failed = sorted(failed_checks_of_broken_build(tmp_path, "kda_step/tp16/b64/r2", UNARMED_SECOND))
     assert len(failed) == 1 and "expect_tx" in failed[0], failed
 
 
