@@ -305,10 +305,9 @@ class KdaStepKernel:
         norm_eps: Float32,
     ):
         plan = self.plan
-        rows = plan.rows_per_cta
         sec = plan.sections
         place = self._place()
-        tidx, rank, head, b, lane, warp, first, col, fb_rows, is_qk, is_conv, cl, chan = place
+        tidx, rank, head, b, lane, warp, first, col, fb_rows, is_qk, is_conv, cl, _ = place
         on, cta = self.trace, rank + plan.cluster * (head + plan.heads * b)  # cta: the grid's linear CTA index
         trace_stamp(on, launches, cta, 0, tidx)
 
@@ -377,57 +376,13 @@ class KdaStepKernel:
             trace_stamp(on, launches, cta, 5, tidx)
             cute.arch.cluster_arrive()  # this CTA's tap reads are complete: peers may rewrite theirs (release)
 
-            q = cute.make_rmem_tensor((4,), Float32)
-            k = cute.make_rmem_tensor((4,), Float32)
-            v = cute.make_rmem_tensor((4,), Float32)
-            g = cute.make_rmem_tensor((4,), Float32)
-            _copy(qk_s, 4, lane, q)
-            _copy(qk_s, 4, HEAD_DIM // 4 + lane, k)
-            _copy(v_s, 4, warp, v)
-            cute.arch.mbarrier_wait(bars, 0)  # every decay of the head has arrived
-            trace_stamp(on, launches, cta, 6, tidx)
-            _copy(decay_s, 4, lane, g)
-            cute.arch.mbarrier_wait(bars + 5, 0)  # the state rows have arrived
-            trace_stamp(on, launches, cta, 7, tidx)
-
-            o = [Float32(0.0)] * ROWS_PER_WARP
-            for i in cutlass.range_constexpr(ROWS_PER_WARP):
-                s = cute.make_rmem_tensor((4,), Float32)
-                _copy(state_s[ROWS_PER_WARP * warp + i, None], 4, lane, s)
-                _delta_rule(s, g, k, v[i], beta)
-                _copy(s, 4, lane, state[row0, head, rank * rows + ROWS_PER_WARP * warp + i, None])
-                o[i] = warp_sum(_dot(s, q, 4))
-
-            # The gated RMSNorm: sum(o^2) over the head's 128 rows, from every (CTA, warp) of the cluster.
-            trace_stamp(on, launches, cta, 8, tidx)
-            self._push_norm(o, norm_s, 0, bars, place)
-            gate = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
-            if const_expr(plan.resident_threads == RESIDENT_THREADS):  # read while the partials travel
-                _copy(x_s, ROWS_PER_WARP, gate_at // ROWS_PER_WARP + warp, gate)
-            cute.arch.mbarrier_wait(bars + 1, 0)
-            trace_stamp(on, launches, cta, 9, tidx)
-            if const_expr(plan.resident_threads != RESIDENT_THREADS):  # at 40 registers, held across it spilled
-                _copy(x_s, ROWS_PER_WARP, gate_at // ROWS_PER_WARP + warp, gate)
-            rstd = _rstd(norm_s[lane], norm_eps)  # plan.slots == 32: one partial per lane
-            y = _gated(o, rstd, w_norm, gate)
-            if lane == 0:
-                _copy(y, ROWS_PER_WARP, first // ROWS_PER_WARP + warp, out[b, None])
+            area = {"state": state_s, "x": x_s, "taps": taps_s, "decay": decay_s, "qk": qk_s, "v": v_s, "norm": norm_s}
+            stamp = (on, launches, cta, tidx)
+            self._finish_request(state, out, area, bars, b, row0, beta, place, w_norm, gate_at, norm_eps, stamp)
 
             # The taps this CTA owns: [tap_1, tap_2, x] per channel, once every CTA has read the old ones.
             cute.arch.cluster_wait()
-            owner = warp == 1 or col // plan.qk_lanes_per_cta == rank
-            if is_conv and owner:
-                old = cute.make_rmem_tensor((VECTOR * TAPS,), BFloat16)
-                for t in cutlass.range_constexpr(TAPS):
-                    _copy(taps_s, VECTOR, TAPS * (cl // VECTOR) + t, _part(old, VECTOR, t))
-                _copy(x_s, VECTOR, cl // VECTOR, inputs)
-                shifted = cute.make_rmem_tensor((VECTOR * TAPS,), BFloat16)
-                for c in cutlass.range_constexpr(VECTOR):
-                    shifted[TAPS * c] = old[TAPS * c + 1]
-                    shifted[TAPS * c + 1] = old[TAPS * c + 2]
-                    shifted[TAPS * c + 2] = inputs[c]
-                for t in cutlass.range_constexpr(TAPS):
-                    _copy(_part(shifted, VECTOR, t), VECTOR, TAPS * (chan // VECTOR) + t, conv_row)
+            self._rewrite_taps(conv_row, area, inputs, place)
             trace_stamp(on, launches, cta, 10, tidx)
         else:  # NULL: zero output, no state touched
             y = _null_output(bars)
@@ -636,6 +591,84 @@ class KdaStepKernel:
         if place.lane < plan.cluster:
             dst = norm_s.iterator + (at + place.rank * plan.warps + place.warp)
             cute.arch.store_async_dsmem(dst, partial.bitcast(Int32), bars + 1, place.lane)
+
+    @cute.jit
+    def _finish_request(
+        self,
+        state: cute.Tensor,
+        out: cute.Tensor,
+        area: dict,
+        bars: Any,
+        b: Int32,
+        row0: Int64,
+        beta: Float32,
+        place: _Place,
+        w_norm: cute.Tensor,
+        gate_at: cutlass.Constexpr[int],
+        norm_eps: Float32,
+        stamp: tuple,
+    ):
+        """Phase B of one live request, once its q, k and v are in shared memory (`area`: its state rows, packed-row
+        sections, taps, exchanged decays, q and k, v and norm partials): the delta rule on the CTA's state rows and
+        their stores, the norm exchange, the gated output row. `stamp` is trace_stamp's (on, counter, cta, tidx)
+        for phases 6-9; the group kernel passes it off."""
+        plan = self.plan
+        rows = plan.rows_per_cta
+        lane, warp, head, rank, first = place.lane, place.warp, place.head, place.rank, place.first
+        on, launches, cta, tidx = stamp
+        q = cute.make_rmem_tensor((4,), Float32)
+        k = cute.make_rmem_tensor((4,), Float32)
+        v = cute.make_rmem_tensor((4,), Float32)
+        g = cute.make_rmem_tensor((4,), Float32)
+        _copy(area["qk"], 4, lane, q)
+        _copy(area["qk"], 4, HEAD_DIM // 4 + lane, k)
+        _copy(area["v"], 4, warp, v)
+        cute.arch.mbarrier_wait(bars, 0)  # every decay of the head has arrived
+        trace_stamp(on, launches, cta, 6, tidx)
+        _copy(area["decay"], 4, lane, g)
+        cute.arch.mbarrier_wait(bars + 5, 0)  # the state rows have arrived
+        trace_stamp(on, launches, cta, 7, tidx)
+
+        o = [Float32(0.0)] * ROWS_PER_WARP
+        for i in cutlass.range_constexpr(ROWS_PER_WARP):
+            s = cute.make_rmem_tensor((4,), Float32)
+            _copy(area["state"][ROWS_PER_WARP * warp + i, None], 4, lane, s)
+            _delta_rule(s, g, k, v[i], beta)
+            _copy(s, 4, lane, state[row0, head, rank * rows + ROWS_PER_WARP * warp + i, None])
+            o[i] = warp_sum(_dot(s, q, 4))
+
+        # The gated RMSNorm: sum(o^2) over the head's 128 rows, from every (CTA, warp) of the cluster.
+        trace_stamp(on, launches, cta, 8, tidx)
+        self._push_norm(o, area["norm"], 0, bars, place)
+        gate = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
+        if const_expr(plan.resident_threads == RESIDENT_THREADS):  # read while the partials travel
+            _copy(area["x"], ROWS_PER_WARP, gate_at // ROWS_PER_WARP + warp, gate)
+        cute.arch.mbarrier_wait(bars + 1, 0)
+        trace_stamp(on, launches, cta, 9, tidx)
+        if const_expr(plan.resident_threads != RESIDENT_THREADS):  # at 40 registers, held across it spilled
+            _copy(area["x"], ROWS_PER_WARP, gate_at // ROWS_PER_WARP + warp, gate)
+        rstd = _rstd(area["norm"][lane], norm_eps)  # plan.slots == 32: one partial per lane
+        y = _gated(o, rstd, w_norm, gate)
+        if lane == 0:
+            _copy(y, ROWS_PER_WARP, first // ROWS_PER_WARP + warp, out[b, None])
+
+    @cute.jit
+    def _rewrite_taps(self, conv_row: cute.Tensor, area: dict, inputs: cute.Tensor, place: _Place):
+        """The taps this CTA owns of one request, [tap_1, tap_2, x] per channel; the caller has waited on the
+        cluster barrier, so every CTA has read the old ones."""
+        owner = place.warp == 1 or place.col // self.plan.qk_lanes_per_cta == place.rank
+        if place.is_conv and owner:
+            old = cute.make_rmem_tensor((VECTOR * TAPS,), BFloat16)
+            for t in cutlass.range_constexpr(TAPS):
+                _copy(area["taps"], VECTOR, TAPS * (place.cl // VECTOR) + t, _part(old, VECTOR, t))
+            _copy(area["x"], VECTOR, place.cl // VECTOR, inputs)
+            shifted = cute.make_rmem_tensor((VECTOR * TAPS,), BFloat16)
+            for c in cutlass.range_constexpr(VECTOR):
+                shifted[TAPS * c] = old[TAPS * c + 1]
+                shifted[TAPS * c + 1] = old[TAPS * c + 2]
+                shifted[TAPS * c + 2] = inputs[c]
+            for t in cutlass.range_constexpr(TAPS):
+                _copy(_part(shifted, VECTOR, t), VECTOR, TAPS * (place.chan // VECTOR) + t, conv_row)
 
     # --- verify: q tokens per request (KdaVerifyPlan) ------------------------------------------------------------
 

@@ -37,18 +37,14 @@ from k3_decode.kernels.kda_step import (
     KdaStepKernel,
     _conv_silu,
     _copy,
-    _delta_rule,
-    _dot,
-    _gated,
     _part,
-    _rstd,
     _section_offsets,
     _sigmoid,
     _store_f32,
     _store_normalized,
 )
 from k3_decode.kernels.kda_step_plan import CONV_WIDTH, GATE_RANK, HEAD_DIM, ROWS_PER_WARP, KdaStepPlan
-from k3_decode.kernels.primitives import VECTOR, warp_sum
+from k3_decode.kernels.primitives import VECTOR
 
 BARRIERS = 6  # per request, as the decode kernel's: decays, norm, weights (request 0's only), packed, taps, state
 
@@ -162,9 +158,10 @@ class KdaStepGroupKernel(KdaStepKernel):
             cute.arch.cluster_arrive()  # this CTA's tap reads are complete: peers may rewrite theirs (release)
             for r in cutlass.range_constexpr(n):  # phase B: the delta rule and the gated norm of each live request
                 if live[r] > 0:
+                    beta = _sigmoid(packed[b0 + r, plan.sections["beta"] + head].to(Float32))
                     self._finish_request(
-                        state, packed, out, areas[r], bars + BARRIERS * r, b0 + r, live[r], place, w_norm, gate_at,
-                        norm_eps,
+                        state, out, areas[r], bars + BARRIERS * r, b0 + r, Int64(live[r]), beta, place, w_norm,
+                        gate_at, norm_eps, (False, launches, 0, tidx),
                     )  # fmt: skip
                 else:
                     self._zeros(out, b0 + r, place)
@@ -212,74 +209,9 @@ class KdaStepGroupKernel(KdaStepKernel):
                 cute.arch.mbarrier_arrive_and_expect_tx(bars + i, sizes[i])
 
     @cute.jit
-    def _finish_request(
-        self,
-        state: cute.Tensor,
-        packed: cute.Tensor,
-        out: cute.Tensor,
-        area: dict,
-        bars: Any,
-        b: Int32,
-        slot: Int32,
-        place: Any,
-        w_norm: cute.Tensor,
-        gate_at: cutlass.Constexpr[int],
-        norm_eps: Float32,
-    ):
-        """Phase B of one live request, as the decode kernel runs it: the state rows' delta rule and stores, the
-        norm exchange, the gated output row."""
-        plan = self.plan
-        rows = plan.rows_per_cta
-        lane, warp, head, rank, first = place.lane, place.warp, place.head, place.rank, place.first
-        beta = _sigmoid(packed[b, plan.sections["beta"] + head].to(Float32))
-        q = cute.make_rmem_tensor((4,), Float32)
-        k = cute.make_rmem_tensor((4,), Float32)
-        v = cute.make_rmem_tensor((4,), Float32)
-        g = cute.make_rmem_tensor((4,), Float32)
-        _copy(area["qk"], 4, lane, q)
-        _copy(area["qk"], 4, HEAD_DIM // 4 + lane, k)
-        _copy(area["v"], 4, warp, v)
-        cute.arch.mbarrier_wait(bars, 0)  # every decay of the head has arrived
-        _copy(area["decay"], 4, lane, g)
-        cute.arch.mbarrier_wait(bars + 5, 0)  # the state rows have arrived
-        row0 = Int64(slot)
-        o = [Float32(0.0)] * ROWS_PER_WARP
-        for i in cutlass.range_constexpr(ROWS_PER_WARP):
-            s = cute.make_rmem_tensor((4,), Float32)
-            _copy(area["state"][ROWS_PER_WARP * warp + i, None], 4, lane, s)
-            _delta_rule(s, g, k, v[i], beta)
-            _copy(s, 4, lane, state[row0, head, rank * rows + ROWS_PER_WARP * warp + i, None])
-            o[i] = warp_sum(_dot(s, q, 4))
-        self._push_norm(o, area["norm"], 0, bars, place)
-        gate = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
-        _copy(area["x"], ROWS_PER_WARP, gate_at // ROWS_PER_WARP + warp, gate)  # read while the partials travel
-        cute.arch.mbarrier_wait(bars + 1, 0)
-        rstd = _rstd(area["norm"][lane], norm_eps)  # plan.slots == 32: one partial per lane
-        y = _gated(o, rstd, w_norm, gate)
-        if lane == 0:
-            _copy(y, ROWS_PER_WARP, first // ROWS_PER_WARP + warp, out[b, None])
-
-    @cute.jit
     def _zeros(self, out: cute.Tensor, b: Int32, place: Any):
         """A NULL request's output rows of this warp: zeros."""
         y = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
         y.fill(0.0)
         if place.lane == 0:
             _copy(y, ROWS_PER_WARP, place.first // ROWS_PER_WARP + place.warp, out[b, None])
-
-    @cute.jit
-    def _rewrite_taps(self, conv_row: cute.Tensor, area: dict, inputs: cute.Tensor, place: Any):
-        """The taps this CTA owns of one request: [tap_1, tap_2, x] per channel (the decode kernel's rewrite)."""
-        owner = place.warp == 1 or place.col // self.plan.qk_lanes_per_cta == place.rank
-        if place.is_conv and owner:
-            old = cute.make_rmem_tensor((VECTOR * TAPS,), BFloat16)
-            for t in cutlass.range_constexpr(TAPS):
-                _copy(area["taps"], VECTOR, TAPS * (place.cl // VECTOR) + t, _part(old, VECTOR, t))
-            _copy(area["x"], VECTOR, place.cl // VECTOR, inputs)
-            shifted = cute.make_rmem_tensor((VECTOR * TAPS,), BFloat16)
-            for c in cutlass.range_constexpr(VECTOR):
-                shifted[TAPS * c] = old[TAPS * c + 1]
-                shifted[TAPS * c + 1] = old[TAPS * c + 2]
-                shifted[TAPS * c + 2] = inputs[c]
-            for t in cutlass.range_constexpr(TAPS):
-                _copy(_part(shifted, VECTOR, t), VECTOR, TAPS * (place.chan // VECTOR) + t, conv_row)
