@@ -20,7 +20,6 @@ Every test prints what it measured (METRIC lines): run with -s to see them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -538,9 +537,9 @@ def test_the_plan_picks_a_cluster_within_ten_percent_of_the_fastest(tp: int):
     by side in one process. Fails where the served plan (KdaStepPlan.for_shape's cluster, with kda_step_choice.toml's
     budget and warming) is more than CLUSTER_MARGIN slower than the fastest of them, so a choice that measurement
     contradicts cannot stand.
-    With K3_STEP_CLUSTER_RESULTS set, appends the figures to that JSON file
-    (benchmarks/results/kda-step-clusters-h200.json); a variant's label is c<cluster> and the plan's
-    variant_suffix (/t1536, /warm)."""
+    With K3_STEP_CLUSTER_RESULTS set, appends each batch's figures to that JSON file (a new file per run: one of
+    another commit or GPU is refused; benchmarks/kda_step_variants.py prints its tables and the choice rules it
+    supports); a variant's label is c<cluster> and the plan's variant_suffix (/t1536, /warm, /r2)."""
     wrong = []
     for batch in TIMED_BATCHES:
         variants = tuple(
@@ -583,15 +582,7 @@ def test_the_plan_picks_a_cluster_within_ten_percent_of_the_fastest(tp: int):
 
 
 def _append_results(path: str, rows: list[dict]) -> None:
+    from benchmarks.kda_step_variants import append_rows
     from benchmarks.stock_h200 import environment
 
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        doc = {"what": "KDA decode step per call by CTAs per head (tests/k3_decode/kernels/test_kda_step_gpu.py)"}
-        doc["env"] = environment()
-        doc["cells"] = []
-    doc["cells"] += rows
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+    append_rows(path, rows, environment())  # refuses a file of another run (GPU, commit), with the fix

@@ -1,0 +1,125 @@
+"""The KDA step's variant results off the GPU: labels against the plan's names, the tables, the choice rules a
+measurement supports (and that kda_step_choice.toml accepts), and a results file that holds one run only."""
+
+from __future__ import annotations
+
+import json
+from itertools import product
+from pathlib import Path
+
+import pytest
+
+from benchmarks import kda_step_variants as kv
+from k3_decode.config import K3
+from k3_decode.kernels.kda_step_plan import CLUSTERS, REQUEST_GROUPS, RESIDENT_CHOICES, KdaStepPlan, chosen_variant
+
+COMMITTED = Path(__file__).resolve().parents[2] / "benchmarks/results/kda-step-clusters-h200.json"
+ENV = {"gpu": "NVIDIA H200", "commit": "abc1234", "dirty": False, "driver": "580"}
+TP8_HEADS = K3.shard(8).kda_heads
+
+
+def row(tp: int, batch: int, plan: str, us: dict[str, float]) -> dict:
+    return {"tp": tp, "batch": batch, "plan": plan, "fastest": min(us, key=us.__getitem__), "us": us, "bytes": 10**7}
+
+
+def cells(*rows: dict) -> list[kv.Cell]:
+    return [kv.Cell.of(r, "test") for r in rows]
+
+
+def test_labels_parse_back_to_the_plan_that_named_them():
+    """Every label the timing test can write (c<cluster> + KdaStepPlan.variant_suffix) parses to its plan's knobs:
+    a suffix renamed in the plan and not here fails."""
+    seen = 0
+    for cluster, threads, warm, group in product(CLUSTERS, RESIDENT_CHOICES, (False, True), REQUEST_GROUPS):
+        if warm and group > 1:
+            continue  # not built together
+        plan = KdaStepPlan(12, 6288, 64, cluster, resident_threads=threads, warm_ahead=warm, requests_per_cta=group)
+        got = kv.Variant.parse(f"c{plan.cluster}{plan.variant_suffix}")
+        assert got == kv.Variant(cluster, threads, warm, group), plan.tag
+        seen += 1
+    assert seen >= 12
+    with pytest.raises(kv.ResultsError, match="not c<cluster>"):
+        kv.Variant.parse("c2/t1536/fast")
+
+
+def test_the_committed_clusters_file_gives_the_docs_table():
+    """30aac8f's clusters-only file reads (its own row format): the served cluster in bold, the fastest, and the
+    two cells where another cluster was faster."""
+    env, got = kv.load(COMMITTED)
+    assert env["gpu"] == "NVIDIA H200" and len(got) == 14
+    text = kv.table(got)
+    assert "| 64 | 49.65 | 47.86 | **46.34** | c2 | 1.000 | 2.26 |" in text  # TP8 B64, as docs/kda-layer-h200.md
+    assert "| 16 | 14.19 | 14.66 | **15.51** | c8 | 1.093 | 1.71 |" in text
+    rules, notes = kv.suggest(got)
+    assert rules == []  # no other budget, warming or group was timed then
+    assert [n.split(":")[0] for n in notes] == ["TP8 B16", "TP16 B32"]
+
+
+def test_a_variant_that_wins_at_neighbouring_batches_gives_one_rule_the_choice_file_accepts(tmp_path):
+    rows = [
+        row(8, 8, "c2", {"c2": 8.8, "c2/t1536": 8.7}),  # inside the margin: no rule
+        row(8, 16, "c2", {"c2": 15.5, "c2/t1536": 12.0, "c2/warm": 15.0}),
+        row(8, 32, "c2", {"c2": 24.8, "c2/t1536": 20.0, "c8": 25.0}),
+        row(8, 64, "c2", {"c2": 46.3, "c2/t1536": 44.0, "c2/r2": 38.0}),
+        row(16, 8, "c4", {"c4": 5.7, "c4/t1536": 5.0}),  # the same knobs at another cluster: one rule with B16
+        row(16, 16, "c2", {"c2": 8.6, "c2/t1536": 7.5}),
+        row(16, 64, "c2", {"c2": 24.4, "c2/t1536/warm": 20.0}),
+    ]
+    rules, notes = kv.suggest(cells(*rows))
+    assert notes == []
+    assert [(r.heads, r.first, r.last, r.variant.choice()) for r in rules] == [
+        (TP8_HEADS, 16, 32, {"resident_threads": 1536, "warm_ahead": False}),
+        (TP8_HEADS, 64, 64, {"resident_threads": 1024, "warm_ahead": False, "requests_per_cta": 2}),
+        (K3.shard(16).kda_heads, 8, 16, {"resident_threads": 1536, "warm_ahead": False}),
+        (K3.shard(16).kda_heads, 64, 64, {"resident_threads": 1536, "warm_ahead": True}),
+    ]
+    assert rules[0].gain == pytest.approx(24.8 / 20.0 - 1)  # the smaller of B16's and B32's gains
+    # The printed rules are a valid choice file that serves what was measured fastest.
+    choice = tmp_path / "choice.toml"
+    choice.write_text("default = { resident_threads = 1024, warm_ahead = false }\nrules = [\n")
+    choice.write_text(choice.read_text() + "".join(f"  {r.toml()},\n" for r in rules) + "]\n")
+    assert chosen_variant(TP8_HEADS, 24, choice).resident_threads == 1536  # between two measured batches that agree
+    assert chosen_variant(TP8_HEADS, 64, choice).requests_per_cta == 2
+    assert chosen_variant(TP8_HEADS, 8, choice).resident_threads == 1024
+    assert chosen_variant(K3.shard(16).kda_heads, 64, choice).warm_ahead is True
+
+
+def test_a_faster_cluster_is_a_note_not_a_rule():
+    rules, notes = kv.suggest(cells(row(8, 16, "c2", {"c2": 15.5, "c8": 14.0, "c2/t1536": 15.4})))
+    assert rules == []
+    assert notes and notes[0].startswith("TP8 B16: c8 is 10.7% faster than the served c2")
+
+
+def test_the_cli_prints_rules_and_refuses_bad_input(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    kv.append_rows(path, [row(8, 32, "c2", {"c2": 24.8, "c2/t1536": 20.0})], ENV)
+    assert kv.main(["--rules", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{{ heads = {TP8_HEADS}, batches = [32, 32], resident_threads = 1536, warm_ahead = false }}" in out
+    assert kv.main(["--table", str(path)]) == 0
+    assert "**24.80**" in capsys.readouterr().out
+    for argv, says in (
+        (["--rules", str(tmp_path / "none.json")], "no such results file"),
+        (["--rules", str(path), "--margin", "1.5"], "--margin is a fraction"),
+    ):
+        assert kv.main(argv) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1
+    (tmp_path / "bad.json").write_text(json.dumps({"env": {}, "cells": [{"tp": 8, "batch": 1}]}))
+    assert kv.main(["--table", str(tmp_path / "bad.json")]) == 2
+    assert "not a timing row" in capsys.readouterr().err
+
+
+def test_a_results_file_holds_one_run(tmp_path):
+    """Calls of one run append (TP8, then TP16); a file of another commit or GPU is refused and left unchanged,
+    so no row is ever filed under the environment of a run that did not measure it."""
+    path = tmp_path / "r.json"
+    kv.append_rows(path, [row(8, 16, "c2", {"c2": 15.5})], ENV)
+    kv.append_rows(path, [row(16, 16, "c2", {"c2": 8.6})], {**ENV, "driver": "other"})  # same run
+    before = path.read_text()
+    assert [c["tp"] for c in json.loads(before)["cells"]] == [8, 16]
+    for other in ({**ENV, "commit": "def5678"}, {**ENV, "gpu": "NVIDIA H100 80GB HBM3"}, {**ENV, "dirty": True}):
+        with pytest.raises(kv.ResultsError, match="holds another run"):
+            kv.append_rows(path, [row(8, 32, "c2", {"c2": 24.8})], other)
+        assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary left behind
