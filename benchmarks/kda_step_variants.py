@@ -20,11 +20,11 @@ The figures are per call; the layer benchmark (kda_layer_h200.py) decides whethe
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,9 +129,8 @@ def append_rows(path: str | os.PathLike[str], rows: list[dict[str, Any]], env: d
     else:
         doc = {"what": WHAT, "env": env, "cells": []}
     doc["cells"] = [*doc["cells"], *rows]
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or Path("."))
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
     os.replace(tmp, path)
 
 
@@ -142,7 +141,7 @@ def table(cells: list[Cell]) -> str:
     for tp in sorted({c.tp for c in cells}):
         rows = sorted((c for c in cells if c.tp == tp), key=lambda c: c.batch)
         labels = list(dict.fromkeys(label for c in rows for label in c.us))
-        labels.sort(key=lambda s: (Variant.parse(s).cluster * -1, s))
+        labels.sort(key=lambda s: (-Variant.parse(s).cluster, s))
         out.append(f"TP{tp}, us per call (served in bold)\n")
         out.append("| B | " + " | ".join(labels) + " | fastest | served / fastest | TB/s |")
         out.append("|---" * (len(labels) + 4) + "|")
@@ -193,16 +192,12 @@ def suggest(cells: list[Cell], margin: float = DEFAULT_MARGIN) -> tuple[list[Sug
                     f"TP{tp} B{c.batch}: {c.fastest} is {lead:.1%} faster than the served {c.plan}: the cluster is "
                     "KdaStepPlan.for_shape's rule, not the choice file's"
                 )
-        i = 0
-        while i < len(run):  # neighbours whose knobs agree make one rule (the cluster may differ between them)
-            j = i
-            knobs = run[i][1].choice() if run[i][1] else None
-            while knobs and j + 1 < len(run) and run[j + 1][1] and run[j + 1][1].choice() == knobs:
-                j += 1
-            if run[i][1] is not None:
-                least = min(g for _, _, g in run[i : j + 1])
-                rules.append(Suggestion(heads, run[i][0], run[j][0], run[i][1], least))
-            i = j + 1
+        # Neighbours whose knobs agree make one rule (the cluster may differ between them).
+        for key, group in itertools.groupby(run, key=lambda e: e[1] and tuple(e[1].choice().items())):
+            if key:
+                spans = list(group)
+                least = min(g for _, _, g in spans)
+                rules.append(Suggestion(heads, spans[0][0], spans[-1][0], spans[0][1], least))
     return rules, notes
 
 

@@ -540,6 +540,11 @@ def test_the_plan_picks_a_cluster_within_ten_percent_of_the_fastest(tp: int):
     With K3_STEP_CLUSTER_RESULTS set, appends each batch's figures to that JSON file (a new file per run: one of
     another commit or GPU is refused; benchmarks/kda_step_variants.py prints its tables and the choice rules it
     supports); a variant's label is c<cluster> and the plan's variant_suffix (/t1536, /warm, /r2)."""
+    from benchmarks.kda_step_variants import append_rows
+    from benchmarks.stock_h200 import environment
+
+    results = os.environ.get("K3_STEP_CLUSTER_RESULTS")
+    env = environment() if results else {}
     wrong = []
     for batch in TIMED_BATCHES:
         variants = tuple(
@@ -571,18 +576,11 @@ def test_the_plan_picks_a_cluster_within_ten_percent_of_the_fastest(tp: int):
             "bytes": moved,
             "rotating_caches": copies,
         }
-        if path := os.environ.get("K3_STEP_CLUSTER_RESULTS"):
-            _append_results(path, [row])  # per batch: a run stopped by its time limit keeps what it measured
+        if results:  # per batch: a run stopped by its time limit keeps what it measured; another run's file refused
+            append_rows(results, [row], env)
         if us[plan] > CLUSTER_MARGIN * us[best]:
             wrong.append(f"B{batch}: {plan} {us[plan]:.1f} vs {best} {us[best]:.1f} us")
     assert not wrong, (
         f"TP{tp}: the plan is more than {CLUSTER_MARGIN - 1:.0%} slower than the fastest at {', '.join(wrong)} — "
         "fix the cluster rule (KdaStepPlan.for_shape) or kda_step_choice.toml"
     )
-
-
-def _append_results(path: str, rows: list[dict]) -> None:
-    from benchmarks.kda_step_variants import append_rows
-    from benchmarks.stock_h200 import environment
-
-    append_rows(path, rows, environment())  # refuses a file of another run (GPU, commit), with the fix
