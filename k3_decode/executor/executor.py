@@ -589,6 +589,7 @@ class StackExecutor:
         ids = [r.request for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError(f"requests {sorted(ids)} list one request twice; give each request one entry")
+        self.state.check(ids)  # before the ledger records a dispatch: a step refused here claims no launch
         for r in requests:
             r.inputs.check_for(self.dims, self.config.layers[0] if first_layer is None else first_layer)
 

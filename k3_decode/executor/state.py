@@ -83,7 +83,8 @@ class RequestState:
         # Tokens of each request's last verify step whose acceptance the next step reports (0: none pending).
         self.unconfirmed = [0] * config.max_requests
 
-    def _check(self, requests: Sequence[int]) -> None:
+    def check(self, requests: Sequence[int]) -> None:
+        """Each request once, and each within max_requests: a one-line error naming the fix otherwise."""
         bad = [r for r in requests if not 0 <= r < self.config.max_requests]
         if bad:
             raise ValueError(f"requests {bad} are outside 0..{self.config.max_requests - 1}; raise max_requests")
@@ -105,7 +106,7 @@ class RequestState:
 
     def tables(self, requests: Sequence[int], rows: int | None = None) -> StepTables:
         """Host tables for one decode iteration of `requests`, padded with NULL rows to `rows`."""
-        self._check(requests)
+        self.check(requests)
         rows = len(requests) if rows is None else rows
         if rows < len(requests):
             raise ValueError(f"{len(requests)} requests do not fit {rows} rows; use a larger graph batch")
@@ -136,7 +137,7 @@ class RequestState:
         `batch`: pad with NULL requests to `batch` requests (a verify graph's): their q slots are all NULL_SLOT,
         their rows have seq_len 0 and cache slot -1, so no kernel writes state for them, and their accepted count is
         1, so a kernel that reads slot[b, a - 1] before its NULL check still reads inside the table."""
-        self._check(requests)
+        self.check(requests)
         if len(accepted) != len(requests):
             raise ValueError(f"{len(accepted)} accepted counts for {len(requests)} requests; give one per request")
         batch = len(requests) if batch is None else batch
@@ -184,7 +185,7 @@ class RequestState:
         rows and the KDA slots random states of the model's magnitudes. Correctness tests prefill through
         StackExecutor.prefill instead.
         """
-        self._check(requests)
+        self.check(requests)
         if not 0 <= length <= self.config.max_context:
             raise ValueError(f"context length {length} outside 0..{self.config.max_context} (max_context)")
         device = self.block_table.device

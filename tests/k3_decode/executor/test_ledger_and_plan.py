@@ -154,3 +154,5 @@ def test_bad_steps_get_one_line_errors(make, match: str) -> None:
     with pytest.raises(ValueError, match=match) as info:
         ex.step(make(ex, x))
     assert "\n" not in str(info.value)
+    # A refused step claims no dispatch: the ledger's launch counts must match the device counters afterwards.
+    assert not ex.ledger.records()
