@@ -37,6 +37,9 @@ if str(REPO) not in sys.path:
 WHAT = "KDA decode step per call by variant (tests/k3_decode/kernels/test_kda_step_gpu.py)"
 RUN_KEYS = ("gpu", "commit", "dirty")  # what makes two calls one run
 DEFAULT_MARGIN = 0.05  # below this a per-call difference is within what two timings of one variant differ by
+# Variants this close to the fastest are a tie: the rule serves the one with the fewest extras (no warming, one request
+# per cluster), since an extra that buys nothing measurable still costs L2 traffic or shared memory in the layer.
+TIE = 0.01
 _LABEL = re.compile(r"^c(?P<cluster>\d+)(?:/t(?P<threads>\d+))?(?P<warm>/warm)?(?:/r(?P<group>\d+))?$")
 
 
@@ -68,6 +71,16 @@ class Variant:
         if self.requests_per_cta > 1:
             knobs["requests_per_cta"] = self.requests_per_cta
         return knobs
+
+    @property
+    def extras(self) -> tuple[bool, bool]:
+        """What a tie is broken on: the warming, then the request groups (False sorts first)."""
+        return (self.warm_ahead, self.requests_per_cta > 1)
+
+    @property
+    def order(self) -> tuple[int, int, int, bool]:
+        """Table columns: the largest cluster first, then the budget, the group and the warming."""
+        return (-self.cluster, self.resident_threads, self.requests_per_cta, self.warm_ahead)
 
 
 @dataclass(frozen=True)
@@ -141,7 +154,7 @@ def table(cells: list[Cell]) -> str:
     for tp in sorted({c.tp for c in cells}):
         rows = sorted((c for c in cells if c.tp == tp), key=lambda c: c.batch)
         labels = list(dict.fromkeys(label for c in rows for label in c.us))
-        labels.sort(key=lambda s: (-Variant.parse(s).cluster, s))
+        labels.sort(key=lambda s: Variant.parse(s).order)
         out.append(f"TP{tp}, us per call (served in bold)\n")
         out.append("| B | " + " | ".join(labels) + " | fastest | served / fastest | TB/s |")
         out.append("|---" * (len(labels) + 4) + "|")
@@ -171,9 +184,10 @@ class Suggestion:
 
 
 def suggest(cells: list[Cell], margin: float = DEFAULT_MARGIN) -> tuple[list[Suggestion], list[str]]:
-    """(rules for kda_step_choice.toml, notes): per TP, the fastest variant at the plan's cluster where it beats
-    the served one by more than `margin`, merged over neighbouring measured batches that agree; a note where
-    another cluster is faster than the served variant by more than `margin`."""
+    """(rules for kda_step_choice.toml, notes): per TP, the fastest variant at the plan's cluster (of those within
+    TIE of it, the one with the fewest extras) where it beats the served one by more than `margin`, merged over
+    neighbouring measured batches that agree; a note where another cluster is faster than the served variant by more
+    than `margin`."""
     from k3_decode.config import K3
 
     rules, notes = [], []
@@ -183,7 +197,9 @@ def suggest(cells: list[Cell], margin: float = DEFAULT_MARGIN) -> tuple[list[Sug
         for c in sorted((c for c in cells if c.tp == tp), key=lambda c: c.batch):
             served = Variant.parse(c.plan)
             same = {k: v for k, v in c.us.items() if Variant.parse(k).cluster == served.cluster}
-            best = min(same, key=same.__getitem__)
+            quickest = min(same.values())
+            tied = [k for k, v in same.items() if v <= quickest * (1 + TIE)]
+            best = min(tied, key=lambda k: (Variant.parse(k).extras, same[k]))
             gain = c.us[c.plan] / same[best] - 1
             run.append((c.batch, Variant.parse(best), gain) if best != c.plan and gain > margin else (c.batch, None, 0))
             lead = c.us[c.plan] / c.us[c.fastest] - 1

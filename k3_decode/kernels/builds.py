@@ -20,7 +20,13 @@ from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
 from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
-from k3_decode.kernels.kda_step_plan import RESIDENT_THREADS, ROWS_PER_WARP, KdaStepPlan, KdaVerifyPlan
+from k3_decode.kernels.kda_step_plan import (
+    RESIDENT_CHOICES,
+    RESIDENT_THREADS,
+    ROWS_PER_WARP,
+    KdaStepPlan,
+    KdaVerifyPlan,
+)
 
 PACKAGE = "k3_decode.kernels"
 
@@ -548,11 +554,11 @@ class K3KernelBuilds:
 
     def kda_step_builds(self) -> list[KdaStepBuild]:
         """The fused KDA decode step at every TP and batch of builds.toml's [kda_step], at each rank's heads: the
-        served variant (kda_step_choice.toml), and the other register budget, the warming and the request groups
-        where it lists them."""
+        served variant (kda_step_choice.toml), and every register budget, the warming and the request groups where it
+        lists them."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_step"]
-        wide = spec.get("wide_residency", {"threads": 0, "batches": []})
+        budgets = spec.get("every_budget", {"batches": []})["batches"]
         warm = set(spec.get("warm_ahead", {"batches": []})["batches"])
         groups = spec.get("request_groups", {"requests": 1, "batches": []})
         builds = []
@@ -564,8 +570,9 @@ class K3KernelBuilds:
             heads, rows, sms = shard.kda_heads, shard.kda_in_proj_rows, spec["sm_count"]
             mine = [KdaStepPlan.for_shape(heads, rows, batch, sms) for batch in spec["batches"]]
             mine += [
-                KdaStepPlan.for_shape(heads, rows, batch, sms, resident_threads=wide["threads"], warm_ahead=False)
-                for batch in wide["batches"]
+                KdaStepPlan.for_shape(heads, rows, batch, sms, resident_threads=threads, warm_ahead=False)
+                for batch in budgets
+                for threads in RESIDENT_CHOICES
             ]
             mine += [
                 replace(plan, warm_ahead=True)

@@ -11,9 +11,26 @@ import pytest
 
 from benchmarks import kda_step_variants as kv
 from k3_decode.config import K3
-from k3_decode.kernels.kda_step_plan import CLUSTERS, REQUEST_GROUPS, RESIDENT_CHOICES, KdaStepPlan, chosen_variant
+from k3_decode.kernels.kda_step_plan import (
+    CLUSTERS,
+    REQUEST_GROUPS,
+    RESIDENT_CHOICES,
+    KdaStepPlan,
+    chosen_variant,
+    variant_rules,
+)
 
-COMMITTED = Path(__file__).resolve().parents[2] / "benchmarks/results/kda-step-clusters-h200.json"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results"
+COMMITTED = RESULTS / "kda-step-clusters-h200.json"
+VARIANTS = RESULTS / "kda-step-variants-h200.json"  # every variant timed at 1e59838, B16-B64
+# The layer benchmark with those rules served beside 1024 threads everywhere, two rounds in one session
+LAYER_ROUNDS = [
+    (
+        RESULTS / f"kda-layer-variants-h100/budget-base-{i}.json",
+        RESULTS / f"kda-layer-variants-h100/budget-1536-{i}.json",
+    )
+    for i in (1, 2)
+]
 ENV = {"gpu": "NVIDIA H200", "commit": "abc1234", "dirty": False, "driver": "580"}
 TP8_HEADS = K3.shard(8).kda_heads
 
@@ -53,6 +70,40 @@ def test_the_committed_clusters_file_gives_the_docs_table():
     rules, notes = kv.suggest(got)
     assert rules == []  # no other budget, warming or group was timed then
     assert [n.split(":")[0] for n in notes] == ["TP8 B16", "TP16 B32"]
+
+
+def layer_speedups(path: Path) -> dict[tuple[int, int], float]:
+    """(TP, batch) -> the layer speedup over stock of a kda_layer_h200.py results file."""
+    doc = json.loads(path.read_text())
+    return {(c["tp"], c["batch"]): c["layer_speedup"]["speedup"] for run in doc["runs"] for c in run["cells"]}
+
+
+def test_the_served_choice_file_is_what_the_committed_runs_support():
+    """At every batch the committed variant run measured, kda_step_choice.toml serves the variant `--rules` derives
+    from it where that variant also raised the layer speedup in every committed layer round beside the served one
+    (LAYER_ROUNDS, which ran exactly those rules), and the default elsewhere: a rule served without both
+    measurements, or a winner of both left unserved, fails here."""
+    env, got = kv.load(VARIANTS)
+    assert env["gpu"] == "NVIDIA H200" and not env["dirty"]
+    assert {(c.tp, c.batch) for c in got} == {(tp, b) for tp in (8, 16) for b in (16, 32, 64)}
+    rules, notes = kv.suggest(got)
+    assert notes == []  # the plan's cluster rule holds: the winners are budgets at its cluster
+    rounds = []
+    for base, variant in LAYER_ROUNDS:
+        ran = json.loads(variant.read_text())["variant"]["kda_step_choice_rules"]
+        assert ran == [r.toml() for r in rules], variant.name  # the layer run served what --rules prints
+        assert json.loads(base.read_text())["variant"]["kda_step_choice_rules"] == []
+        rounds.append((layer_speedups(base), layer_speedups(variant)))
+    default, _ = variant_rules()
+    plain = kv.Variant(0, default.resident_threads, default.warm_ahead, 1)
+    for c in got:
+        heads = K3.shard(c.tp).kda_heads
+        rule = next((r for r in rules if r.heads == heads and r.first <= c.batch <= r.last), None)
+        won = rule is not None and all(v[(c.tp, c.batch)] > b[(c.tp, c.batch)] for b, v in rounds)
+        want = rule.variant if won else plain
+        served = chosen_variant(heads, c.batch)
+        got_knobs = kv.Variant(0, served.resident_threads, served.warm_ahead, served.requests_per_cta).choice()
+        assert got_knobs == want.choice(), f"TP{c.tp} B{c.batch}"
 
 
 def test_a_variant_that_wins_at_neighbouring_batches_gives_one_rule_the_choice_file_accepts(tmp_path):
@@ -123,3 +174,17 @@ def test_a_results_file_holds_one_run(tmp_path):
             kv.append_rows(path, [row(8, 32, "c2", {"c2": 24.8})], other)
         assert path.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary left behind
+
+
+def test_a_tie_serves_the_variant_with_the_fewest_extras():
+    """Within TIE of the fastest, the rule takes no warming and one request per cluster (1e59838's TP8 B32: the
+    warming variant 0.01 us ahead); an extra that is faster by more than TIE is served."""
+    tied = {"c2": 24.21, "c2/t1536": 22.35, "c2/t1536/warm": 22.34, "c2/r2": 22.36}
+    rules, _ = kv.suggest(cells(row(8, 32, "c2", tied)))
+    assert [r.variant for r in rules] == [kv.Variant(2, 1536, False, 1)]
+    clear = {**tied, "c2/t1536/warm": 21.5}
+    rules, _ = kv.suggest(cells(row(8, 32, "c2", clear)))
+    assert [r.variant for r in rules] == [kv.Variant(2, 1536, True, 1)]
+    # Ties never hide a gain: the served variant itself within TIE of the fastest gives no rule.
+    rules, _ = kv.suggest(cells(row(8, 32, "c2", {"c2": 22.4, "c2/t1536": 22.35})))
+    assert rules == []

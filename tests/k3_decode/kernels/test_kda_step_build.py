@@ -212,8 +212,8 @@ def test_a_cluster_serving_two_requests_holds_both_and_is_refused_where_it_canno
     """A group of 2 requests per cluster: the grid's slowest dimension halves, each CTA holds both requests' state
     rows, copies, exchanges and barriers (the weights once), and 2 CTAs of 512 threads still fit an SM at C = 2. An
     odd batch cannot be grouped, nor a group warmed; a served rule applies only where the batch divides."""
-    one = KdaStepPlan.for_shape(12, 6288, 64, H200_SMS)
-    two = KdaStepPlan.for_shape(12, 6288, 64, H200_SMS, requests_per_cta=2)
+    one = KdaStepPlan.for_shape(12, 6288, 64, H200_SMS, resident_threads=1024)
+    two = KdaStepPlan.for_shape(12, 6288, 64, H200_SMS, resident_threads=1024, requests_per_cta=2)
     assert (two.cluster, two.groups, two.ctas, two.tag) == (2, 32, one.ctas // 2, "h12/b64/c2/r2")
     # the second request's areas, each 128-byte aligned (its six barriers share the first's 128 bytes)
     areas = (one.state_bytes, one.packed_bytes, one.tap_bytes, 128 * 4, 256 * 4, one.rows_per_cta * 4, 32 * 4)
@@ -305,38 +305,47 @@ def test_the_copies_fill_exactly_the_bytes_their_barriers_wait_for(tp, cluster):
 def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     every = step_builds()
     one = [b for b in every if b.plan.requests_per_cta == 1]
-    builds = [b for b in one if b.plan.resident_threads == RESIDENT_THREADS and not b.plan.warm_ahead]
-    wide = [b for b in one if b.plan.resident_threads != RESIDENT_THREADS and not b.plan.warm_ahead]
+    served = [b for b in one if b.plan == KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)]
+    budgets = [b for b in one if not b.plan.warm_ahead]
     warm = [b for b in one if b.plan.warm_ahead]
     pairs = [b for b in every if b.plan.requests_per_cta > 1]
-    assert [(b.tp, b.plan.batch) for b in builds] == [(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8, 16, 64)]
-    assert {b.name for b in builds} == {f"kda_step/tp{tp}/b{b}" for tp in (8, 16) for b in (1, 2, 4, 8, 16, 64)}
+    # what kda_step_choice.toml serves, at every batch of the table (and B32, which only the budgets list)
+    batches = (1, 2, 4, 8, 16, 64)
+    assert [(b.tp, b.plan.batch) for b in served if b.plan.batch != 32] == [(tp, b) for tp in (8, 16) for b in batches]
     assert {b.tp: (b.plan.heads, b.plan.rows) for b in every} == {8: (12, 6288), 16: (6, 3216)}
-    assert {(b.tp, b.plan.batch): b.plan.cluster for b in builds} == CLUSTER
-    # the wider register budget at the batches where it changes what an SM holds, at the plan's cluster
-    assert {b.name for b in wide} == {f"kda_step/tp{tp}/b{b}/t1536" for tp in (8, 16) for b in (32, 64)}
-    for b in wide:
+    assert {(b.tp, b.plan.batch): b.plan.cluster for b in served if b.plan.batch != 32} == CLUSTER
+    # every register budget at the batches where it changes what an SM holds, at the plan's cluster, whichever the
+    # choice file serves; below them, only the served 1024-thread build
+    wide = (16, 32, 64)
+    assert {b.name for b in budgets} == {f"kda_step/tp{tp}/b{b}" for tp in (8, 16) for b in (*batches, 32)} | {
+        f"kda_step/tp{tp}/b{b}/t1536" for tp in (8, 16) for b in wide
+    }
+    for b in budgets:
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
-        assert b.plan == dataclasses.replace(chosen, resident_threads=1536), b.name
-        assert b.plan.ctas_per_sm == 3 and b.plan.spread == 3, b.name  # three CTAs of 512 threads an SM, all used
-        assert b.plan.launch_smem_bytes == b.plan.smem_bytes and 3 * (b.plan.smem_bytes + 2048) <= 228 * 1024
+        assert b.plan == dataclasses.replace(chosen, resident_threads=b.plan.resident_threads), b.name
+        if b.plan.resident_threads == 1536:  # three CTAs of 512 threads an SM, as many used as the grid needs
+            assert b.plan.ctas_per_sm == 3 and b.plan.spread == min(3, -(-b.plan.ctas // H200_SMS)), b.name
+            assert 3 * (b.plan.smem_bytes + 2048) <= 228 * 1024
+            assert b.plan.spread < 3 or b.plan.launch_smem_bytes == b.plan.smem_bytes
     # warming at B32 and B64, at every budget built there whose grid runs in more than one wave (not TP16 B32 at
     # 1536 threads, whose 33 requests a wave cover it)
     assert {b.name for b in warm} == {
+        "kda_step/tp8/b32/warm",
         "kda_step/tp8/b64/warm",
         "kda_step/tp8/b32/t1536/warm",
         "kda_step/tp8/b64/t1536/warm",
+        "kda_step/tp16/b32/warm",
         "kda_step/tp16/b64/warm",
         "kda_step/tp16/b64/t1536/warm",
     }
-    unwarmed = {(b.tp, b.plan) for b in builds + wide}
+    unwarmed = {(b.tp, b.plan) for b in budgets}
     assert all((b.tp, dataclasses.replace(b.plan, warm_ahead=False)) in unwarmed for b in warm)
     assert all(0 < b.plan.ahead < b.plan.batch for b in warm)
     # two requests a cluster at B32 and B64, at the plan's cluster and 1024 threads
     assert {b.name for b in pairs} == {f"kda_step/tp{tp}/b{b}/r2" for tp in (8, 16) for b in (32, 64)}
     for b in pairs:
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
-        assert b.plan == dataclasses.replace(chosen, requests_per_cta=2), b.name
+        assert b.plan == dataclasses.replace(chosen, resident_threads=1024, requests_per_cta=2), b.name
         assert b.plan.resident_ctas == b.plan.ctas_per_sm == 2 and b.plan.groups == b.plan.batch // 2, b.name
     assert {b.kernel for b in every} == {"kda_step"} and {b.plan.slot_dtype for b in every} == {"int32"}
     assert K3_KERNEL_BUILDS.kda_step_builds() == every
@@ -371,7 +380,7 @@ def test_build_tags_count_what_the_code_must_hold():
 def test_expectations_judge_every_kda_step_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_step/*")  # every named tag exists
-    assert len(builds) == 25  # 12 at 1024 threads per SM, 4 at 1536, 5 warming the next wave, 4 of request pairs
+    assert len(builds) == 31  # 14 at 1024 threads per SM, 6 at 1536, 7 warming the next wave, 4 of request pairs
     step = expectations["kda_step"]
     assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
 
