@@ -66,6 +66,7 @@ from benchmarks.stock_h200 import (  # noqa: E402
     summarize,
 )
 from harness.perf.stats import MIN_ROUNDS, bootstrap_interval  # noqa: E402
+from k3_decode.config import ModelDims  # noqa: E402
 from k3_decode.executor import StackExecutor, StepRequest, StepRoutingError, load_stack, random_input  # noqa: E402
 from k3_decode.executor.attribution import (  # noqa: E402
     LAUNCH_CATEGORIES,
@@ -77,6 +78,7 @@ from k3_decode.executor.config import StackConfigError  # noqa: E402
 from k3_decode.executor.inputs import entry_blocks  # noqa: E402
 from k3_decode.executor.roofline import StepShape, layer_bytes, roofline_seconds  # noqa: E402
 from k3_decode.kernels import kda_in_proj_op, kda_o_proj_op, kda_step_op, phase_trace  # noqa: E402
+from k3_decode.kernels.kda_step_plan import KdaStepPlan  # noqa: E402
 from k3_decode.kernels.providers import PROVIDERS, ProviderBindError, not_built_reason  # noqa: E402
 from k3_decode.runtime.errors import StartupError  # noqa: E402
 from k3_decode.runtime.ledger import Expectation  # noqa: E402
@@ -632,6 +634,7 @@ def run_tp(
     }
     arms: list[tuple[str, StackExecutor]] = [("stock", stock)] + ([("specialized", special)] if special else [])
     dims, layer = config.dims, config.kda_layers[0]
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     if layer != config.layers[0]:
         raise ValueError(
             f"stack {args.stack} must start with its KDA layer (one entry state feeds the step and the graph)"
@@ -707,6 +710,8 @@ def run_tp(
                     for r in special.ledger.records()
                     if r.graph == names["specialized"] and r.layer == layer and r.path == "stock"
                 }
+            if cell["paths"].get("specialized", {}).get("kda") == "specialized":
+                cell["kda_step_plan"] = kda_step_plan_tag(dims, tp, batch, sms)
             if phases is not None:
                 cell["phase_trace"] = phases
             cell["cell_s"] = time.perf_counter() - t_cell
@@ -730,6 +735,13 @@ def run_tp(
         save(run)
     run["ledger"] = {p: {"summary": ex.ledger.summary(), "expectation_mismatches": ex.ledger.check()} for p, ex in arms}
     return run
+
+
+def kda_step_plan_tag(dims: ModelDims, tp: int, batch: int, sm_count: int) -> str:
+    """The fused KDA step's plan the provider serves at `batch` (cluster, register budget, warming and requests per
+    cluster: KdaStepPlan.for_shape and kda_step_choice.toml), so a results file names the variant it timed."""
+    shard = dims.shard(tp)
+    return KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, sm_count).tag
 
 
 def providers_declared() -> dict[str, Any]:

@@ -14,6 +14,7 @@ from k3_decode.config import K3
 from k3_decode.executor.attribution import DeviceEvent, stock_kernel_info
 from k3_decode.executor.opmap import load_op_map
 from k3_decode.executor.roofline import StepShape, layer_bytes
+from k3_decode.kernels.kda_step_plan import KdaStepPlan
 from k3_decode.kernels.providers import PROVIDERS
 from k3_decode.runtime.ledger import KernelCatalog
 from k3_decode.runtime.optable import load_op_table
@@ -608,3 +609,12 @@ def test_an_unknown_stack_is_refused_before_any_device_work(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "unknown stack 'k3-nope'" in err and "k3-kda-mla-late" in err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_a_cell_names_the_kda_step_variant_it_timed():
+    """Variant runs of the layer benchmark are told apart by the step's plan each cell ran (the choice file's budget,
+    warming and group, the plan's cluster), not only by a name written on the file by hand."""
+    tag = bench.kda_step_plan_tag(K3, 8, 64, 132)
+    shard = K3.shard(8)
+    assert tag == KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, 64, 132).tag
+    assert tag.startswith(f"h{shard.kda_heads}/b64/c") and tag != bench.kda_step_plan_tag(K3, 16, 64, 132)
