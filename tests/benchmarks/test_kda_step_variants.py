@@ -4,6 +4,7 @@ measurement supports (and that kda_step_choice.toml accepts), and a results file
 from __future__ import annotations
 
 import json
+import tomllib
 from itertools import product
 from pathlib import Path
 
@@ -20,15 +21,21 @@ from k3_decode.kernels.kda_step_plan import (
     variant_rules,
 )
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results"
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks/results"
+PROVIDERS = REPO / "k3_decode/kernels/providers.toml"
 COMMITTED = RESULTS / "kda-step-clusters-h200.json"
 VARIANTS = RESULTS / "kda-step-variants-h200.json"  # every variant timed at 1e59838, B16-B64
-# The layer benchmark with those rules served beside 1024 threads everywhere, two rounds in one session
+# The layer benchmark with those rules served beside 1024 threads everywhere, two rounds per timed layer, each in one
+# session: layer 6 (k3-kda-mla) at 1e59838 and layer 86 (k3-kda-mla-late) at f29943c
 LAYER_ROUNDS = [
-    (
-        RESULTS / f"kda-layer-variants-h100/budget-base-{i}.json",
-        RESULTS / f"kda-layer-variants-h100/budget-1536-{i}.json",
-    )
+    [
+        (
+            RESULTS / f"kda-layer-variants-h100/{stem}-base-{i}.json",
+            RESULTS / f"kda-layer-variants-h100/{stem}-1536-{i}.json",
+        )
+        for stem in ("budget", "late")
+    ]
     for i in (1, 2)
 ]
 ENV = {"gpu": "NVIDIA H200", "commit": "abc1234", "dirty": False, "driver": "580"}
@@ -72,38 +79,96 @@ def test_the_committed_clusters_file_gives_the_docs_table():
     assert [n.split(":")[0] for n in notes] == ["TP8 B16", "TP16 B32"]
 
 
-def layer_speedups(path: Path) -> dict[tuple[int, int], float]:
-    """(TP, batch) -> the layer speedup over stock of a kda_layer_h200.py results file."""
-    doc = json.loads(path.read_text())
-    return {(c["tp"], c["batch"]): c["layer_speedup"]["speedup"] for run in doc["runs"] for c in run["cells"]}
+def layer_savings(base: Path, variant: Path) -> tuple[int, dict[tuple[int, int], float]]:
+    """The layer a pair of kda_layer_h200.py results files timed, and per (TP, batch) the specialized layer time the
+    variant saved against the base, in us: the base's stock median over each file's interleaved speedup, so that
+    drift between the two runs' stock times does not count."""
+    docs = [json.loads(p.read_text()) for p in (base, variant)]
+    cells = [{(c["tp"], c["batch"]): c for run in doc["runs"] for c in run["cells"]} for doc in docs]
+    layers = {c["layer"] for doc in cells for c in doc.values()}
+    assert len(layers) == 1, (base.name, variant.name, layers)
+    saved = {}
+    for key, b in cells[0].items():
+        stock = b["layer_time"]["stock"]["median_us"]
+        saved[key] = stock / b["layer_speedup"]["speedup"] - stock / cells[1][key]["layer_speedup"]["speedup"]
+    return layers.pop(), saved
+
+
+def kda_layers_like(layer: int) -> int:
+    """K3's KDA layers whose AttnRes after attention mixes one block where `layer`'s does, or two or more where it
+    does: the fused o_proj serves them to different rows (providers.toml's [o_proj.mixing])."""
+    mixing = tomllib.loads(PROVIDERS.read_text())["o_proj"]["mixing"]["min_blocks"]
+    kda = [i for i, kind in enumerate(K3.layer_kinds) if kind == "kda"]
+    return sum((K3.blocks_before(i) >= mixing) == (K3.blocks_before(layer) >= mixing) for i in kda)
+
+
+def test_the_timed_layers_stand_for_every_kda_layer():
+    assert kda_layers_like(6) + kda_layers_like(86) == K3.layer_kinds.count("kda") == 69
+    assert (kda_layers_like(6), kda_layers_like(86)) == (9, 60)
+
+
+def model_savings(rounds: list[list[tuple[Path, Path]]], rules: list[kv.Rule]) -> list[dict[tuple[int, int], float]]:
+    """Per round, per (TP, batch): the time the variant saved on every timed layer, times the KDA layers it stands
+    for (us per decode step of the whole model's KDA layers)."""
+    out = []
+    for pairs in rounds:
+        saved: dict[tuple[int, int], float] = {}
+        for base, variant in pairs:
+            ran = json.loads(variant.read_text())["variant"]["kda_step_choice_rules"]
+            assert ran == [r.toml() for r in rules], variant.name  # the layer run served what --rules prints
+            assert json.loads(base.read_text())["variant"]["kda_step_choice_rules"] == []
+            layer, by_cell = layer_savings(base, variant)
+            for key, us in by_cell.items():
+                saved[key] = saved.get(key, 0.0) + kda_layers_like(layer) * us
+        out.append(saved)
+    return out
 
 
 def test_the_served_choice_file_is_what_the_committed_runs_support():
     """At every batch the committed variant run measured, kda_step_choice.toml serves the variant `--rules` derives
-    from it where that variant also raised the layer speedup in every committed layer round beside the served one
-    (LAYER_ROUNDS, which ran exactly those rules), and the default elsewhere: a rule served without both
-    measurements, or a winner of both left unserved, fails here."""
+    from it where that variant also saved model time in every committed layer round beside 1024 threads everywhere
+    (LAYER_ROUNDS, which ran exactly those rules): the time each timed layer saved, times the KDA layers it stands
+    for. The default serves elsewhere: a rule served without both measurements, or a winner of both left unserved,
+    fails here."""
     env, got = kv.load(VARIANTS)
     assert env["gpu"] == "NVIDIA H200" and not env["dirty"]
     assert {(c.tp, c.batch) for c in got} == {(tp, b) for tp in (8, 16) for b in (16, 32, 64)}
     rules, notes = kv.suggest(got)
     assert notes == []  # the plan's cluster rule holds: the winners are budgets at its cluster
-    rounds = []
-    for base, variant in LAYER_ROUNDS:
-        ran = json.loads(variant.read_text())["variant"]["kda_step_choice_rules"]
-        assert ran == [r.toml() for r in rules], variant.name  # the layer run served what --rules prints
-        assert json.loads(base.read_text())["variant"]["kda_step_choice_rules"] == []
-        rounds.append((layer_speedups(base), layer_speedups(variant)))
+    rounds = model_savings(LAYER_ROUNDS, rules)
     default, _ = variant_rules()
     plain = kv.Variant(0, default.resident_threads, default.warm_ahead, 1)
     for c in got:
         heads = K3.shard(c.tp).kda_heads
         rule = next((r for r in rules if r.heads == heads and r.first <= c.batch <= r.last), None)
-        won = rule is not None and all(v[(c.tp, c.batch)] > b[(c.tp, c.batch)] for b, v in rounds)
+        won = rule is not None and all(saved[(c.tp, c.batch)] > 0 for saved in rounds)
         want = rule.variant if won else plain
         served = chosen_variant(heads, c.batch)
         got_knobs = kv.Variant(0, served.resident_threads, served.warm_ahead, served.requests_per_cta).choice()
         assert got_knobs == want.choice(), f"TP{c.tp} B{c.batch}"
+
+
+def test_the_weighting_decides_where_the_two_layers_disagree(tmp_path):
+    """At TP8 B32 layer 6 lost in both rounds and layer 86 won: the 60 layers like 86 carry it. A copy of round 1
+    whose layer-86 gain there is turned into a loss as large decides against the rule."""
+    _, got = kv.load(VARIANTS)
+    rules, _ = kv.suggest(got)
+    (six_base, six), (late_base, late) = LAYER_ROUNDS[0]
+    (saved,) = model_savings([LAYER_ROUNDS[0]], rules)
+    _, on_six = layer_savings(six_base, six)
+    assert on_six[(8, 32)] < 0 < saved[(8, 32)]  # layer 6 lost, the model gained
+    doc = json.loads(late.read_text())
+    base_cells = {(c["tp"], c["batch"]): c for run in json.loads(late_base.read_text())["runs"] for c in run["cells"]}
+    for run in doc["runs"]:
+        for cell in run["cells"]:
+            if (cell["tp"], cell["batch"]) == (8, 32):
+                s_base = base_cells[(8, 32)]["layer_speedup"]["speedup"]
+                cell["layer_speedup"]["speedup"] = s_base**2 / cell["layer_speedup"]["speedup"]  # the gain, inverted
+    worse = tmp_path / late.name
+    worse.write_text(json.dumps(doc))
+    (flipped,) = model_savings([[(six_base, six), (late_base, worse)]], rules)
+    assert flipped[(8, 32)] < 0
+    assert flipped[(8, 64)] == pytest.approx(saved[(8, 64)])  # only the tampered cell moved
 
 
 def test_a_variant_that_wins_at_neighbouring_batches_gives_one_rule_the_choice_file_accepts(tmp_path):
