@@ -104,24 +104,72 @@ def _since(value: int, reference: int) -> int:
     return d - (1 << 32) if d >= 1 << 31 else d
 
 
-def summarize(traces: Mapping[str, Sequence[CtaTrace]]) -> dict[str, Any]:
+STRAGGLERS = 8  # the slowest CTAs a summary names, per kernel
+
+
+def summarize(traces: Mapping[str, Sequence[CtaTrace]], stragglers: int = STRAGGLERS) -> dict[str, Any]:
     """Per kernel and phase, the min, median and max over its CTAs of the time (us) since the earliest start of
-    any traced CTA, and how many CTAs stamped it. Kernels in `traces` order (launch order)."""
+    any traced CTA, and how many CTAs stamped it. Kernels in `traces` order (launch order). Per kernel also its
+    slowest CTAs and its CTAs grouped by how many of them shared an SM (`_stragglers`), at its last phase that
+    every CTA stamped: what the next kernel, or the grid's own waiting clusters, wait for."""
     starts = [t.timer[0] for ts in traces.values() for t in ts if t.timer[0] is not None]
     if not starts:
         raise ValueError("no traced CTA stamped its start: were the kernels compiled with tracing enabled?")
     ref = min(starts, key=lambda s: _since(s, starts[0]))
+
+    def us(value: int | None) -> float | None:
+        return None if value is None else _since(value, ref) / 1e3
+
     out: dict[str, Any] = {"reference": "the earliest start of a traced CTA", "kernels": []}
-    for kernel, ts in traces.items():
+    for i, (kernel, ts) in enumerate(traces.items()):
         rows = []
         for k, name in enumerate(phases(kernel)):
-            vals = sorted(_since(t.timer[k], ref) / 1e3 for t in ts if t.timer[k] is not None)
+            vals = sorted(us(t.timer[k]) for t in ts if t.timer[k] is not None)
             row: dict[str, Any] = {"phase": name, "ctas": len(vals)}
             if vals:
                 row.update(min_us=vals[0], median_us=statistics.median(vals), max_us=vals[-1])
             rows.append(row)
-        out["kernels"].append({"kernel": kernel, "ctas": len(ts), "sms": len({t.sm for t in ts}), "phases": rows})
+        entry = {"kernel": kernel, "ctas": len(ts), "sms": len({t.sm for t in ts}), "phases": rows}
+        entry.update(_stragglers(kernel, ts, dict(list(traces.items())[:i]), us, stragglers))
+        out["kernels"].append(entry)
     return out
+
+
+def _last_end(t: CtaTrace) -> int | None:
+    return next((v for v in reversed(t.timer) if v is not None), None)
+
+
+def _stragglers(
+    kernel: str, ts: Sequence[CtaTrace], earlier: Mapping[str, Sequence[CtaTrace]], us: Any, count: int
+) -> dict[str, Any]:
+    """At the kernel's last phase every CTA stamped: its `count` slowest CTAs, each with its phases, how many CTAs
+    of this kernel its SM held, and per earlier kernel how many of its CTAs ran on that SM and when the last of
+    them ended; and the phase's median and max over the CTAs of SMs holding 1, 2, ... of this kernel's CTAs. A
+    straggler on a crowded SM, or on an SM an earlier kernel held late, says which."""
+    full = [k for k in range(len(phases(kernel))) if ts and all(t.timer[k] is not None for t in ts)]
+    if not full:
+        return {}
+    k = full[-1]
+    per_sm: dict[int, int] = {}
+    for t in ts:
+        per_sm[t.sm] = per_sm.get(t.sm, 0) + 1
+    slowest = sorted(ts, key=lambda t: us(t.timer[k]), reverse=True)[:count]
+    named = []
+    for t in slowest:
+        before = {}
+        for other, others in earlier.items():
+            there = [o for o in others if o.sm == t.sm and _last_end(o) is not None]
+            if there:
+                before[other] = {"ctas": len(there), "last_end_us": max(us(_last_end(o)) for o in there)}
+        named.append(
+            {"cta": t.cta, "sm": t.sm, "us": [us(v) for v in t.timer], "same_sm": per_sm[t.sm], "before": before}
+        )
+    groups = []
+    for load in sorted(set(per_sm.values())):
+        vals = sorted(us(t.timer[k]) for t in ts if per_sm[t.sm] == load)
+        sms = sum(1 for n in per_sm.values() if n == load)
+        groups.append({"per_sm": load, "sms": sms, "median_us": statistics.median(vals), "max_us": vals[-1]})
+    return {"straggler_phase": phases(kernel)[k], "stragglers": named, "by_sm_load": groups}
 
 
 def lines(summary: Mapping[str, Any]) -> list[str]:
@@ -132,4 +180,17 @@ def lines(summary: Mapping[str, Any]) -> list[str]:
         for p in k["phases"]:
             span = f"{p['median_us']:.2f} ({p['min_us']:.2f}-{p['max_us']:.2f})" if p["ctas"] else "not reached"
             out.append(f"    {span:>22}  {p['phase']} [{p['ctas']} CTAs]")
+        if k.get("by_sm_load"):
+            out.append(f"    at '{k['straggler_phase']}', by this kernel's CTAs per SM:")
+            for g in k["by_sm_load"]:
+                out.append(
+                    f"      {g['per_sm']} a SM ({g['sms']} SMs): median {g['median_us']:.2f}, max {g['max_us']:.2f}"
+                )
+            out.append(
+                "    slowest CTAs there (phases in order; earlier kernels' CTAs on the same SM, their last end):"
+            )
+            for s in k["stragglers"]:
+                stamps = " ".join("-" if v is None else f"{v:.2f}" for v in s["us"])
+                before = "; ".join(f"{n} {b['ctas']}, {b['last_end_us']:.2f}" for n, b in s["before"].items())
+                out.append(f"      CTA {s['cta']} SM {s['sm']} ({s['same_sm']} here): {stamps} | {before or 'none'}")
     return out

@@ -150,3 +150,40 @@ def test_traced_builds_stamp_every_phase_and_untraced_builds_none(tmp_path):
         assert got[f"{name}/False"] == {"timer": 0, "clock": 0, "smid": 0}, (name, got[f"{name}/False"])
         traced = got[f"{name}/True"]
         assert traced["timer"] == phases and traced["smid"] == 1, (name, traced)
+
+
+def _cta(cta: int, sm: int, *ns: int | None, phases: int) -> CtaTrace:
+    timer = tuple(ns) + (None,) * (phases - len(ns))
+    return CtaTrace(cta, sm, timer, timer)
+
+
+def test_the_summary_names_the_slowest_ctas_and_what_shared_their_sm():
+    """o_proj's grid waits for its last arrival: the summary must name the CTA that arrived last, say that its SM
+    held three o_proj CTAs and a step CTA that ended late, and split the arrival times by CTAs per SM, so a
+    straggler from crowding reads apart from one that started late."""
+    n_step, n_o = len(phase_trace.phases("kda_step")), len(phase_trace.phases("kda_o_proj"))
+    step = [_cta(0, 1, 0, *[None] * 9, 5_000, phases=n_step), _cta(1, 2, 0, *[None] * 9, 9_000, phases=n_step)]
+    # phases: start, released, stored, arrived; CTAs 0-2 share SM 2 (where the step ended last), CTA 3 has SM 1 alone
+    o_proj = [
+        _cta(0, 2, 9_000, 10_000, 14_000, 14_100, phases=n_o),
+        _cta(1, 2, 9_000, 10_000, 15_000, 15_100, phases=n_o),
+        _cta(2, 2, 9_000, 10_000, 19_000, 19_100, phases=n_o),
+        _cta(3, 1, 6_000, 10_000, 12_000, 12_100, 19_500, phases=n_o),  # an epilogue CTA: one more phase
+    ]
+    summary = summarize({"kda_step": step, "kda_o_proj": o_proj}, stragglers=2)
+    o = summary["kernels"][1]
+    assert o["straggler_phase"] == "arrived on the grid's arrival word"  # the last phase every CTA stamped
+    first, second = o["stragglers"]
+    assert (first["cta"], first["sm"], first["same_sm"]) == (2, 2, 3)
+    assert first["us"][:4] == pytest.approx([9.0, 10.0, 19.0, 19.1]) and first["us"][4] is None
+    assert first["before"] == {"kda_step": {"ctas": 1, "last_end_us": pytest.approx(9.0)}}
+    assert second["cta"] == 1
+    assert o["by_sm_load"] == [
+        {"per_sm": 1, "sms": 1, "median_us": pytest.approx(12.1), "max_us": pytest.approx(12.1)},
+        {"per_sm": 3, "sms": 1, "median_us": pytest.approx(15.1), "max_us": pytest.approx(19.1)},
+    ]
+    assert summary["kernels"][0]["stragglers"][0]["before"] == {}  # nothing ran before the first kernel
+    text = "\n".join(phase_trace.lines(summary))
+    assert "3 a SM (1 SMs): median 15.10, max 19.10" in text
+    assert "CTA 2 SM 2 (3 here): 9.00 10.00 19.00 19.10 - - | kda_step 1, 9.00" in text
+    json.dumps(summary)  # stored as is in the results file
