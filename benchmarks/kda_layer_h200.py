@@ -78,6 +78,7 @@ from k3_decode.executor.config import StackConfigError  # noqa: E402
 from k3_decode.executor.inputs import entry_blocks  # noqa: E402
 from k3_decode.executor.roofline import StepShape, layer_bytes, roofline_seconds  # noqa: E402
 from k3_decode.kernels import kda_in_proj_op, kda_o_proj_op, kda_step_op, phase_trace  # noqa: E402
+from k3_decode.kernels.kda_o_proj_plan import capped_at  # noqa: E402
 from k3_decode.kernels.kda_step_plan import KdaStepPlan  # noqa: E402
 from k3_decode.kernels.providers import PROVIDERS, ProviderBindError, not_built_reason  # noqa: E402
 from k3_decode.runtime.errors import StartupError  # noqa: E402
@@ -712,6 +713,8 @@ def run_tp(
                 }
             if cell["paths"].get("specialized", {}).get("kda") == "specialized":
                 cell["kda_step_plan"] = kda_step_plan_tag(dims, tp, batch, sms)
+            if cell["paths"].get("specialized", {}).get("o_proj") == "specialized":
+                cell["o_proj_capped"] = o_proj_capped(batch)
             if phases is not None:
                 cell["phase_trace"] = phases
             cell["cell_s"] = time.perf_counter() - t_cell
@@ -742,6 +745,12 @@ def kda_step_plan_tag(dims: ModelDims, tp: int, batch: int, sm_count: int) -> st
     cluster: KdaStepPlan.for_shape and kda_step_choice.toml), so a results file names the variant it timed."""
     shard = dims.shard(tp)
     return KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, sm_count).tag
+
+
+def o_proj_capped(batch: int) -> bool:
+    """Whether the fused o_proj's launch caps its CTAs per SM at `batch` (kda_o_proj_choice.toml), so a results
+    file names the variant it timed."""
+    return capped_at(batch)
 
 
 def providers_declared() -> dict[str, Any]:

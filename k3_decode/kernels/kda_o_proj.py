@@ -188,6 +188,7 @@ class KdaOProjKernel:
             threads=plan.threads,
             cluster=[plan.cluster, 1, 1],
             ctas_per_sm=plan.ctas_per_sm,  # all CTAs resident at once: the grid-wide point needs it
+            smem=plan.launch_smem_bytes,  # capped: no SM holds more than ctas_per_sm (kda_o_proj_choice.toml)
             stream=stream,
         )
 

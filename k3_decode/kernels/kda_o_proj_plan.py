@@ -15,7 +15,10 @@ count instructions from these numbers.
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
 from k3_decode.kernels.kda_in_proj_mma_plan import TILE_M, WIDE_N_TILES, MmaStream, n_tiles
@@ -45,7 +48,33 @@ MMA_STREAM = {1: (12, 2), 2: (8, 1), 3: (4, 1), 4: (4, 1)}
 ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
 MAX_CTAS_PER_SM = 4  # 4 x 128 threads x 128 registers = an SM's 64K registers
 H200_SMS = 132
+SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory
 ARRIVAL_TOP = 1 << 31  # the arrival word's top bit flips once per launch (see kda_o_proj.py)
+CHOICE = Path(__file__).with_name("kda_o_proj_choice.toml")
+
+
+def capped_batches(path: Path | None = None) -> tuple[tuple[int, int], ...]:
+    """kda_o_proj_choice.toml's (or `path`'s) cap_batches: the batch ranges (inclusive) whose launch caps the CTAs
+    an SM holds; a malformed file is an error naming it."""
+    return _capped(path or CHOICE)
+
+
+def capped_at(batch: int, path: Path | None = None) -> bool:
+    """Whether kda_o_proj_choice.toml (or `path`) caps the launch at `batch`."""
+    return any(first <= batch <= last for first, last in capped_batches(path))
+
+
+@cache
+def _capped(path: Path) -> tuple[tuple[int, int], ...]:
+    table = tomllib.loads(path.read_text())
+    spans = table.get("cap_batches")
+    if set(table) != {"cap_batches"} or not isinstance(spans, list):
+        raise ValueError(f"{path.name} holds cap_batches = [[first, last], ...] and nothing else, got {table}")
+    for span in spans:
+        ok = isinstance(span, list) and len(span) == 2 and all(isinstance(b, int) for b in span)
+        if not (ok and 1 <= span[0] <= span[1] <= MAX_BATCH):
+            raise ValueError(f"{path.name}: cap_batches holds [first, last] ranges within 1..{MAX_BATCH}, got {span!r}")
+    return tuple((first, last) for first, last in spans)
 
 
 @dataclass(frozen=True)
@@ -56,11 +85,21 @@ class OProjPlan(WeightStream):
     kind: AttnResKind  # the AttnRes after attention this launch applies
     sm_count: int
     rows_per_warp: int
+    capped: bool = False  # the launch caps the CTAs an SM holds at ctas_per_sm (launch_smem_bytes)
 
     @classmethod
-    def for_shape(cls, hidden: int, k: int, batch: int, kind: AttnResKind, sm_count: int = H200_SMS) -> OProjPlan:
+    def for_shape(
+        cls,
+        hidden: int,
+        k: int,
+        batch: int,
+        kind: AttnResKind,
+        sm_count: int = H200_SMS,
+        capped: bool | None = None,
+    ) -> OProjPlan:
         """The plan for one shape: the most rows per warp (the most reuse of each staged o vector) whose grid is
-        whole clusters and fits on the SMs at once (one wave, MAX_CTAS_PER_SM per SM)."""
+        whole clusters and fits on the SMs at once (one wave, MAX_CTAS_PER_SM per SM). `capped`: None caps where
+        kda_o_proj_choice.toml's cap_batches hold the batch."""
         cluster = ClusterPlan.for_hidden(hidden)  # raises for a width AttnRes cannot split
         if k <= 0 or k % STEP:
             raise ValueError(f"the fused o_proj kernel needs K to be a positive multiple of {STEP}, got {k}")
@@ -82,7 +121,9 @@ class OProjPlan(WeightStream):
             raise ValueError(
                 f"the fused o_proj kernel cannot split {hidden} rows into whole clusters that fit on {sm_count} SMs"
             )
-        plan = cls(hidden, k, batch, kind, sm_count, fitting[0])
+        if capped is None:
+            capped = capped_at(batch)
+        plan = cls(hidden, k, batch, kind, sm_count, fitting[0], capped)
         if plan.tensor_cores and plan.rows_per_cta != TILE_M:
             raise ValueError(
                 f"the fused o_proj kernel's tensor-core stream needs {TILE_M} rows per CTA, the plan gives "
@@ -164,6 +205,18 @@ class OProjPlan(WeightStream):
         return -(-self.ctas // self.sm_count)
 
     @property
+    def launch_smem_bytes(self) -> int | None:
+        """The dynamic shared memory the launch asks for: None (what the kernel allocates, a few KiB) uncapped;
+        capped, a request that alone exceeds an SM's share for ctas_per_sm + 1 CTAs, so that no SM holds more than
+        ctas_per_sm of this grid whatever its registers allow. It is far above what the kernel allocates
+        (tests/k3_decode/kernels/test_kda_o_proj_build.py checks every build), and ctas_per_sm of them fit an SM
+        beside the driver's 1 KiB per CTA."""
+        if not self.capped:
+            return None
+        share = SMEM_PER_SM // (self.ctas_per_sm + 1) + 1
+        return -(-share // 128) * 128
+
+    @property
     def arrival_master(self) -> int:
         """What CTA 0 adds to the arrival word; every other CTA adds 1. All of a launch's adds total 2^31."""
         return ARRIVAL_TOP - (self.ctas - 1)
@@ -183,4 +236,4 @@ class OProjPlan(WeightStream):
 
     @property
     def tag(self) -> str:
-        return f"k{self.k}/b{self.batch}/{self.kind.tag}"
+        return f"k{self.k}/b{self.batch}/{self.kind.tag}" + ("/cap" if self.capped else "")

@@ -618,3 +618,15 @@ def test_a_cell_names_the_kda_step_variant_it_timed():
     shard = K3.shard(8)
     assert tag == KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, 64, 132).tag
     assert tag.startswith(f"h{shard.kda_heads}/b64/c") and tag != bench.kda_step_plan_tag(K3, 16, 64, 132)
+
+
+def test_a_cell_names_whether_o_proj_was_capped(monkeypatch, tmp_path):
+    """The o_proj cap is a choice-file edit like the step's budget: a cell records what the file said at its batch."""
+    from k3_decode.kernels import kda_o_proj_plan
+
+    choice = tmp_path / "kda_o_proj_choice.toml"
+    choice.write_text("cap_batches = [[16, 32]]\n")
+    monkeypatch.setattr(kda_o_proj_plan, "CHOICE", choice)
+    assert [bench.o_proj_capped(b) for b in (8, 16, 32, 64)] == [False, True, True, False]
+    monkeypatch.undo()
+    assert [bench.o_proj_capped(b) for b in (1, 32)] == [kda_o_proj_plan.capped_at(b) for b in (1, 32)]

@@ -5,9 +5,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,3 +70,42 @@ def o_proj_cta_smem(plan: OProjPlan) -> int:
     exchange = (2 * 8 + (plan.attn.slots * 20 + plan.attn.slots) * 4 + 64) * plan.epilogue_rows
     stream = plan.mma.smem_bytes if plan.tensor_cores else plan.stage_bytes
     return stream + exchange + 1024
+
+
+def compiled_cubin(kernel: Any, args: tuple[Any, ...]) -> tuple[bytes, str]:
+    """The cubin of `kernel` compiled for sm_90a from `args` as its op compiles it, and its entry's name (no SASS:
+    the GPU machine has no nvdisasm)."""
+    import cutlass.cute as cute
+
+    with tempfile.TemporaryDirectory(prefix="k3-cubin-") as tmp:
+        options = f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir {tmp}"
+        compiled = cute.compile(kernel, *args, options=options)
+        ptx, cubin = compiled.__ptx__, compiled.__cubin__
+    entry = re.search(r"\.entry\s+(\w+)\s*\(", ptx)
+    assert isinstance(cubin, bytes) and entry, "CuTe DSL returned no cubin or no kernel entry"
+    return cubin, entry.group(1)
+
+
+def driver_value(result: tuple) -> Any:
+    """The value of a cuda.bindings driver call, or a failure naming its error code."""
+    import cuda.bindings.driver as cuda
+
+    err, *value = result
+    assert err == cuda.CUresult.CUDA_SUCCESS, f"CUDA driver call failed: {err}"
+    return value[0] if value else None
+
+
+def ctas_per_sm(cubin: bytes, entry: str, threads: int, smem_requests: list[int]) -> list[int]:
+    """What the driver's occupancy calculator fits on an SM of this GPU at each dynamic shared-memory request."""
+    import cuda.bindings.driver as cuda
+    import torch
+
+    torch.zeros(1, device="cuda")  # the primary context, current on this thread
+    module = driver_value(cuda.cuModuleLoadData(cubin))
+    try:
+        fn = driver_value(cuda.cuModuleGetFunction(module, entry.encode()))
+        attr = cuda.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver_value(cuda.cuFuncSetAttribute(fn, attr, max(smem_requests)))
+        return [driver_value(cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, n)) for n in smem_requests]
+    finally:
+        driver_value(cuda.cuModuleUnload(module))

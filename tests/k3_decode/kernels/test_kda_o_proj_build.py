@@ -18,7 +18,8 @@ from harness.kernels_cmd import cubin_resources, parse_expectations, select_buil
 from k3_decode.config import K3
 from k3_decode.kernels.attn_res_plan import AttnResKind, site_kinds
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds, KdaOProjBuild
-from k3_decode.kernels.kda_o_proj_plan import ARRIVAL_TOP, MAX_BATCH, STEP, OProjPlan
+from k3_decode.kernels.kda_o_proj_plan import ARRIVAL_TOP, MAX_BATCH, STEP, OProjPlan, capped_at, capped_batches
+from k3_decode.kernels.kda_step_plan import KdaStepPlan
 from tests.k3_decode.kernels.helpers import (
     REPO,
     assert_launch_reaches_the_driver,
@@ -64,6 +65,75 @@ def test_k3_shapes_are_whole_clusters_resident_in_one_wave(tp, batch):
     assert plan.depth * plan.rows_per_warp >= 12  # the loads in flight the stream's bandwidth needs
     assert (plan.depth, plan.groups) == ((3, 2) if tp == 8 else (3, 1))
     assert plan.ctas_per_sm * o_proj_cta_smem(plan) <= SMEM_PER_SM
+
+
+N1 = AttnResKind.from_tag("n1-add-norm")
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("batch", [1, 4, 8, 16, 32, 33, 64])
+def test_a_capped_launch_lets_no_sm_hold_more_than_ctas_per_sm(tp, batch):
+    """The n1 builds at 91-96 registers fit five CTAs an SM, and the SMs that held five held o_proj's last arrivals
+    (kda_o_proj_choice.toml). Capped, the request alone must stop a fifth CTA whatever the driver charges a CTA
+    beside it (nothing to its 1 KiB), still fit ctas_per_sm, and exceed what the kernel allocates; uncapped the
+    launch asks for the kernel's own bytes (None)."""
+    hidden, k = K3.shard(tp).kda_o_proj
+    for kind in (N1, ADD8):
+        plan = OProjPlan.for_shape(hidden, k, batch, kind, H200_SMS, capped=True)
+        request = plan.launch_smem_bytes
+        assert request is not None and request % 128 == 0 and request > o_proj_cta_smem(plan), plan.tag
+        for overhead in (0, 1024):
+            assert SMEM_PER_SM // (request + overhead) == plan.ctas_per_sm == 4, (plan.tag, overhead)
+        assert plan.ctas <= plan.ctas_per_sm * H200_SMS  # the grid is still resident in one wave
+        assert plan.tag.endswith("/cap")
+        plain = OProjPlan.for_shape(hidden, k, batch, kind, H200_SMS, capped=False)
+        assert plain.launch_smem_bytes is None and plain != plan and not plain.tag.endswith("/cap")
+
+
+def spread_step_batches(ranges) -> list[tuple[int, int]]:
+    """(TP, batch) in `ranges` where the KDA step's launch is spread (pads its request): no place for a cap."""
+    out = []
+    for first, last in ranges:
+        for batch in range(first, last + 1):
+            for tp in (8, 16):
+                shard = K3.shard(tp)
+                step = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, H200_SMS)
+                if step.launch_smem_bytes > step.smem_bytes:
+                    out.append((tp, batch))
+    return out
+
+
+def test_the_cap_is_served_only_where_the_step_is_not_spread():
+    """Beside a spread step CTA (one at TP8 B1, 114 KiB) registers let three o_proj CTAs in and capped requests
+    only two, so a cap there would start o_proj's weight stream later: the served ranges leave those batches out,
+    and the check finds them in a range that holds them."""
+    assert spread_step_batches(capped_batches()) == []
+    assert {(8, 1), (16, 1), (16, 8)} <= set(spread_step_batches([(1, 64)]))
+    assert spread_step_batches([(16, 64)]) == []  # the range the choice file names for its measurement
+    for batch in (1, 16, 32, 64):  # the served file's verdict reaches the plan
+        plan = OProjPlan.for_shape(7168, 1536, batch, N1)
+        assert plan.capped == capped_at(batch) == any(first <= batch <= last for first, last in capped_batches())
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("cap_batches = [[0, 4]]", "within 1..64"),
+        ("cap_batches = [[16, 8]]", "within 1..64"),
+        ("cap_batches = [[16, 65]]", "within 1..64"),
+        ("cap_batches = [16, 64]", "ranges"),
+        ("cap_batches = true", "nothing else"),
+        ("cap_ctas_per_sm = true", "nothing else"),
+    ],
+)
+def test_a_malformed_choice_file_is_an_error_naming_it(tmp_path, text, says):
+    path = tmp_path / "kda_o_proj_choice.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(ValueError, match=says) as err:
+        capped_batches(path)
+    assert str(err.value).startswith("kda_o_proj_choice.toml") and "\n" not in str(err.value)
+    path.write_text("cap_batches = [[16, 32], [40, 64]]\n")
+    assert capped_batches(path) == ((16, 32), (40, 64))
 
 
 def test_plan_refuses_what_the_kernel_cannot_take():
@@ -317,6 +387,22 @@ def test_the_gpu_launch_path_binds_every_argument(tmp_path):
     """The launcher the provider and the GPU test use compiles from the same fake signature and hands over every
     argument; on a machine without a driver the call gets as far as the launch (CUDA error 35)."""
     assert_launch_reaches_the_driver(LAUNCH_ON_CPU, tmp_path)
+
+
+CAPPED_ON_CPU = LAUNCH_ON_CPU.replace(
+    'AttnResKind.from_tag("n3-add-norm"))\ncompiled',
+    'AttnResKind.from_tag("n3-add-norm"), capped=True)\nassert plan.launch_smem_bytes == 46720, plan\ncompiled',
+)
+
+
+@pytest.mark.slow
+@needs_cutedsl
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_a_capped_launch_compiles_and_reaches_the_driver(tmp_path):
+    """The cap is the launch's shared-memory request: the capped plan compiles and its launch gets as far as the
+    driver, as the uncapped one does."""
+    assert "capped=True" in CAPPED_ON_CPU and "46720" in CAPPED_ON_CPU
+    assert_launch_reaches_the_driver(CAPPED_ON_CPU, tmp_path)
 
 
 def test_the_provider_never_serves_more_rows_than_the_kernel_takes():

@@ -43,6 +43,7 @@ from k3_decode.kernels.providers import max_rows, not_built_reason
 from k3_decode.reference import attn_res as ra
 from k3_decode.stock import attn_res as stock_attn_res
 from k3_decode.stock import gemm
+from tests.k3_decode.kernels.helpers import compiled_cubin, ctas_per_sm, o_proj_cta_smem
 from tests.k3_decode.kernels.test_attn_res_gpu import CAPACITY, EPS, HIDDEN, TOL, make_buffers, site_of
 from tests.k3_decode.kernels.test_kda_in_proj_gpu import (
     BIT_EQUAL_FLOOR,
@@ -300,6 +301,25 @@ def test_inputs_the_kernel_cannot_take_are_refused():
         kda_o_proj_op.apply(o(2), w[:4096], bank(2), site, weights, EPS)
     with pytest.raises(ValueError, match="expects 8"):
         kda_o_proj_op.apply(o(2), w, bank(2), site_of(EDGE[1]), weights, EPS)
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_a_capped_launch_holds_four_ctas_an_sm_where_registers_allow_five(tp: int):
+    """kda_o_proj_choice.toml's cap (OProjPlan.launch_smem_bytes): the driver's occupancy calculator, given the n1
+    build at B32 (91 registers), fits five CTAs an SM at the kernel's own shared memory, the crowding the phase trace
+    found on o_proj's slowest SMs, and four at the capped request; the n8 build (126-128 registers) four either
+    way, so capping it changes nothing on the SM."""
+    from k3_decode.kernels.kda_o_proj import KdaOProjKernel, compile_args
+    from k3_decode.kernels.kda_o_proj_plan import OProjPlan
+
+    hidden, k = K3.shard(tp).kda_o_proj
+    for tag, want in (("n1-add-norm", 5), ("n8-add-norm", 4)):
+        plan = OProjPlan.for_shape(hidden, k, 32, AttnResKind.from_tag(tag), capped=True)
+        own = o_proj_cta_smem(plan) - 1024  # the kernel's allocation, without the driver's reserve
+        cubin, entry = compiled_cubin(KdaOProjKernel(plan), compile_args(plan, CAPACITY))
+        plain, capped = ctas_per_sm(cubin, entry, plan.threads, [own, plan.launch_smem_bytes])
+        print(f"METRIC o_proj TP{tp} B32 {tag}: {plain} CTAs per SM at {own} B, {capped} at {plan.launch_smem_bytes} B")
+        assert (plain, capped) == (want, plan.ctas_per_sm), (tag, plain, capped)
 
 
 # --- the provider inside the stack executor -------------------------------------------------------------

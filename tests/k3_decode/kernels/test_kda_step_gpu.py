@@ -22,8 +22,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
-import tempfile
 from collections.abc import Callable
 from functools import cache
 
@@ -40,6 +38,7 @@ from k3_decode.kernels.providers import not_built_reason
 from k3_decode.reference import kda as rk
 from k3_decode.stock import kda as sk
 from k3_decode.weights import KdaWeights
+from tests.k3_decode.kernels.helpers import compiled_cubin, ctas_per_sm
 from tests.k3_decode.kernels.test_kda_in_proj_gpu import _graph_seconds_per_call
 from tests.k3_decode.stock.attention_helpers import (
     assert_close,
@@ -407,29 +406,11 @@ SPREAD = [b for b in BUILDS if b.plan.spread < b.plan.ctas_per_sm]  # the launch
 
 
 def decode_cubin(plan: KdaStepPlan) -> tuple[bytes, str]:
-    """The decode kernel's cubin for `plan` and its entry's name, compiled as the op compiles it (no SASS: the GPU
-    machine has no nvdisasm)."""
-    import cutlass.cute as cute
-
+    """The decode kernel's cubin for `plan` and its entry's name, compiled as the op compiles it."""
     from k3_decode.kernels.kda_step import compile_args
     from k3_decode.kernels.kda_step_group import step_kernel
 
-    with tempfile.TemporaryDirectory(prefix="k3-step-") as tmp:
-        options = f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir {tmp}"
-        compiled = cute.compile(step_kernel(plan), *compile_args(plan), options=options)
-        ptx, cubin = compiled.__ptx__, compiled.__cubin__
-    entry = re.search(r"\.entry\s+(\w+)\s*\(", ptx)
-    assert isinstance(cubin, bytes) and entry, "CuTe DSL returned no cubin or no kernel entry"
-    return cubin, entry.group(1)
-
-
-def _driver(result: tuple) -> object:
-    """The value of a cuda.bindings driver call, or a failure naming its error code."""
-    import cuda.bindings.driver as cuda
-
-    err, *value = result
-    assert err == cuda.CUresult.CUDA_SUCCESS, f"CUDA driver call failed: {err}"
-    return value[0] if value else None
+    return compiled_cubin(step_kernel(plan), compile_args(plan))
 
 
 @pytest.mark.parametrize("build", SPREAD, ids=[b.name for b in SPREAD])
@@ -439,20 +420,8 @@ def test_the_driver_fits_exactly_spread_ctas_of_the_decode_launch_on_an_sm(build
     CTAs shared an SM where one was meant to (TP8 B1: 96 CTAs on 54 SMs in the phase trace). The occupancy
     calculator, given the compiled cubin, must fit `spread` CTAs with the padded request and ctas_per_sm without
     it (the padding, not the registers, is what limits)."""
-    import cuda.bindings.driver as cuda
-
     plan = build.plan
-    cubin, entry = decode_cubin(plan)
-    torch.zeros(1, device=DEV)  # the primary context, current on this thread
-    module = _driver(cuda.cuModuleLoadData(cubin))
-    try:
-        fn = _driver(cuda.cuModuleGetFunction(module, entry.encode()))
-        attr = cuda.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _driver(cuda.cuFuncSetAttribute(fn, attr, plan.launch_smem_bytes))
-        padded = _driver(cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, plan.threads, plan.launch_smem_bytes))
-        unpadded = _driver(cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, plan.threads, plan.smem_bytes))
-    finally:
-        _driver(cuda.cuModuleUnload(module))
+    padded, unpadded = ctas_per_sm(*decode_cubin(plan), plan.threads, [plan.launch_smem_bytes, plan.smem_bytes])
     print(
         f"METRIC KDA step {build.name}: {padded} CTAs per SM at {plan.launch_smem_bytes} B of shared memory "
         f"(spread {plan.spread}), {unpadded} at {plan.smem_bytes} B"
