@@ -43,8 +43,9 @@ Deadlock freedom. A waiting CTA waits only for arrivals, and a CTA arrives after
 (griddepcontrol.wait), its own loads and a CTA barrier, so every resident CTA reaches its arrival. A CTA not yet
 resident needs a free slot; the waiting clusters hold at most E <= 32 cluster slots and every other cluster frees
 its slots as soon as it has arrived, so the grid finishes whenever the device can hold more than E clusters at once:
-33 of the grid's 64 (231 CTAs, two per SM on 116 SMs). By registers an H200 holds four CTAs of 128 threads per SM
-(ptxas caps registers at 128 for that, and the build checks it), so the whole grid of 448 CTAs at once, but what an
+33 of the grid's 64 (231 CTAs, two per SM on 116 SMs). By registers an H200 holds at least four CTAs of 128
+threads per SM (ptxas caps registers at 128 for that, and the build checks it; builds under 97 registers fit five,
+which a capped launch forbids: OProjPlan.launch_smem_bytes), so the whole grid of 448 CTAs at once, but what an
 SM's shared-memory carveout allows after the previous kernel is not this launch's to choose. With one cluster per
 row, at B = 64 every cluster waited, which needs the whole grid resident: that held alone, yet in the layer graph
 (TP8 B64, the n8-add kind) the launch hung on the H200 at e879db8; so above 32 rows a cluster takes two rows, and

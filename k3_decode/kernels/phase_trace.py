@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -140,7 +140,11 @@ def _last_end(t: CtaTrace) -> int | None:
 
 
 def _stragglers(
-    kernel: str, ts: Sequence[CtaTrace], earlier: Mapping[str, Sequence[CtaTrace]], us: Any, count: int
+    kernel: str,
+    ts: Sequence[CtaTrace],
+    earlier: Mapping[str, Sequence[CtaTrace]],
+    us: Callable[[int | None], float | None],
+    count: int,
 ) -> dict[str, Any]:
     """At the kernel's last phase every CTA stamped: its `count` slowest CTAs, each with its phases, how many CTAs
     of this kernel its SM held, and per earlier kernel how many of its CTAs ran on that SM and when the last of
