@@ -78,7 +78,7 @@ from k3_decode.executor.config import StackConfigError  # noqa: E402
 from k3_decode.executor.inputs import entry_blocks  # noqa: E402
 from k3_decode.executor.roofline import StepShape, layer_bytes, roofline_seconds  # noqa: E402
 from k3_decode.kernels import kda_in_proj_op, kda_o_proj_op, kda_step_op, phase_trace  # noqa: E402
-from k3_decode.kernels.kda_o_proj_plan import capped_at  # noqa: E402
+from k3_decode.kernels.kda_o_proj_plan import capped_at, one_pass_at  # noqa: E402
 from k3_decode.kernels.kda_step_plan import KdaStepPlan  # noqa: E402
 from k3_decode.kernels.providers import PROVIDERS, ProviderBindError, not_built_reason  # noqa: E402
 from k3_decode.runtime.errors import StartupError  # noqa: E402
@@ -714,7 +714,7 @@ def run_tp(
             if cell["paths"].get("specialized", {}).get("kda") == "specialized":
                 cell["kda_step_plan"] = kda_step_plan_tag(dims, tp, batch, sms)
             if cell["paths"].get("specialized", {}).get("o_proj") == "specialized":
-                cell["o_proj_capped"] = o_proj_capped(batch)
+                cell["o_proj_variant"] = o_proj_variant(dims, layer, batch)
             if phases is not None:
                 cell["phase_trace"] = phases
             cell["cell_s"] = time.perf_counter() - t_cell
@@ -747,10 +747,10 @@ def kda_step_plan_tag(dims: ModelDims, tp: int, batch: int, sm_count: int) -> st
     return KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, sm_count).tag
 
 
-def o_proj_capped(batch: int) -> bool:
-    """Whether the fused o_proj's launch caps its CTAs per SM at `batch` (kda_o_proj_choice.toml), so a results
-    file names the variant it timed."""
-    return capped_at(batch)
+def o_proj_variant(dims: ModelDims, layer: int, batch: int) -> dict[str, bool]:
+    """What kda_o_proj_choice.toml serves the fused o_proj at `layer` and `batch` (its launch capped to ctas_per_sm
+    CTAs an SM; its stream in one pass), so a results file names the variant it timed."""
+    return {"capped": capped_at(batch), "one_pass": one_pass_at(batch, dims.blocks_before(layer))}
 
 
 def providers_declared() -> dict[str, Any]:

@@ -209,7 +209,7 @@ class KdaOProjBuild:
 
     @property
     def name(self) -> str:
-        return f"kda_o_proj/tp{self.tp}/b{self.plan.batch}/{self.plan.kind.tag}"
+        return f"kda_o_proj/tp{self.tp}/b{self.plan.batch}/{self.plan.kind.tag}" + "/one-pass" * self.plan.one_pass
 
     @property
     def tags(self) -> dict[str, Any]:
@@ -525,7 +525,11 @@ class K3KernelBuilds:
             if kind not in after:
                 raise ValueError(f"builds.toml kda_o_proj.kinds: {tag} is not an after-attention kind of {dims.name}")
             kinds.append(kind)
-        builds = []
+        one_pass = spec.get("one_pass", {"batches": [], "kinds": []})
+        one_pass_kinds = [AttnResKind.from_tag(tag) for tag in one_pass["kinds"]]
+        if any(kind not in kinds for kind in one_pass_kinds):
+            raise ValueError(f"builds.toml kda_o_proj.one_pass.kinds must be among kinds, got {one_pass['kinds']}")
+        builds: list[KdaOProjBuild] = []
         for tp in spec["tp"]:
             try:
                 hidden, k = dims.shard(tp).kda_o_proj
@@ -535,6 +539,13 @@ class K3KernelBuilds:
                 for kind in kinds:
                     plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"])
                     builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
+            # The one-pass stream where builds.toml asks for it beside the served plan (kda_o_proj_choice.toml), so
+            # CI holds its registers and frame before a rule serves it.
+            for batch in one_pass["batches"]:
+                for kind in one_pass_kinds:
+                    plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], one_pass=True)
+                    if all(b.plan != plan for b in builds):
+                        builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
         return builds
 
     def _projection_builds(self, section: str, shape: Callable[[Any], tuple[int, int]]) -> list[KdaInProjBuild]:

@@ -93,8 +93,10 @@ CTA's stream runs on tensor cores instead (kda_in_proj_mma.py's `stream_passes`:
 over its 4 warps and summed in shared memory in a fixed order, o read from L2 in MMA fragments, 12 weight loads per
 lane in flight); the arrival, the wait and the epilogue are the same code. Above 16 rows the stream takes a pass
 per 32 batch rows (four batch tiles, 4 W loads per lane in flight); a second pass (B > 32) reads the CTA's 16 rows
-of W again, mostly from L2 (W is 22 MB at TP8, 11 at TP16). Up to 64 rows, at most half the clusters waiting (two
-rows each above 32); where the provider serves them is providers.toml's [o_proj], by measurement.
+of W again, mostly from L2 (W is 22 MB at TP8, 11 at TP16); a plan with one_pass (kda_o_proj_choice.toml) takes up
+to 64 rows in one pass of eight tiles instead, where the epilogue's held vectors leave the registers for it. Up to
+64 rows, at most half the clusters waiting (two rows each above 32); where the provider serves them is
+providers.toml's [o_proj], by measurement.
 
 Expected time at TP8, B = 1..4: 22 MB of W at ~4.15 TB/s is ~5.3 us of streaming; the tail after it is the last
 CTA's stores and release (~1 us), the poll that sees it (~0.5-1 us), the row read from L2 and the two DSMEM

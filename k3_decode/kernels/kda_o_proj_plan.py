@@ -7,8 +7,9 @@ the same clusters that stream W can run the AttnRes epilogue: CTA c (cluster c /
 `warps * rows_per_warp` consecutive rows of W, each warp `rows_per_warp` of them over the whole of K, a lane one
 16-byte vector (8 columns) of each row per k step of 256 columns; o is staged whole in shared memory. Above 4 rows
 the CTA's 16 rows run on tensor cores instead (kda_in_proj_mma_plan.MmaStream), 16 batch rows per pass over its
-slice of W to 16 rows, 32 a pass above. Then at most half the grid's clusters apply AttnRes: to 32 rows, cluster b
-to row b; above, each of `epilogue_clusters` clusters to `epilogue_rows` rows (b, b + E, ...). Every number
+slice of W to 16 rows, 32 a pass above (or, with one_pass, every row in one pass: kda_o_proj_choice.toml). Then
+at most half the grid's clusters apply AttnRes: to 32 rows, cluster b to row b; above, each of
+`epilogue_clusters` clusters to `epilogue_rows` rows (b, b + E, ...). Every number
 here is fixed at compile time, so listing builds needs neither CuTe DSL nor torch, and the build expectations can
 count instructions from these numbers.
 """
@@ -21,7 +22,7 @@ from functools import cache
 from pathlib import Path
 
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
-from k3_decode.kernels.kda_in_proj_mma_plan import TILE_M, WIDE_N_TILES, MmaStream, n_tiles
+from k3_decode.kernels.kda_in_proj_mma_plan import TILE_M, TILE_N, WIDE_N_TILES, MmaStream, n_tiles
 from k3_decode.kernels.kda_in_proj_plan import STEP, VECTOR, WeightStream
 
 # The CUDA-core stream's accumulators (rows_per_warp x batch per lane) fit beside 12 weight vectors in flight under
@@ -44,7 +45,11 @@ PRELOADED_VECTORS = 12
 # fewer again with three and four (up to WIDE_N_TILES: every batch is one pass). Two 16-row passes spilled a 64-bit
 # address at TP8 B32 with 8 loads and 1 step; at 4 loads four tiles fit (91-128 registers, no frame), and the one
 # 32-row pass took TP8 B32 12.6 us against 16.2 in two of 16 rows (the H200 at 1c73f22).
-MMA_STREAM = {1: (12, 2), 2: (8, 1), 3: (4, 1), 4: (4, 1)}
+MMA_STREAM = {1: (12, 2), 2: (8, 1), 3: (4, 1), 4: (4, 1), 5: (4, 1), 6: (4, 1), 7: (4, 1), 8: (4, 1)}
+# Above 32 rows the stream may take one pass of up to eight batch tiles instead of two of four (OProjPlan.one_pass,
+# kda_o_proj_choice.toml): W is read once instead of twice. Its 32 accumulators a lane fit 128 registers with no frame
+# beside the one-block kinds' epilogue loads (n1, TP8 and TP16 B64); the eight-block kinds spilled 48 bytes.
+ONE_PASS_N_TILES = MAX_BATCH // TILE_N
 ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
 MAX_CTAS_PER_SM = 4  # 4 x 128 threads x 128 registers = an SM's 64K registers
 H200_SMS = 132
@@ -53,10 +58,35 @@ ARRIVAL_TOP = 1 << 31  # the arrival word's top bit flips once per launch (see k
 CHOICE = Path(__file__).with_name("kda_o_proj_choice.toml")
 
 
+@dataclass(frozen=True)
+class OnePassRule:
+    """Batches first..last (inclusive, above 32 rows) run the tensor-core stream in one pass of up to
+    ONE_PASS_N_TILES batch tiles where the AttnRes after attention mixes at most max_blocks bank blocks."""
+
+    first: int
+    last: int
+    max_blocks: int
+
+    def matches(self, batch: int, num_blocks: int) -> bool:
+        return self.first <= batch <= self.last and num_blocks <= self.max_blocks
+
+
+@dataclass(frozen=True)
+class OProjChoice:
+    """kda_o_proj_choice.toml: how the launch and the stream are chosen where a choice waits for measurement."""
+
+    cap_batches: tuple[tuple[int, int], ...]
+    one_pass: tuple[OnePassRule, ...]
+
+
+def choice(path: Path | None = None) -> OProjChoice:
+    """kda_o_proj_choice.toml (or `path`), checked; a malformed file is an error naming it."""
+    return _choice(path or CHOICE)
+
+
 def capped_batches(path: Path | None = None) -> tuple[tuple[int, int], ...]:
-    """kda_o_proj_choice.toml's (or `path`'s) cap_batches: the batch ranges (inclusive) whose launch caps the CTAs
-    an SM holds; a malformed file is an error naming it."""
-    return _capped(path or CHOICE)
+    """The batch ranges (inclusive) whose launch caps the CTAs an SM holds."""
+    return choice(path).cap_batches
 
 
 def capped_at(batch: int, path: Path | None = None) -> bool:
@@ -64,17 +94,38 @@ def capped_at(batch: int, path: Path | None = None) -> bool:
     return any(first <= batch <= last for first, last in capped_batches(path))
 
 
+def one_pass_at(batch: int, num_blocks: int, path: Path | None = None) -> bool:
+    """Whether kda_o_proj_choice.toml (or `path`) runs the stream in one pass at `batch` where the AttnRes after
+    attention mixes `num_blocks` bank blocks."""
+    return any(rule.matches(batch, num_blocks) for rule in choice(path).one_pass)
+
+
+def _span(span: object, low: int, where: str) -> tuple[int, int]:
+    if isinstance(span, list) and len(span) == 2 and all(isinstance(b, int) for b in span):
+        first, last = span
+        if low <= first <= last <= MAX_BATCH:
+            return first, last
+    raise ValueError(f"{where} is a [first, last] range within {low}..{MAX_BATCH}, got {span!r}")
+
+
 @cache
-def _capped(path: Path) -> tuple[tuple[int, int], ...]:
+def _choice(path: Path) -> OProjChoice:
     table = tomllib.loads(path.read_text())
-    spans = table.get("cap_batches")
-    if set(table) != {"cap_batches"} or not isinstance(spans, list):
-        raise ValueError(f"{path.name} holds cap_batches = [[first, last], ...] and nothing else, got {table}")
-    for span in spans:
-        ok = isinstance(span, list) and len(span) == 2 and all(isinstance(b, int) for b in span)
-        if not (ok and 1 <= span[0] <= span[1] <= MAX_BATCH):
-            raise ValueError(f"{path.name}: cap_batches holds [first, last] ranges within 1..{MAX_BATCH}, got {span!r}")
-    return tuple((first, last) for first, last in spans)
+    caps, rules = table.get("cap_batches"), table.get("one_pass")
+    if set(table) != {"cap_batches", "one_pass"} or not isinstance(caps, list) or not isinstance(rules, list):
+        raise ValueError(f"{path.name} holds the lists cap_batches and one_pass and nothing else, got {sorted(table)}")
+    cap_batches = tuple(_span(span, 1, f"{path.name}: cap_batches[{i}]") for i, span in enumerate(caps))
+    one_pass = []
+    for i, rule in enumerate(rules):
+        where = f"{path.name}: one_pass[{i}]"
+        if not isinstance(rule, dict) or set(rule) != {"batches", "max_blocks"}:
+            raise ValueError(f"{where} is {{ batches = [first, last], max_blocks = N }}, got {rule!r}")
+        first, last = _span(rule["batches"], WIDE_N_TILES * TILE_N + 1, f"{where} batches")
+        blocks = rule["max_blocks"]
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0:
+            raise ValueError(f"{where} max_blocks is a count of bank blocks, got {blocks!r}")
+        one_pass.append(OnePassRule(first, last, blocks))
+    return OProjChoice(cap_batches, tuple(one_pass))
 
 
 @dataclass(frozen=True)
@@ -86,6 +137,7 @@ class OProjPlan(WeightStream):
     sm_count: int
     rows_per_warp: int
     capped: bool = False  # the launch caps the CTAs an SM holds at ctas_per_sm (launch_smem_bytes)
+    one_pass: bool = False  # above 32 rows, one pass of up to ONE_PASS_N_TILES batch tiles (mma)
 
     @classmethod
     def for_shape(
@@ -96,10 +148,11 @@ class OProjPlan(WeightStream):
         kind: AttnResKind,
         sm_count: int = H200_SMS,
         capped: bool | None = None,
+        one_pass: bool | None = None,
     ) -> OProjPlan:
         """The plan for one shape: the most rows per warp (the most reuse of each staged o vector) whose grid is
-        whole clusters and fits on the SMs at once (one wave, MAX_CTAS_PER_SM per SM). `capped`: None caps where
-        kda_o_proj_choice.toml's cap_batches hold the batch."""
+        whole clusters and fits on the SMs at once (one wave, MAX_CTAS_PER_SM per SM). `capped` and `one_pass`: None
+        takes what kda_o_proj_choice.toml says for the batch (and kind)."""
         cluster = ClusterPlan.for_hidden(hidden)  # raises for a width AttnRes cannot split
         if k <= 0 or k % STEP:
             raise ValueError(f"the fused o_proj kernel needs K to be a positive multiple of {STEP}, got {k}")
@@ -123,7 +176,13 @@ class OProjPlan(WeightStream):
             )
         if capped is None:
             capped = capped_at(batch)
-        plan = cls(hidden, k, batch, kind, sm_count, fitting[0], capped)
+        if one_pass is None:
+            one_pass = one_pass_at(batch, kind.num_blocks)
+        if one_pass and batch <= WIDE_N_TILES * TILE_N:
+            raise ValueError(
+                f"one pass is the fused o_proj's plan up to {WIDE_N_TILES * TILE_N} rows; got one_pass at {batch}"
+            )
+        plan = cls(hidden, k, batch, kind, sm_count, fitting[0], capped, one_pass)
         if plan.tensor_cores and plan.rows_per_cta != TILE_M:
             raise ValueError(
                 f"the fused o_proj kernel's tensor-core stream needs {TILE_M} rows per CTA, the plan gives "
@@ -144,8 +203,8 @@ class OProjPlan(WeightStream):
     @property
     def mma(self) -> MmaStream:
         """The tensor-core stream of one CTA: its 16 rows as one m-tile, K split over its warps, every batch row in
-        one pass (up to WIDE_N_TILES tiles of 8)."""
-        tiles = n_tiles(self.batch, WIDE_N_TILES)
+        one pass (up to WIDE_N_TILES tiles of 8; ONE_PASS_N_TILES with one_pass)."""
+        tiles = n_tiles(self.batch, ONE_PASS_N_TILES if self.one_pass else WIDE_N_TILES)
         loads, x_ahead = MMA_STREAM[tiles]
         return MmaStream(self.hidden, self.k, self.batch, self.rows_per_cta, 1, self.warps, loads, x_ahead, tiles)
 
@@ -236,4 +295,4 @@ class OProjPlan(WeightStream):
 
     @property
     def tag(self) -> str:
-        return f"k{self.k}/b{self.batch}/{self.kind.tag}" + ("/cap" if self.capped else "")
+        return f"k{self.k}/b{self.batch}/{self.kind.tag}" + "/one-pass" * self.one_pass + "/cap" * self.capped

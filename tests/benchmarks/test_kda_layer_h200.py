@@ -620,13 +620,17 @@ def test_a_cell_names_the_kda_step_variant_it_timed():
     assert tag.startswith(f"h{shard.kda_heads}/b64/c") and tag != bench.kda_step_plan_tag(K3, 16, 64, 132)
 
 
-def test_a_cell_names_whether_o_proj_was_capped(monkeypatch, tmp_path):
-    """The o_proj cap is a choice-file edit like the step's budget: a cell records what the file said at its batch."""
+def test_a_cell_names_the_o_proj_variant_it_timed(monkeypatch, tmp_path):
+    """The o_proj cap and one pass are choice-file edits like the step's budget: a cell records what the file said
+    at its batch and its layer's bank (layer 6 mixes one block after attention, layer 86 eight)."""
     from k3_decode.kernels import kda_o_proj_plan
 
     choice = tmp_path / "kda_o_proj_choice.toml"
-    choice.write_text("cap_batches = [[16, 32]]\n")
+    choice.write_text("cap_batches = [[16, 32]]\none_pass = [{ batches = [33, 64], max_blocks = 1 }]\n")
     monkeypatch.setattr(kda_o_proj_plan, "CHOICE", choice)
-    assert [bench.o_proj_capped(b) for b in (8, 16, 32, 64)] == [False, True, True, False]
+    assert [bench.o_proj_variant(K3, 6, b)["capped"] for b in (8, 16, 32, 64)] == [False, True, True, False]
+    assert [bench.o_proj_variant(K3, layer, 64)["one_pass"] for layer in (6, 86)] == [True, False]
+    assert not bench.o_proj_variant(K3, 6, 32)["one_pass"]
     monkeypatch.undo()
-    assert [bench.o_proj_capped(b) for b in (1, 32)] == [kda_o_proj_plan.capped_at(b) for b in (1, 32)]
+    want = {"capped": kda_o_proj_plan.capped_at(64), "one_pass": kda_o_proj_plan.one_pass_at(64, K3.blocks_before(6))}
+    assert bench.o_proj_variant(K3, 6, 64) == want

@@ -18,7 +18,16 @@ from harness.kernels_cmd import cubin_resources, parse_expectations, select_buil
 from k3_decode.config import K3
 from k3_decode.kernels.attn_res_plan import AttnResKind, site_kinds
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds, KdaOProjBuild
-from k3_decode.kernels.kda_o_proj_plan import ARRIVAL_TOP, MAX_BATCH, STEP, OProjPlan, capped_at, capped_batches
+from k3_decode.kernels.kda_o_proj_plan import (
+    ARRIVAL_TOP,
+    MAX_BATCH,
+    STEP,
+    OProjPlan,
+    capped_at,
+    capped_batches,
+    choice,
+    one_pass_at,
+)
 from k3_decode.kernels.kda_step_plan import KdaStepPlan
 from tests.k3_decode.kernels.helpers import (
     REPO,
@@ -118,22 +127,52 @@ def test_the_cap_is_served_only_where_the_step_is_not_spread():
 @pytest.mark.parametrize(
     ("text", "says"),
     [
-        ("cap_batches = [[0, 4]]", "within 1..64"),
-        ("cap_batches = [[16, 8]]", "within 1..64"),
-        ("cap_batches = [[16, 65]]", "within 1..64"),
-        ("cap_batches = [16, 64]", "ranges"),
-        ("cap_batches = true", "nothing else"),
-        ("cap_ctas_per_sm = true", "nothing else"),
+        ("cap_batches = [[0, 4]]\none_pass = []", r"cap_batches\[0\] is a \[first, last\] range within 1\.\.64"),
+        ("cap_batches = [[16, 8]]\none_pass = []", "within 1..64"),
+        ("cap_batches = [[16, 65]]\none_pass = []", "within 1..64"),
+        ("cap_batches = [16, 64]\none_pass = []", r"cap_batches\[0\]"),
+        ("cap_batches = []", "nothing else"),
+        ("cap_batches = []\none_pass = []\ncap = true", "nothing else"),
+        ("cap_batches = true\none_pass = []", "the lists"),
+        ("cap_batches = []\none_pass = [{ batches = [32, 64], max_blocks = 1 }]", r"one_pass\[0\] batches .* 33\.\.64"),
+        ("cap_batches = []\none_pass = [{ batches = [33, 64] }]", r"one_pass\[0\] is \{ batches"),
+        ("cap_batches = []\none_pass = [{ batches = [33, 64], max_blocks = -1 }]", "max_blocks is a count"),
+        ("cap_batches = []\none_pass = [{ batches = [33, 64], max_blocks = true }]", "max_blocks is a count"),
     ],
 )
 def test_a_malformed_choice_file_is_an_error_naming_it(tmp_path, text, says):
     path = tmp_path / "kda_o_proj_choice.toml"
     path.write_text(text + "\n")
     with pytest.raises(ValueError, match=says) as err:
-        capped_batches(path)
+        choice(path)
     assert str(err.value).startswith("kda_o_proj_choice.toml") and "\n" not in str(err.value)
-    path.write_text("cap_batches = [[16, 32], [40, 64]]\n")
+
+
+def test_a_choice_file_serves_what_it_says(tmp_path):
+    path = tmp_path / "kda_o_proj_choice.toml"
+    path.write_text("cap_batches = [[16, 32], [40, 64]]\none_pass = [{ batches = [33, 64], max_blocks = 1 }]\n")
     assert capped_batches(path) == ((16, 32), (40, 64))
+    assert [capped_at(b, path) for b in (8, 16, 36, 40)] == [False, True, False, True]
+    n8 = ADD8
+    assert [one_pass_at(b, N1.num_blocks, path) for b in (32, 33, 64)] == [False, True, True]
+    assert not one_pass_at(64, n8.num_blocks, path)  # the rule's kinds mix at most one block
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_one_pass_reads_w_once_with_every_batch_tile(tp):
+    """Above 32 rows the served stream takes two passes of four batch tiles, each reading the CTA's W; one_pass takes
+    every row in one pass of up to eight, with the same K split (so a row's bits, the GPU test asks for them)."""
+    hidden, k = K3.shard(tp).kda_o_proj
+    for batch, tiles in ((33, 5), (40, 5), (64, 8)):
+        two = OProjPlan.for_shape(hidden, k, batch, N1, one_pass=False)
+        one = OProjPlan.for_shape(hidden, k, batch, N1, one_pass=True)
+        assert len(two.mma.passes) == 2 and one.mma.passes == (batch,) and one.mma.n_tiles == tiles
+        assert (one.mma.k_splits, one.mma.split_steps) == (two.mma.k_splits, two.mma.split_steps)
+        assert one.tag == two.tag + "/one-pass" and one.epilogue_rows == two.epilogue_rows == 2
+    with pytest.raises(ValueError, match="one pass is the fused o_proj's plan up to 32 rows"):
+        OProjPlan.for_shape(hidden, k, 32, N1, one_pass=True)
+    for batch in (33, 64):  # the served file's verdict reaches the plan
+        assert OProjPlan.for_shape(hidden, k, batch, N1).one_pass == one_pass_at(batch, N1.num_blocks)
 
 
 def test_plan_refuses_what_the_kernel_cannot_take():
@@ -204,8 +243,23 @@ def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
     assert kinds <= after_attention_kinds()
     assert {b.tp: (b.plan.hidden, b.plan.k) for b in builds} == {8: K3.shard(8).kda_o_proj, 16: K3.shard(16).kda_o_proj}
     assert {b.kernel for b in builds} == {"kda_o_proj"} and {b.capacity for b in builds} == {8}
-    assert len({b.name for b in builds}) == len(builds) == 56
+    assert len({b.name for b in builds}) == len(builds) == 56 + 4
     assert "kda_o_proj/tp16/b4/n8-add-norm" in {b.name for b in builds}
+    # builds.toml's one-pass builds beside the served plans: B64, the one-block kinds
+    one = {(b.tp, b.plan.batch, b.plan.kind.tag) for b in builds if b.plan.one_pass}
+    assert one == {(tp, 64, tag) for tp in (8, 16) for tag in ("n1-restart-norm", "n1-add-norm")}
+    assert "kda_o_proj/tp8/b64/n1-add-norm/one-pass" in {b.name for b in builds}
+    tags = {b.name: b.tags for b in builds}
+    assert tags["kda_o_proj/tp8/b64/n1-add-norm/one-pass"]["passes"] == 1
+    assert tags["kda_o_proj/tp8/b64/n1-add-norm"]["passes"] == 2
+
+
+def test_one_pass_kinds_must_be_built_kinds(monkeypatch):
+    table = K3_KERNEL_BUILDS.table
+    bad = table | {"kda_o_proj": table["kda_o_proj"] | {"one_pass": {"batches": [64], "kinds": ["n2-add-norm"]}}}
+    monkeypatch.setattr(K3KernelBuilds, "table", bad)
+    with pytest.raises(ValueError, match=r"builds\.toml kda_o_proj\.one_pass\.kinds must be among kinds"):
+        K3KernelBuilds().kda_o_proj_builds()
 
 
 def test_after_attention_kinds_are_restarts_and_adds_over_every_bank_size():
@@ -244,7 +298,7 @@ def test_build_tags_count_what_the_code_must_hold():
 def test_expectations_judge_every_o_proj_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_o_proj/*")  # every named tag exists
-    assert len(builds) == 56
+    assert len(builds) == 56 + 4  # and the one-pass stream at B64, n1 kinds, both TPs
     spec = expectations["kda_o_proj"]
     assert spec.max_registers == 128 and spec.max_frame_bytes == 0 and len(spec.rules) >= 45
 
@@ -258,6 +312,32 @@ def test_a_kind_no_after_attention_site_uses_is_a_build_table_error(monkeypatch)
 
 
 # --- the real builds (CuTe DSL, no GPU) ---------------------------------------------------------------------------
+
+
+ONE_PASS_N8 = """
+from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds
+table = K3KernelBuilds().table
+spec = table["kda_o_proj"] | {"one_pass": {"batches": [64], "kinds": ["n8-add-norm"]}}
+K3_KERNEL_BUILDS.__dict__.pop("table", None)
+K3KernelBuilds.table = table | {"kda_o_proj": spec}
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_one_pass_where_the_epilogue_holds_eight_blocks_spills_and_fails_its_build(tmp_path):
+    """Why one_pass names the kinds it serves: with the eight-block epilogue's vectors held across the wait, 32
+    accumulators a lane no longer fit 128 registers. The build must fail on its frame, not pass with a spill."""
+    out = tmp_path / "out"
+    proc = build_command(
+        tmp_path, "--out", str(out), "--match", "kda_o_proj/tp8/b64/n8-add-norm/one-pass", prelude=ONE_PASS_N8
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (result,) = json.loads((out / "report.json").read_text())["builds"]
+    failed = {c["name"] for c in result["checks"] if not c["passed"]}
+    assert result["build"] == "kda_o_proj/tp8/b64/n8-add-norm/one-pass" and result["tags"]["passes"] == 1
+    assert result["resources"]["registers"] <= 128 and result["resources"]["frame_bytes"] > 0
+    assert failed == {"local-memory frame bytes", r"sass '\\b(LDL|STL)\\b'"}, failed
 
 
 @pytest.mark.slow

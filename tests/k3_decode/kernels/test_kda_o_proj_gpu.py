@@ -39,6 +39,7 @@ from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
 from k3_decode.config import K3
 from k3_decode.kernels import attn_res_op, kda_in_proj_op, kda_o_proj_op
 from k3_decode.kernels.attn_res_plan import AttnResKind, site_kinds
+from k3_decode.kernels.kda_o_proj_plan import OProjPlan
 from k3_decode.kernels.providers import max_rows, not_built_reason
 from k3_decode.reference import attn_res as ra
 from k3_decode.stock import attn_res as stock_attn_res
@@ -310,7 +311,6 @@ def test_a_capped_launch_holds_four_ctas_an_sm_where_registers_allow_five(tp: in
     found on o_proj's slowest SMs, and four at the capped request; the n8 build (126-128 registers) four either
     way, so capping it changes nothing on the SM."""
     from k3_decode.kernels.kda_o_proj import KdaOProjKernel, compile_args
-    from k3_decode.kernels.kda_o_proj_plan import OProjPlan
 
     hidden, k = K3.shard(tp).kda_o_proj
     for tag, want in (("n1-add-norm", 5), ("n8-add-norm", 4)):
@@ -320,6 +320,61 @@ def test_a_capped_launch_holds_four_ctas_an_sm_where_registers_allow_five(tp: in
         plain, capped = ctas_per_sm(cubin, entry, plan.threads, [own, plan.launch_smem_bytes])
         print(f"METRIC o_proj TP{tp} B32 {tag}: {plain} CTAs per SM at {own} B, {capped} at {plan.launch_smem_bytes} B")
         assert (plain, capped) == (want, plan.ctas_per_sm), (tag, plain, capped)
+
+
+def one_pass_choice(tmp_path, monkeypatch) -> None:
+    """Serve the one-pass stream at B33-B64 for the one-block kinds, through a choice file of the test's own."""
+    from k3_decode.kernels import kda_o_proj_plan
+
+    choice = tmp_path / "kda_o_proj_choice.toml"
+    choice.write_text("cap_batches = []\none_pass = [{ batches = [33, 64], max_blocks = 1 }]\n")
+    monkeypatch.setattr(kda_o_proj_plan, "CHOICE", choice)
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_one_pass_gives_the_two_pass_streams_bits_and_is_timed_beside_it(tp: int, tmp_path, monkeypatch):
+    """kda_o_proj_choice.toml's one_pass (not served yet): above 32 rows one pass of up to eight batch tiles instead
+    of two of four, the same K split and summation order, so the same o_proj bits and MLP input as the served two
+    passes at B33 and B64 (both one-block kinds); then both timed per call in graph replays beside the stock pair,
+    printed for the layer benchmark to confirm (speed is not asserted here)."""
+    hidden, k = K3.shard(tp).kda_o_proj
+    copy = copy_bandwidth()
+    l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
+    copies = max(2, math.ceil(3 * l2 / (hidden * k * 2)))
+    weights = [(torch.randn(hidden, k, device=DEV) * 0.02).bfloat16() for _ in range(copies)]
+    mix = after_weights()
+    results: dict[tuple[int, str, bool], tuple[Tensor, Tensor]] = {}
+    timed: dict[tuple[int, str, bool], float] = {}
+    for one_pass in (False, True):
+        if one_pass:
+            one_pass_choice(tmp_path, monkeypatch)
+        for batch in (33, 64):
+            o, _, _, _ = operands(hidden, k, batch, tp + batch)
+            for tag in ("n1-add-norm", "n1-restart-norm"):
+                kind = AttnResKind.from_tag(tag)
+                plan = OProjPlan.for_shape(hidden, k, batch, kind)
+                assert plan.one_pass == one_pass and len(plan.mma.passes) == (1 if one_pass else 2), plan.tag
+                buffers, _, _ = make_buffers(batch, kind.num_blocks, torch.Generator().manual_seed(batch))
+                partial, out = kda_o_proj_op.apply(o, weights[0], buffers, site_of(kind), mix, EPS)
+                results[(batch, tag, one_pass)] = (partial, out)
+                attn_out = torch.empty(batch, hidden, dtype=torch.bfloat16, device=DEV)
+                site = site_of(kind)
+
+                def fused(i: int, o=o, ws=weights, buffers=buffers, site=site, attn_out=attn_out) -> None:
+                    kda_o_proj_op.apply(o, ws[i % len(ws)], buffers, site, mix, EPS, attn_out=attn_out)
+
+                timed[(batch, tag, one_pass)] = _graph_seconds_per_call(fused, 4 * copies)
+    torch.cuda.synchronize()
+    for (batch, tag, one_pass), (partial, out) in results.items():
+        if one_pass:
+            two_partial, two_out = results[(batch, tag, False)]
+            what = f"one-pass o_proj TP{tp} B{batch} {tag}"
+            assert torch.equal(bits(partial), bits(two_partial)), f"{what}: o_proj bits differ from two passes"
+            assert torch.equal(bits(out), bits(two_out)), f"{what}: the MLP input differs from two passes'"
+            one, two = timed[(batch, tag, True)] * 1e6, timed[(batch, tag, False)] * 1e6
+            share = hidden * k * 2 / (one * 1e-6) / copy
+            print(f"METRIC {what} (graph replays, per call): {one:.1f} us ({share:.1%} of copy) against {two:.1f} us")
+    del weights
 
 
 # --- the provider inside the stack executor -------------------------------------------------------------
