@@ -77,7 +77,14 @@ from k3_decode.executor.attribution import (  # noqa: E402
 from k3_decode.executor.config import StackConfigError  # noqa: E402
 from k3_decode.executor.inputs import entry_blocks  # noqa: E402
 from k3_decode.executor.roofline import StepShape, layer_bytes, roofline_seconds  # noqa: E402
-from k3_decode.kernels import kda_in_proj_op, kda_o_proj_op, kda_step_op, phase_trace  # noqa: E402
+from k3_decode.kernels import (  # noqa: E402
+    kda_in_proj_op,
+    kda_o_proj_op,
+    kda_o_proj_plan,
+    kda_step_op,
+    kda_step_plan,
+    phase_trace,
+)
 from k3_decode.kernels.kda_o_proj_plan import capped_at, one_pass_at  # noqa: E402
 from k3_decode.kernels.kda_step_plan import KdaStepPlan  # noqa: E402
 from k3_decode.kernels.providers import PROVIDERS, ProviderBindError, not_built_reason  # noqa: E402
@@ -970,7 +977,57 @@ def parser() -> argparse.ArgumentParser:
         "record where each CTA's time goes in one replay per cell; the stamps perturb the timings a little, so write "
         "a separate results file",
     )
+    ap.add_argument(
+        "--choice",
+        action="append",
+        default=[],
+        metavar="FILE=PATH",
+        help=f"serve PATH in place of the choice file FILE ({', '.join(CHOICE_FILES)}) in this run, without editing "
+        "the tree; the results record each file's text under `variant`",
+    )
+    ap.add_argument("--variant", help="a name for what this run timed, recorded under `variant` with the choices")
     return ap
+
+
+def _step_choice(path: Path) -> object:
+    return kda_step_plan.variant_rules(path)
+
+
+def _o_proj_choice(path: Path) -> object:
+    return kda_o_proj_plan.choice(path)
+
+
+# The choice files a run may replace (--choice): the module that reads each (its CHOICE path) and its checker.
+CHOICE_FILES = {
+    "kda_step_choice.toml": (kda_step_plan, _step_choice),
+    "kda_o_proj_choice.toml": (kda_o_proj_plan, _o_proj_choice),
+}
+
+
+def apply_choices(specs: Sequence[str]) -> dict[str, str]:
+    """Serve each --choice FILE=PATH in this process (the module's CHOICE now names PATH), after checking it as the
+    plan would read it; returns {FILE: PATH's text}. Raises ValueError, one line, naming what is wrong; nothing is
+    applied unless every file checks."""
+    paths: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not path:
+            raise ValueError(f"--choice {spec!r}: write FILE=PATH, FILE one of {', '.join(CHOICE_FILES)}")
+        if name not in CHOICE_FILES:
+            raise ValueError(f"--choice {spec!r}: no choice file {name!r}; the files are {', '.join(CHOICE_FILES)}")
+        if name in paths:
+            raise ValueError(f"--choice names {name} twice; give each file once")
+        file = Path(path)
+        if not file.is_file():
+            raise ValueError(f"--choice {name}: no such file {path}")
+        try:
+            CHOICE_FILES[name][1](file)  # TOML syntax errors are ValueErrors too
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"--choice {name}={path}: {exc}") from None
+        paths[name] = file
+    for name, file in paths.items():
+        CHOICE_FILES[name][0].CHOICE = file
+    return {name: file.read_text() for name, file in paths.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -988,6 +1045,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         first_layer = load_stack(args.stack, args.tp[0]).layers[0]
     except StackConfigError as exc:
+        ap.error(str(exc))
+    try:
+        choices = apply_choices(args.choice)
+    except ValueError as exc:
         ap.error(str(exc))
     if not torch.cuda.is_available():
         print("kda_layer_h200.py: no CUDA device here; run it on the GPU machine (an H200)", file=sys.stderr)
@@ -1021,10 +1082,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "launches": TARGET_LAUNCHES,
         },
         "env": environment(),
-        "config": {**vars(args), "out": out.name},  # the file name only: no machine's paths in results
+        # file names only: no machine's paths in results
+        "config": {**vars(args), "out": out.name, "choice": [c.partition("=")[0] for c in args.choice]},
         "providers": providers_declared(),
         "runs": [],
     }
+    if args.variant or choices:
+        results["variant"] = {"name": args.variant, "choice_files": choices}
     bw = measure_copy_bandwidth(device)
     results["copy_bandwidth"] = bw
     log(f"copy bandwidth {bw['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s")

@@ -634,3 +634,62 @@ def test_a_cell_names_the_o_proj_variant_it_timed(monkeypatch, tmp_path):
     monkeypatch.undo()
     want = {"capped": kda_o_proj_plan.capped_at(64), "one_pass": kda_o_proj_plan.one_pass_at(64, K3.blocks_before(6))}
     assert bench.o_proj_variant(K3, 6, 64) == want
+
+
+@pytest.fixture
+def choice_modules(monkeypatch):
+    """The plan modules' CHOICE paths restored after a test that serves other files."""
+    from k3_decode.kernels import kda_o_proj_plan, kda_step_plan
+
+    monkeypatch.setattr(kda_step_plan, "CHOICE", kda_step_plan.CHOICE)
+    monkeypatch.setattr(kda_o_proj_plan, "CHOICE", kda_o_proj_plan.CHOICE)
+    return kda_step_plan, kda_o_proj_plan
+
+
+def test_a_choice_file_given_on_the_command_line_is_what_the_plans_serve(tmp_path, choice_modules):
+    """A variant run serves its choice files without editing the tree: the plans read them, and the results record
+    their text (so a results file names what it timed, not a hand-written label)."""
+    step_plan, o_proj_plan = choice_modules
+    step = tmp_path / "step.toml"
+    step.write_text("default = { resident_threads = 1024, warm_ahead = false }\nrules = []\n")
+    o_proj = tmp_path / "o_proj.toml"
+    o_proj.write_text("cap_batches = [[16, 64]]\none_pass = [{ batches = [33, 64], max_blocks = 1 }]\n")
+    texts = bench.apply_choices([f"kda_step_choice.toml={step}", f"kda_o_proj_choice.toml={o_proj}"])
+    assert texts == {"kda_step_choice.toml": step.read_text(), "kda_o_proj_choice.toml": o_proj.read_text()}
+    shard = K3.shard(8)
+    assert KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, 64, 132).resident_threads == 1024
+    assert bench.o_proj_variant(K3, 6, 64) == {"capped": True, "one_pass": True}
+    assert step == step_plan.CHOICE and o_proj == o_proj_plan.CHOICE
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("kda_step_choice.toml", "write FILE=PATH"),
+        ("nope.toml={path}", "no choice file 'nope.toml'"),
+        ("kda_o_proj_choice.toml={missing}", "no such file"),
+        ("kda_o_proj_choice.toml={path}", "kda_o_proj_choice.toml="),  # the step's format: not an o_proj file
+        ("kda_step_choice.toml={bad}", "kda_step_choice.toml="),  # not TOML at all
+    ],
+)
+def test_a_bad_choice_is_refused_in_one_line_before_any_device_work(tmp_path, capsys, choice_modules, spec, says):
+    path = tmp_path / "step.toml"
+    path.write_text("default = { resident_threads = 1024, warm_ahead = false }\nrules = []\n")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("default = {\n")
+    arg = spec.format(path=path, missing=tmp_path / "none.toml", bad=bad)
+    before = tuple(m.CHOICE for m in choice_modules)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--out", str(tmp_path / "out.json"), "--choice", arg])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and says in err, err
+    assert tuple(m.CHOICE for m in choice_modules) == before  # nothing applied
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_a_choice_named_twice_is_refused(tmp_path, choice_modules):
+    path = tmp_path / "step.toml"
+    path.write_text("default = { resident_threads = 1024, warm_ahead = false }\nrules = []\n")
+    with pytest.raises(ValueError, match=r"names kda_step_choice\.toml twice"):
+        bench.apply_choices([f"kda_step_choice.toml={path}"] * 2)
+    assert path != choice_modules[0].CHOICE
