@@ -66,7 +66,7 @@ from benchmarks.stock_h200 import (  # noqa: E402
     summarize,
 )
 from harness.perf.stats import MIN_ROUNDS, bootstrap_interval  # noqa: E402
-from k3_decode.config import ModelDims  # noqa: E402
+from k3_decode.config import ModelDims, load_dims  # noqa: E402
 from k3_decode.executor import StackExecutor, StepRequest, StepRoutingError, load_stack, random_input  # noqa: E402
 from k3_decode.executor.attribution import (  # noqa: E402
     LAUNCH_CATEGORIES,
@@ -87,7 +87,12 @@ from k3_decode.kernels import (  # noqa: E402
 )
 from k3_decode.kernels.kda_o_proj_plan import capped_at, one_pass_at  # noqa: E402
 from k3_decode.kernels.kda_step_plan import KdaStepPlan  # noqa: E402
-from k3_decode.kernels.providers import PROVIDERS, ProviderBindError, not_built_reason  # noqa: E402
+from k3_decode.kernels.providers import (  # noqa: E402
+    PROVIDERS,
+    ProviderBindError,
+    mixing_min_blocks,
+    not_built_reason,
+)
 from k3_decode.runtime.errors import StartupError  # noqa: E402
 from k3_decode.runtime.ledger import Expectation  # noqa: E402
 
@@ -841,6 +846,70 @@ def phase_lines(cells: Sequence[Mapping[str, Any]], traced: bool) -> list[str]:
     return out
 
 
+def kda_layers_like(dims: ModelDims, layer: int) -> int:
+    """The KDA layers of `dims` a timed `layer` stands for: those on its side of providers.toml's [o_proj.mixing]
+    min_blocks (the AttnRes after attention mixing one block or two and more), where the fused o_proj serves other
+    rows; every KDA layer when o_proj has no mixing rows."""
+    kda = [i for i, kind in enumerate(dims.layer_kinds) if kind == "kda"]
+    least = mixing_min_blocks("o_proj")
+    if least is None:
+        return len(kda)
+    return sum((dims.blocks_before(i) >= least) == (dims.blocks_before(layer) >= least) for i in kda)
+
+
+def layer_savings(base: Mapping[str, Any], variant: Mapping[str, Any]) -> tuple[int, dict[tuple[int, int], float]]:
+    """The layer two results files of the same stack timed, and per (TP, batch) the specialized layer time (us) the
+    variant saved against the base: the base's stock median over each file's interleaved speedup, so that drift
+    between the two runs' stock times does not count. Raises ValueError for files of different layers or cells."""
+    cells = [{(c["tp"], c["batch"]): c for run in doc["runs"] for c in run.get("cells", [])} for doc in (base, variant)]
+    layers = {c["layer"] for doc in cells for c in doc.values()}
+    if len(layers) != 1:
+        raise ValueError(f"the two results files time different layers ({sorted(layers)}); compare one stack's runs")
+    if set(cells[0]) != set(cells[1]):
+        raise ValueError(f"the two results files hold different cells: {sorted(cells[0])} and {sorted(cells[1])}")
+    saved = {}
+    for key, b in cells[0].items():
+        stock = b["layer_time"]["stock"]["median_us"]
+        saved[key] = stock / b["layer_speedup"]["speedup"] - stock / cells[1][key]["layer_speedup"]["speedup"]
+    return layers.pop(), saved
+
+
+def _interval_verdict(base: Mapping[str, Any], variant: Mapping[str, Any]) -> str:
+    if variant["low"] > base["high"]:
+        return "faster"
+    if variant["high"] < base["low"]:
+        return "slower"
+    return "intervals overlap"
+
+
+def compare_lines(base: Mapping[str, Any], variant: Mapping[str, Any], dims: ModelDims) -> list[str]:
+    """A markdown table of a variant run against its base (kda_layer_h200.py results of the same stack and cells):
+    per cell the layer speedups over stock with their intervals, the time the variant saves on the layer and on the
+    KDA layers it stands for (kda_layers_like), and the attention side's span."""
+    layer, saved = layer_savings(base, variant)
+    like = kda_layers_like(dims, layer)
+    names = [(doc.get("variant") or {}).get("name") or role for doc, role in ((base, "base"), (variant, "variant"))]
+    cells = [{(c["tp"], c["batch"]): c for run in doc["runs"] for c in run.get("cells", [])} for doc in (base, variant)]
+    out = [
+        f"{names[1]} against {names[0]}, layer {layer} (stands for {like} KDA layers): layer speedup over stock "
+        "(95% interval), layer time saved (us; negative: lost), the attention side's span (us)",
+        "",
+        "| TP | B | base | variant | verdict | saved a layer | saved on its KDA layers | span, base / variant |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key in sorted(saved):
+        b, v = (c[key] for c in cells)
+        bs, vs = b["layer_speedup"], v["layer_speedup"]
+        spans = [c["attention"]["specialized"].get("span_us") for c in (b, v)]
+        span = " / ".join("-" if x is None else f"{x:.1f}" for x in spans)
+        out.append(
+            f"| {key[0]} | {key[1]} | {bs['speedup']:.4f} ({bs['low']:.4f}-{bs['high']:.4f}) | "
+            f"{vs['speedup']:.4f} ({vs['low']:.4f}-{vs['high']:.4f}) | {_interval_verdict(bs, vs)} | "
+            f"{saved[key]:+.2f} | {like * saved[key]:+.1f} | {span} |"
+        )
+    return out
+
+
 def markdown(results: Mapping[str, Any]) -> str:
     """The tables of docs/kda-layer-h200.md, from a results file (every number there traces to the JSON)."""
     bw = results["copy_bandwidth"]["bandwidth_bytes_per_s"]
@@ -986,6 +1055,12 @@ def parser() -> argparse.ArgumentParser:
         "the tree; the results record each file's text under `variant`",
     )
     ap.add_argument("--variant", help="a name for what this run timed, recorded under `variant` with the choices")
+    ap.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("BASE", "VARIANT"),
+        help="print a variant run's layer speedups and savings against its base (two results files) and exit",
+    )
     return ap
 
 
@@ -1035,6 +1110,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.table:
         print(markdown(json.loads(Path(args.table).read_text())), end="")
+        return 0
+    if args.compare:
+        try:
+            docs = [json.loads(Path(p).read_text()) for p in args.compare]
+            stacks = {doc.get("stack", STACK) for doc in docs}
+            if len(stacks) != 1:
+                raise ValueError(f"the two results files time different stacks ({sorted(stacks)})")
+            dims = load_dims(load_stack(stacks.pop(), 8).model)
+            print("\n".join(compare_lines(*docs, dims)))
+        except (OSError, ValueError, KeyError, StackConfigError) as exc:
+            print(f"kda_layer_h200.py --compare: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
         return 0
     if not args.out:
         ap.error("--out is required to run the benchmark (or pass --table RESULTS)")

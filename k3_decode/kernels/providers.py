@@ -56,6 +56,12 @@ def max_rows(op: str, name: str, tp: int, blocks: int | None = None) -> tuple[in
     return int(entry["max_rows"][str(tp)]), f"rows {name} serves at TP{tp} ({entry['why']})"
 
 
+def mixing_min_blocks(op: str) -> int | None:
+    """The bank blocks from which providers.toml's [<op>.mixing] rows replace the op's own, or None without them."""
+    mixing = _limits().get(op, {}).get("mixing")
+    return None if mixing is None else int(mixing["min_blocks"])
+
+
 class ProviderBindError(RuntimeError):
     pass
 

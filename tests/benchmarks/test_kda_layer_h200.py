@@ -693,3 +693,46 @@ def test_a_choice_named_twice_is_refused(tmp_path, choice_modules):
     with pytest.raises(ValueError, match=r"names kda_step_choice\.toml twice"):
         bench.apply_choices([f"kda_step_choice.toml={path}"] * 2)
     assert path != choice_modules[0].CHOICE
+
+
+VARIANTS_H100 = bench.REPO / "benchmarks" / "results" / "kda-layer-variants-h100"
+
+
+def test_a_variant_run_is_compared_with_its_base_cell_by_cell(tmp_path, capsys):
+    """--compare prints what the choice decisions rest on: each cell's speedups and intervals, a verdict, and the
+    time saved on the layer and on the KDA layers it stands for (the late stack's layer 86 for 60)."""
+    base, variant = VARIANTS_H100 / "late-base-1.json", VARIANTS_H100 / "late-1536-1.json"
+    assert bench.main(["--compare", str(base), str(variant)]) == 0
+    out = capsys.readouterr().out
+    assert "late-1536-1 against late-base-1, layer 86 (stands for 60 KDA layers)" in out
+    assert "| 8 | 32 | 1.2334 (1.2312-1.2341) | 1.2364 (1.2354-1.2373) | faster | +1.78 | +106.8 | 86.0 / 81.9 |" in out
+    assert "| 16 | 64 | 1.2016 (1.2006-1.2023) | 1.2015 (1.1998-1.2027) | intervals overlap | -0.05 |" in out
+    # A variant that lost at TP8 B64: its interval below the base's, its saving negative.
+    doc = json.loads(variant.read_text())
+    for run in doc["runs"]:
+        for cell in run["cells"]:
+            if (cell["tp"], cell["batch"]) == (8, 64):
+                cell["layer_speedup"].update(speedup=1.10, low=1.09, high=1.11)
+    worse = tmp_path / "worse.json"
+    worse.write_text(json.dumps(doc))
+    assert bench.main(["--compare", str(base), str(worse)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 8 | 64 |"))
+    assert "| slower |" in row and "| -" in row
+
+
+def test_compare_refuses_files_that_do_not_pair(tmp_path, capsys):
+    six, late = VARIANTS_H100 / "budget-base-1.json", VARIANTS_H100 / "late-1536-1.json"
+    assert bench.main(["--compare", str(six), str(late)]) == 2
+    err = capsys.readouterr().err
+    assert "different stacks" in err and err.count("\n") == 1
+    assert bench.main(["--compare", str(six), str(tmp_path / "none.json")]) == 2
+    assert "none.json" in capsys.readouterr().err
+    doc = json.loads(six.read_text())
+    doc["runs"][0]["cells"] = doc["runs"][0]["cells"][:1]
+    with pytest.raises(ValueError, match="different cells"):
+        bench.layer_savings(json.loads(six.read_text()), doc)
+
+
+def test_each_timed_layer_stands_for_the_kda_layers_on_its_side_of_the_mixing_rows():
+    assert bench.kda_layers_like(K3, 6) + bench.kda_layers_like(K3, 86) == K3.layer_kinds.count("kda") == 69
+    assert (bench.kda_layers_like(K3, 6), bench.kda_layers_like(K3, 86)) == (9, 60)

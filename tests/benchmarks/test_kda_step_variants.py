@@ -4,12 +4,12 @@ measurement supports (and that kda_step_choice.toml accepts), and a results file
 from __future__ import annotations
 
 import json
-import tomllib
 from itertools import product
 from pathlib import Path
 
 import pytest
 
+from benchmarks import kda_layer_h200 as bench
 from benchmarks import kda_step_variants as kv
 from k3_decode.config import K3
 from k3_decode.kernels.kda_step_plan import (
@@ -23,7 +23,6 @@ from k3_decode.kernels.kda_step_plan import (
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks/results"
-PROVIDERS = REPO / "k3_decode/kernels/providers.toml"
 COMMITTED = RESULTS / "kda-step-clusters-h200.json"
 VARIANTS = RESULTS / "kda-step-variants-h200.json"  # every variant timed at 1e59838, B16-B64
 # The layer benchmark with those rules served beside 1024 threads everywhere, two rounds per timed layer, each in one
@@ -80,31 +79,11 @@ def test_the_committed_clusters_file_gives_the_docs_table():
 
 
 def layer_savings(base: Path, variant: Path) -> tuple[int, dict[tuple[int, int], float]]:
-    """The layer a pair of kda_layer_h200.py results files timed, and per (TP, batch) the specialized layer time the
-    variant saved against the base, in us: the base's stock median over each file's interleaved speedup, so that
-    drift between the two runs' stock times does not count."""
-    docs = [json.loads(p.read_text()) for p in (base, variant)]
-    cells = [{(c["tp"], c["batch"]): c for run in doc["runs"] for c in run["cells"]} for doc in docs]
-    layers = {c["layer"] for doc in cells for c in doc.values()}
-    assert len(layers) == 1, (base.name, variant.name, layers)
-    saved = {}
-    for key, b in cells[0].items():
-        stock = b["layer_time"]["stock"]["median_us"]
-        saved[key] = stock / b["layer_speedup"]["speedup"] - stock / cells[1][key]["layer_speedup"]["speedup"]
-    return layers.pop(), saved
+    return bench.layer_savings(json.loads(base.read_text()), json.loads(variant.read_text()))
 
 
 def kda_layers_like(layer: int) -> int:
-    """K3's KDA layers whose AttnRes after attention mixes one block where `layer`'s does, or two or more where it
-    does: the fused o_proj serves them to different rows (providers.toml's [o_proj.mixing])."""
-    mixing = tomllib.loads(PROVIDERS.read_text())["o_proj"]["mixing"]["min_blocks"]
-    kda = [i for i, kind in enumerate(K3.layer_kinds) if kind == "kda"]
-    return sum((K3.blocks_before(i) >= mixing) == (K3.blocks_before(layer) >= mixing) for i in kda)
-
-
-def test_the_timed_layers_stand_for_every_kda_layer():
-    assert kda_layers_like(6) + kda_layers_like(86) == K3.layer_kinds.count("kda") == 69
-    assert (kda_layers_like(6), kda_layers_like(86)) == (9, 60)
+    return bench.kda_layers_like(K3, layer)
 
 
 def model_savings(rounds: list[list[tuple[Path, Path]]], rules: list[kv.Rule]) -> list[dict[tuple[int, int], float]]:
