@@ -485,6 +485,23 @@ def test_a_capped_launch_compiles_and_reaches_the_driver(tmp_path):
     assert_launch_reaches_the_driver(CAPPED_ON_CPU, tmp_path)
 
 
+ONE_PASS_ON_CPU = (
+    LAUNCH_ON_CPU.replace("768, 2, AttnResKind", "768, 64, AttnResKind")
+    .replace('"n3-add-norm"))\ncompiled', '"n1-add-norm"), one_pass=True)\nassert plan.mma.passes == (64,)\ncompiled')
+    .replace("bf16(2, ", "bf16(64, ")
+)
+
+
+@pytest.mark.slow
+@needs_cutedsl
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_a_one_pass_launch_compiles_and_reaches_the_driver(tmp_path):
+    """The one-pass stream's launch path (TP16 B64, eight batch tiles) compiles from the same fake signature and hands
+    over every argument, as the served two passes do."""
+    assert ONE_PASS_ON_CPU.count("bf16(64, ") == 5 and "one_pass=True" in ONE_PASS_ON_CPU
+    assert_launch_reaches_the_driver(ONE_PASS_ON_CPU, tmp_path)
+
+
 def test_the_provider_never_serves_more_rows_than_the_kernel_takes():
     from k3_decode.kernels.providers import max_rows
 
