@@ -153,9 +153,8 @@ def test_a_choice_file_serves_what_it_says(tmp_path):
     path.write_text("cap_batches = [[16, 32], [40, 64]]\none_pass = [{ batches = [33, 64], max_blocks = 1 }]\n")
     assert capped_batches(path) == ((16, 32), (40, 64))
     assert [capped_at(b, path) for b in (8, 16, 36, 40)] == [False, True, False, True]
-    n8 = ADD8
     assert [one_pass_at(b, N1.num_blocks, path) for b in (32, 33, 64)] == [False, True, True]
-    assert not one_pass_at(64, n8.num_blocks, path)  # the rule's kinds mix at most one block
+    assert not one_pass_at(64, ADD8.num_blocks, path)  # the rule's kinds mix at most one block
 
 
 @pytest.mark.parametrize("tp", [8, 16])
