@@ -857,11 +857,16 @@ def kda_layers_like(dims: ModelDims, layer: int) -> int:
     return sum((dims.blocks_before(i) >= least) == (dims.blocks_before(layer) >= least) for i in kda)
 
 
+def cells_by_key(results: Mapping[str, Any]) -> dict[tuple[int, int], Mapping[str, Any]]:
+    """A results file's cells by (TP, batch)."""
+    return {(c["tp"], c["batch"]): c for run in results["runs"] for c in run.get("cells", [])}
+
+
 def layer_savings(base: Mapping[str, Any], variant: Mapping[str, Any]) -> tuple[int, dict[tuple[int, int], float]]:
     """The layer two results files of the same stack timed, and per (TP, batch) the specialized layer time (us) the
     variant saved against the base: the base's stock median over each file's interleaved speedup, so that drift
     between the two runs' stock times does not count. Raises ValueError for files of different layers or cells."""
-    cells = [{(c["tp"], c["batch"]): c for run in doc["runs"] for c in run.get("cells", [])} for doc in (base, variant)]
+    cells = [cells_by_key(doc) for doc in (base, variant)]
     layers = {c["layer"] for doc in cells for c in doc.values()}
     if len(layers) != 1:
         raise ValueError(f"the two results files time different layers ({sorted(layers)}); compare one stack's runs")
@@ -889,7 +894,7 @@ def compare_lines(base: Mapping[str, Any], variant: Mapping[str, Any], dims: Mod
     layer, saved = layer_savings(base, variant)
     like = kda_layers_like(dims, layer)
     names = [(doc.get("variant") or {}).get("name") or role for doc, role in ((base, "base"), (variant, "variant"))]
-    cells = [{(c["tp"], c["batch"]): c for run in doc["runs"] for c in run.get("cells", [])} for doc in (base, variant)]
+    cells = [cells_by_key(doc) for doc in (base, variant)]
     out = [
         f"{names[1]} against {names[0]}, layer {layer} (stands for {like} KDA layers): layer speedup over stock "
         "(95% interval), layer time saved (us; negative: lost), the attention side's span (us)",
@@ -1064,18 +1069,9 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _step_choice(path: Path) -> object:
-    return kda_step_plan.variant_rules(path)
-
-
-def _o_proj_choice(path: Path) -> object:
-    return kda_o_proj_plan.choice(path)
-
-
-# The choice files a run may replace (--choice): the module that reads each (its CHOICE path) and its checker.
 CHOICE_FILES = {
-    "kda_step_choice.toml": (kda_step_plan, _step_choice),
-    "kda_o_proj_choice.toml": (kda_o_proj_plan, _o_proj_choice),
+    "kda_step_choice.toml": (kda_step_plan, kda_step_plan.variant_rules),
+    "kda_o_proj_choice.toml": (kda_o_proj_plan, kda_o_proj_plan.choice),
 }
 
 

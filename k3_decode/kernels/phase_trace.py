@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import tomllib
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -154,9 +155,7 @@ def _stragglers(
     if not full:
         return {}
     k = full[-1]
-    per_sm: dict[int, int] = {}
-    for t in ts:
-        per_sm[t.sm] = per_sm.get(t.sm, 0) + 1
+    per_sm = Counter(t.sm for t in ts)
     slowest = sorted(ts, key=lambda t: us(t.timer[k]), reverse=True)[:count]
     named = []
     for t in slowest:

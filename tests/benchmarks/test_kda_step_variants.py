@@ -78,14 +78,6 @@ def test_the_committed_clusters_file_gives_the_docs_table():
     assert [n.split(":")[0] for n in notes] == ["TP8 B16", "TP16 B32"]
 
 
-def layer_savings(base: Path, variant: Path) -> tuple[int, dict[tuple[int, int], float]]:
-    return bench.layer_savings(json.loads(base.read_text()), json.loads(variant.read_text()))
-
-
-def kda_layers_like(layer: int) -> int:
-    return bench.kda_layers_like(K3, layer)
-
-
 def model_savings(rounds: list[list[tuple[Path, Path]]], rules: list[kv.Rule]) -> list[dict[tuple[int, int], float]]:
     """Per round, per (TP, batch): the time the variant saved on every timed layer, times the KDA layers it stands
     for (us per decode step of the whole model's KDA layers)."""
@@ -96,9 +88,9 @@ def model_savings(rounds: list[list[tuple[Path, Path]]], rules: list[kv.Rule]) -
             ran = json.loads(variant.read_text())["variant"]["kda_step_choice_rules"]
             assert ran == [r.toml() for r in rules], variant.name  # the layer run served what --rules prints
             assert json.loads(base.read_text())["variant"]["kda_step_choice_rules"] == []
-            layer, by_cell = layer_savings(base, variant)
+            layer, by_cell = bench.layer_savings(*(json.loads(p.read_text()) for p in (base, variant)))
             for key, us in by_cell.items():
-                saved[key] = saved.get(key, 0.0) + kda_layers_like(layer) * us
+                saved[key] = saved.get(key, 0.0) + bench.kda_layers_like(K3, layer) * us
         out.append(saved)
     return out
 
@@ -134,10 +126,10 @@ def test_the_weighting_decides_where_the_two_layers_disagree(tmp_path):
     rules, _ = kv.suggest(got)
     (six_base, six), (late_base, late) = LAYER_ROUNDS[0]
     (saved,) = model_savings([LAYER_ROUNDS[0]], rules)
-    _, on_six = layer_savings(six_base, six)
+    _, on_six = bench.layer_savings(json.loads(six_base.read_text()), json.loads(six.read_text()))
     assert on_six[(8, 32)] < 0 < saved[(8, 32)]  # layer 6 lost, the model gained
     doc = json.loads(late.read_text())
-    base_cells = {(c["tp"], c["batch"]): c for run in json.loads(late_base.read_text())["runs"] for c in run["cells"]}
+    base_cells = bench.cells_by_key(json.loads(late_base.read_text()))
     for run in doc["runs"]:
         for cell in run["cells"]:
             if (cell["tp"], cell["batch"]) == (8, 32):
