@@ -84,6 +84,7 @@ from k3_decode.kernels import (  # noqa: E402
     kda_step_op,
     kda_step_plan,
     phase_trace,
+    providers,
 )
 from k3_decode.kernels.kda_o_proj_plan import capped_at, one_pass_at  # noqa: E402
 from k3_decode.kernels.kda_step_plan import KdaStepPlan  # noqa: E402
@@ -1072,6 +1073,7 @@ def parser() -> argparse.ArgumentParser:
 CHOICE_FILES = {
     "kda_step_choice.toml": (kda_step_plan, kda_step_plan.variant_rules),
     "kda_o_proj_choice.toml": (kda_o_proj_plan, kda_o_proj_plan.choice),
+    "providers.toml": (providers, providers.limits),  # the rows each provider serves
 }
 
 

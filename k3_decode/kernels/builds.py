@@ -525,10 +525,10 @@ class K3KernelBuilds:
             if kind not in after:
                 raise ValueError(f"builds.toml kda_o_proj.kinds: {tag} is not an after-attention kind of {dims.name}")
             kinds.append(kind)
-        one_pass = spec.get("one_pass", {"batches": [], "kinds": []})
-        one_pass_kinds = [AttnResKind.from_tag(tag) for tag in one_pass["kinds"]]
-        if any(kind not in kinds for kind in one_pass_kinds):
-            raise ValueError(f"builds.toml kda_o_proj.one_pass.kinds must be among kinds, got {one_pass['kinds']}")
+        both = spec.get("both_streams", {"batches": [], "kinds": []})
+        both_kinds = [AttnResKind.from_tag(tag) for tag in both["kinds"]]
+        if any(kind not in kinds for kind in both_kinds):
+            raise ValueError(f"builds.toml kda_o_proj.both_streams.kinds must be among kinds, got {both['kinds']}")
         builds: list[KdaOProjBuild] = []
         for tp in spec["tp"]:
             try:
@@ -539,13 +539,14 @@ class K3KernelBuilds:
                 for kind in kinds:
                     plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"])
                     builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
-            # The one-pass stream where builds.toml asks for it beside the served plan (kda_o_proj_choice.toml), so
-            # CI holds its registers and frame before a rule serves it.
-            for batch in one_pass["batches"]:
-                for kind in one_pass_kinds:
-                    plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], one_pass=True)
-                    if all(b.plan != plan for b in builds):
-                        builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
+            # Both streams above 32 rows (one pass and two) where builds.toml asks, whichever kda_o_proj_choice.toml
+            # serves, so CI holds the registers and frame of the one a rule may serve next.
+            for batch in both["batches"]:
+                for kind in both_kinds:
+                    for one_pass in (False, True):
+                        plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], one_pass=one_pass)
+                        if all(b.plan != plan for b in builds):
+                            builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
         return builds
 
     def _projection_builds(self, section: str, shape: Callable[[Any], tuple[int, int]]) -> list[KdaInProjBuild]:

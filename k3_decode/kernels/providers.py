@@ -30,19 +30,44 @@ from k3_decode.runtime.backend import ProviderRegistry
 from k3_decode.weights import KdaWeights, ResidualWeights
 
 TARGET_CAPABILITY = (9, 0)  # sm_90a: wgmma-era Hopper, what kernels/builds.toml compiles for
-LIMITS = Path(__file__).with_name("providers.toml")
+CHOICE = Path(__file__).with_name("providers.toml")  # where each provider serves: its row limits
+
+
+def limits(path: Path | None = None) -> dict[str, Any]:
+    """providers.toml (or `path`), checked; a malformed file is a ValueError naming it and the entry."""
+    return _limits(path or CHOICE)
+
+
+def _rows(rows: object, where: str) -> None:
+    if not isinstance(rows, dict) or not all(
+        k.isdigit() and isinstance(v, int) and not isinstance(v, bool) and v >= 1 for k, v in rows.items()
+    ):
+        raise ValueError(f'{where} is {{ "<tp>" = rows, ... }} with rows >= 1, got {rows!r}')
 
 
 @cache
-def _limits() -> dict[str, Any]:
-    return tomllib.loads(LIMITS.read_text())
+def _limits(path: Path) -> dict[str, Any]:
+    table = tomllib.loads(path.read_text())
+    for op, entry in table.items():
+        where = f"{path.name}: [{op}]"
+        if not isinstance(entry, dict) or "max_rows" not in entry or not str(entry.get("why", "")).strip():
+            raise ValueError(f"{where} needs max_rows and a why")
+        _rows(entry["max_rows"], f"{where} max_rows")
+        if "tp_all_reduce" in entry and not str(entry.get("tp_all_reduce_why", "")).strip():
+            raise ValueError(f"{where} tp_all_reduce needs a tp_all_reduce_why")
+        mixing = entry.get("mixing")
+        if mixing is not None:
+            if set(mixing) != {"min_blocks", "max_rows", "why"} or not isinstance(mixing["min_blocks"], int):
+                raise ValueError(f"{where}.mixing is min_blocks (a count), max_rows and why, got {sorted(mixing)}")
+            _rows(mixing["max_rows"], f"{where}.mixing max_rows")
+    return table
 
 
 def max_rows(op: str, name: str, tp: int, blocks: int | None = None) -> tuple[int, str] | None:
     """(most rows, why) the provider `name` of `op` serves at `tp` (providers.toml), or None for no limit. `blocks`:
     the bank blocks the layer's AttnRes after attention mixes, for an op with a [<op>.mixing] limit that applies
     from `min_blocks` on in place of its own."""
-    entry = _limits().get(op)
+    entry = limits().get(op)
     if entry is None:
         return None
     mixing = entry.get("mixing")
@@ -58,7 +83,7 @@ def max_rows(op: str, name: str, tp: int, blocks: int | None = None) -> tuple[in
 
 def mixing_min_blocks(op: str) -> int | None:
     """The bank blocks from which providers.toml's [<op>.mixing] rows replace the op's own, or None without them."""
-    mixing = _limits().get(op, {}).get("mixing")
+    mixing = limits().get(op, {}).get("mixing")
     return None if mixing is None else int(mixing["min_blocks"])
 
 
@@ -101,7 +126,7 @@ class _CuteProvider:
 
     def refuses(self, tp_all_reduce: bool) -> str | None:
         """Why this provider cannot serve a deployment whose TP all-reduces run (providers.toml), or None."""
-        entry = _limits().get(self.op, {})
+        entry = limits().get(self.op, {})
         if tp_all_reduce and entry.get("tp_all_reduce") is False:
             return f"{self.name} serves one rank's shard alone ({entry['tp_all_reduce_why']})"
         return None

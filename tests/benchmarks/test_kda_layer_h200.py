@@ -638,28 +638,37 @@ def test_a_cell_names_the_o_proj_variant_it_timed(monkeypatch, tmp_path):
 
 @pytest.fixture
 def choice_modules(monkeypatch):
-    """The plan modules' CHOICE paths restored after a test that serves other files."""
-    from k3_decode.kernels import kda_o_proj_plan, kda_step_plan
+    """The modules' CHOICE paths (the two plans', providers.toml's) restored after a test that serves other files."""
+    from k3_decode.kernels import kda_o_proj_plan, kda_step_plan, providers
 
-    monkeypatch.setattr(kda_step_plan, "CHOICE", kda_step_plan.CHOICE)
-    monkeypatch.setattr(kda_o_proj_plan, "CHOICE", kda_o_proj_plan.CHOICE)
-    return kda_step_plan, kda_o_proj_plan
+    for module in (kda_step_plan, kda_o_proj_plan, providers):
+        monkeypatch.setattr(module, "CHOICE", module.CHOICE)
+    return kda_step_plan, kda_o_proj_plan, providers
 
 
 def test_a_choice_file_given_on_the_command_line_is_what_the_plans_serve(tmp_path, choice_modules):
     """A variant run serves its choice files without editing the tree: the plans read them, and the results record
     their text (so a results file names what it timed, not a hand-written label)."""
-    step_plan, o_proj_plan = choice_modules
+    step_plan, o_proj_plan, providers = choice_modules
     step = tmp_path / "step.toml"
     step.write_text("default = { resident_threads = 1024, warm_ahead = false }\nrules = []\n")
     o_proj = tmp_path / "o_proj.toml"
     o_proj.write_text("cap_batches = [[16, 64]]\none_pass = [{ batches = [33, 64], max_blocks = 1 }]\n")
-    texts = bench.apply_choices([f"kda_step_choice.toml={step}", f"kda_o_proj_choice.toml={o_proj}"])
-    assert texts == {"kda_step_choice.toml": step.read_text(), "kda_o_proj_choice.toml": o_proj.read_text()}
+    rows = tmp_path / "providers.toml"
+    rows.write_text('[o_proj]\nmax_rows = { "8" = 64, "16" = 16 }\nwhy = "a variant"\n')
+    texts = bench.apply_choices(
+        [f"kda_step_choice.toml={step}", f"kda_o_proj_choice.toml={o_proj}", f"providers.toml={rows}"]
+    )
+    assert texts == {
+        "kda_step_choice.toml": step.read_text(),
+        "kda_o_proj_choice.toml": o_proj.read_text(),
+        "providers.toml": rows.read_text(),
+    }
     shard = K3.shard(8)
     assert KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, 64, 132).resident_threads == 1024
     assert bench.o_proj_variant(K3, 6, 64) == {"capped": True, "one_pass": True}
-    assert step == step_plan.CHOICE and o_proj == o_proj_plan.CHOICE
+    assert providers.max_rows("o_proj", "p", 8)[0] == 64 and providers.max_rows("in_proj", "p", 8) is None
+    assert (step, o_proj, rows) == (step_plan.CHOICE, o_proj_plan.CHOICE, providers.CHOICE)
 
 
 @pytest.mark.parametrize(
@@ -670,6 +679,8 @@ def test_a_choice_file_given_on_the_command_line_is_what_the_plans_serve(tmp_pat
         ("kda_o_proj_choice.toml={missing}", "no such file"),
         ("kda_o_proj_choice.toml={path}", "kda_o_proj_choice.toml="),  # the step's format: not an o_proj file
         ("kda_step_choice.toml={bad}", "kda_step_choice.toml="),  # not TOML at all
+        ("providers.toml={rows}", "[o_proj] max_rows is"),  # a row limit of zero
+        ("providers.toml={path}", "[default] needs max_rows and a why"),  # the step's file, not row limits
     ],
 )
 def test_a_bad_choice_is_refused_in_one_line_before_any_device_work(tmp_path, capsys, choice_modules, spec, says):
@@ -677,7 +688,9 @@ def test_a_bad_choice_is_refused_in_one_line_before_any_device_work(tmp_path, ca
     path.write_text("default = { resident_threads = 1024, warm_ahead = false }\nrules = []\n")
     bad = tmp_path / "bad.toml"
     bad.write_text("default = {\n")
-    arg = spec.format(path=path, missing=tmp_path / "none.toml", bad=bad)
+    rows = tmp_path / "providers.toml"
+    rows.write_text('[o_proj]\nmax_rows = { "8" = 0 }\nwhy = "none"\n')
+    arg = spec.format(path=path, missing=tmp_path / "none.toml", bad=bad, rows=rows)
     before = tuple(m.CHOICE for m in choice_modules)
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--out", str(tmp_path / "out.json"), "--choice", arg])

@@ -159,7 +159,7 @@ def test_a_choice_file_serves_what_it_says(tmp_path):
 
 @pytest.mark.parametrize("tp", [8, 16])
 def test_one_pass_reads_w_once_with_every_batch_tile(tp):
-    """Above 32 rows the served stream takes two passes of four batch tiles, each reading the CTA's W; one_pass takes
+    """Above 32 rows the two-pass stream takes two passes of four batch tiles, each reading the CTA's W; one_pass takes
     every row in one pass of up to eight, with the same K split (so a row's bits, the GPU test asks for them)."""
     hidden, k = K3.shard(tp).kda_o_proj
     for batch, tiles in ((33, 5), (40, 5), (64, 8)):
@@ -244,20 +244,22 @@ def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
     assert {b.kernel for b in builds} == {"kda_o_proj"} and {b.capacity for b in builds} == {8}
     assert len({b.name for b in builds}) == len(builds) == 56 + 4
     assert "kda_o_proj/tp16/b4/n8-add-norm" in {b.name for b in builds}
-    # builds.toml's one-pass builds beside the served plans: B64, the one-block kinds
-    one = {(b.tp, b.plan.batch, b.plan.kind.tag) for b in builds if b.plan.one_pass}
-    assert one == {(tp, 64, tag) for tp in (8, 16) for tag in ("n1-restart-norm", "n1-add-norm")}
+    # builds.toml's both_streams: at B64 for the one-block kinds, one pass and two, whichever the choice file serves
+    one_block = [(tp, 64, tag) for tp in (8, 16) for tag in ("n1-restart-norm", "n1-add-norm")]
+    for one_pass in (False, True):
+        got = {(b.tp, b.plan.batch, b.plan.kind.tag) for b in builds if b.plan.one_pass == one_pass}
+        assert set(one_block) <= got
     assert "kda_o_proj/tp8/b64/n1-add-norm/one-pass" in {b.name for b in builds}
     tags = {b.name: b.tags for b in builds}
     assert tags["kda_o_proj/tp8/b64/n1-add-norm/one-pass"]["passes"] == 1
     assert tags["kda_o_proj/tp8/b64/n1-add-norm"]["passes"] == 2
 
 
-def test_one_pass_kinds_must_be_built_kinds(monkeypatch):
+def test_both_streams_kinds_must_be_built_kinds(monkeypatch):
     table = K3_KERNEL_BUILDS.table
-    bad = table | {"kda_o_proj": table["kda_o_proj"] | {"one_pass": {"batches": [64], "kinds": ["n2-add-norm"]}}}
+    bad = table | {"kda_o_proj": table["kda_o_proj"] | {"both_streams": {"batches": [64], "kinds": ["n2-add-norm"]}}}
     monkeypatch.setattr(K3KernelBuilds, "table", bad)
-    with pytest.raises(ValueError, match=r"builds\.toml kda_o_proj\.one_pass\.kinds must be among kinds"):
+    with pytest.raises(ValueError, match=r"builds\.toml kda_o_proj\.both_streams\.kinds must be among kinds"):
         K3KernelBuilds().kda_o_proj_builds()
 
 
@@ -297,7 +299,7 @@ def test_build_tags_count_what_the_code_must_hold():
 def test_expectations_judge_every_o_proj_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_o_proj/*")  # every named tag exists
-    assert len(builds) == 56 + 4  # and the one-pass stream at B64, n1 kinds, both TPs
+    assert len(builds) == 56 + 4  # and the stream not served at B64 for the n1 kinds, both TPs
     spec = expectations["kda_o_proj"]
     assert spec.max_registers == 128 and spec.max_frame_bytes == 0 and len(spec.rules) >= 45
 
@@ -316,7 +318,7 @@ def test_a_kind_no_after_attention_site_uses_is_a_build_table_error(monkeypatch)
 ONE_PASS_N8 = """
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds
 table = K3KernelBuilds().table
-spec = table["kda_o_proj"] | {"one_pass": {"batches": [64], "kinds": ["n8-add-norm"]}}
+spec = table["kda_o_proj"] | {"both_streams": {"batches": [64], "kinds": ["n8-add-norm"]}}
 K3_KERNEL_BUILDS.__dict__.pop("table", None)
 K3KernelBuilds.table = table | {"kda_o_proj": spec}
 """

@@ -322,18 +322,20 @@ def test_a_capped_launch_holds_four_ctas_an_sm_where_registers_allow_five(tp: in
         assert (plain, capped) == (want, plan.ctas_per_sm), (tag, plain, capped)
 
 
-def one_pass_choice(tmp_path, monkeypatch) -> None:
-    """Serve the one-pass stream at B33-B64 for the one-block kinds, through a choice file of the test's own."""
+def one_pass_choice(tmp_path, monkeypatch, one_pass: bool) -> None:
+    """Serve the one-pass stream at B33-B64 for the one-block kinds, or nowhere, through a choice file of the test's
+    own (whatever kda_o_proj_choice.toml serves)."""
     from k3_decode.kernels import kda_o_proj_plan
 
-    choice = tmp_path / "kda_o_proj_choice.toml"
-    choice.write_text("cap_batches = []\none_pass = [{ batches = [33, 64], max_blocks = 1 }]\n")
+    choice = tmp_path / f"kda_o_proj_choice-{int(one_pass)}.toml"
+    rules = "{ batches = [33, 64], max_blocks = 1 }" if one_pass else ""
+    choice.write_text(f"cap_batches = []\none_pass = [{rules}]\n")
     monkeypatch.setattr(kda_o_proj_plan, "CHOICE", choice)
 
 
 @pytest.mark.parametrize("tp", [8, 16])
 def test_one_pass_gives_the_two_pass_streams_bits_and_is_timed_beside_it(tp: int, tmp_path, monkeypatch):
-    """kda_o_proj_choice.toml's one_pass (not served yet): above 32 rows one pass of up to eight batch tiles instead
+    """kda_o_proj_choice.toml's one_pass (served at B33-B64 where one block is mixed): above 32 rows one pass of up to eight batch tiles instead
     of two of four, the same K split and summation order, so the same o_proj bits and MLP input as the served two
     passes at B33 and B64 (both one-block kinds); then both timed per call in graph replays beside the stock pair,
     printed for the layer benchmark to confirm (speed is not asserted here)."""
@@ -346,8 +348,7 @@ def test_one_pass_gives_the_two_pass_streams_bits_and_is_timed_beside_it(tp: int
     results: dict[tuple[int, str, bool], tuple[Tensor, Tensor]] = {}
     timed: dict[tuple[int, str, bool], float] = {}
     for one_pass in (False, True):
-        if one_pass:
-            one_pass_choice(tmp_path, monkeypatch)
+        one_pass_choice(tmp_path, monkeypatch, one_pass)
         for batch in (33, 64):
             o, _, _, _ = operands(hidden, k, batch, tp + batch)
             for tag in ("n1-add-norm", "n1-restart-norm"):

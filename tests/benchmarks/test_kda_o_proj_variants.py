@@ -1,0 +1,106 @@
+"""kda_o_proj_choice.toml and providers.toml's [o_proj] rows against the committed KDA layer runs that decided them:
+the one-pass stream at 64 rows served where it saved layer time in every round, and no cap where it did not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import kda_layer_h200 as bench
+from k3_decode.kernels.kda_o_proj_plan import capped_at, one_pass_at
+from k3_decode.kernels.providers import max_rows
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results/kda-layer-variants-h100"
+# Layer 6 (the AttnRes after attention mixes one block), two rounds of 100 each, in one session: the base with o_proj
+# stock above 32 rows, the variant with the one-pass rule and 64 rows at both TP sizes.
+ONE_PASS_ROUNDS = [(RESULTS / f"one-pass-base-{i}.json", RESULTS / f"one-pass-{i}.json") for i in (1, 2)]
+# The same layer with cap_batches = [[16, 64]] against none.
+CAP_ROUNDS = [(RESULTS / f"cap-base-{i}.json", RESULTS / f"cap-{i}.json") for i in (1, 2)]
+ONE_BLOCK = 1
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def o_proj_path(cell: dict) -> str:
+    return cell["paths"]["specialized"]["o_proj"]
+
+
+def savings(rounds: list[tuple[Path, Path]]) -> list[dict[tuple[int, int], float]]:
+    out = []
+    for base, variant in rounds:
+        layer, saved = bench.layer_savings(load(base), load(variant))
+        assert layer == 6, variant.name
+        out.append(saved)
+    return out
+
+
+def one_pass_served(tp: int, batch: int) -> bool:
+    """Whether the tree serves the fused launch in one pass at a one-block layer."""
+    rows, _ = max_rows("o_proj", "cute-kda-o-proj", tp, ONE_BLOCK)
+    return batch <= rows and one_pass_at(batch, ONE_BLOCK)
+
+
+def one_pass_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], bool]:
+    """Per measured (TP, batch): whether the fused one-pass launch saved layer time in every round against o_proj
+    stock, after checking that each run ran what its name says."""
+    for base, variant in rounds:
+        for key, cell in bench.cells_by_key(load(variant)).items():
+            assert cell["o_proj_variant"]["one_pass"] and o_proj_path(cell) == "specialized", (variant.name, key)
+        for key, cell in bench.cells_by_key(load(base)).items():
+            assert o_proj_path(cell) == "stock", (base.name, key)
+    per_round = savings(rounds)
+    return {key: all(saved[key] > 0 for saved in per_round) for key in per_round[0]}
+
+
+def test_one_pass_serves_exactly_where_it_saved_layer_time_in_every_round():
+    """TP16 B48 and B64 saved in both rounds and are served (64 rows in providers.toml, the one_pass rule); TP8 B64
+    lost in both and B48 split, so TP8 keeps o_proj stock above 32 rows. A rule or a row limit moved without a
+    measurement behind it fails here."""
+    verdicts = one_pass_verdicts(ONE_PASS_ROUNDS)
+    assert set(verdicts) == {(tp, b) for tp in (8, 16) for b in (48, 64)}
+    assert {key for key, won in verdicts.items() if won} == {(16, 48), (16, 64)}
+    for (tp, batch), won in verdicts.items():
+        assert one_pass_served(tp, batch) == won, f"TP{tp} B{batch}"
+
+
+def test_a_round_that_lost_at_tp16_b64_takes_the_verdict_away(tmp_path):
+    """Broken case: a copy of round 2 whose TP16 B64 gain is inverted into a loss; the verdict there flips and the
+    served tree no longer matches it."""
+    base, variant = ONE_PASS_ROUNDS[1]
+    doc = load(variant)
+    base_cells = bench.cells_by_key(load(base))
+    for run in doc["runs"]:
+        for cell in run["cells"]:
+            if (cell["tp"], cell["batch"]) == (16, 64):
+                s_base = base_cells[(16, 64)]["layer_speedup"]["speedup"]
+                cell["layer_speedup"]["speedup"] = s_base**2 / cell["layer_speedup"]["speedup"]
+    worse = tmp_path / variant.name
+    worse.write_text(json.dumps(doc))
+    verdicts = one_pass_verdicts([ONE_PASS_ROUNDS[0], (base, worse)])
+    assert verdicts[(16, 64)] is False and verdicts[(16, 48)] is True
+    assert one_pass_served(16, 64) != verdicts[(16, 64)]
+
+
+def test_a_base_that_ran_o_proj_fused_is_not_a_base():
+    """The verdicts compare the fused launch with o_proj stock: a base run whose cells ran it fused is refused."""
+    _, variant = ONE_PASS_ROUNDS[0]
+    with pytest.raises(AssertionError, match=r"one-pass-1\.json"):
+        one_pass_verdicts([(variant, variant)])
+
+
+def test_no_cap_is_served_because_no_batch_saved_at_both_tp_sizes_in_every_round():
+    """cap_batches caps both TP sizes at a batch, so a batch earns it only where every cell that ran o_proj fused
+    saved layer time in every round: TP8 B32 did, TP16 B32 lost in both rounds, B16 split, and at B64 o_proj ran stock
+    on layer 6 (the cap changed nothing the layer launched)."""
+    per_round = savings(CAP_ROUNDS)
+    cells = [bench.cells_by_key(load(variant)) for _, variant in CAP_ROUNDS]
+    for batch in (16, 32, 64):
+        fused = [(tp, batch) for tp in (8, 16) if all(o_proj_path(c[(tp, batch)]) == "specialized" for c in cells)]
+        assert all(c[key]["o_proj_variant"]["capped"] for c in cells for key in fused)
+        won = bool(fused) and all(saved[key] > 0 for saved in per_round for key in fused)
+        assert capped_at(batch) == won, f"B{batch}"
+    assert all(saved[(8, 32)] > 0 for saved in per_round) and all(saved[(16, 32)] < 0 for saved in per_round)
