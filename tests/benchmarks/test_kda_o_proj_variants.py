@@ -57,9 +57,12 @@ def one_pass_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], 
 
 
 def test_one_pass_serves_exactly_where_it_saved_layer_time_in_every_round():
-    """TP16 B48 and B64 saved in both rounds and are served (64 rows in providers.toml, the one_pass rule); TP8 B64
-    lost in both and B48 split, so TP8 keeps o_proj stock above 32 rows. A rule or a row limit moved without a
+    """TP16 B48 and B64 saved in both rounds and are served (64 rows in providers.toml, the one_pass rule); TP8 B48
+    and B64 lost in both, so TP8 keeps o_proj stock above 32 rows. A rule or a row limit moved without a
     measurement behind it fails here."""
+    for base, variant in ONE_PASS_ROUNDS:  # each run recorded the rows and rule it served
+        files = [load(path)["variant"]["choice_files"] for path in (base, variant)]
+        assert all("providers.toml" in f and "kda_o_proj_choice.toml" in f for f in files), variant.name
     verdicts = one_pass_verdicts(ONE_PASS_ROUNDS)
     assert set(verdicts) == {(tp, b) for tp in (8, 16) for b in (48, 64)}
     assert {key for key, won in verdicts.items() if won} == {(16, 48), (16, 64)}
