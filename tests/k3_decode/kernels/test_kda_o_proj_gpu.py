@@ -335,9 +335,9 @@ def one_pass_choice(tmp_path, monkeypatch, one_pass: bool) -> None:
 
 @pytest.mark.parametrize("tp", [8, 16])
 def test_one_pass_gives_the_two_pass_streams_bits_and_is_timed_beside_it(tp: int, tmp_path, monkeypatch):
-    """kda_o_proj_choice.toml's one_pass (served at B33-B64 where one block is mixed): above 32 rows one pass of up to eight batch tiles instead
-    of two of four, the same K split and summation order, so the same o_proj bits and MLP input as the served two
-    passes at B33 and B64 (both one-block kinds); then both timed per call in graph replays beside the stock pair,
+    """kda_o_proj_choice.toml's one_pass (served at B33-B64 where one block is mixed): above 32 rows one pass of up
+    to eight batch tiles instead of two of four, the same K split and summation order, so the same o_proj bits and
+    MLP input as two passes at B33 and B64 (both one-block kinds); then both timed per call in graph replays,
     printed for the layer benchmark to confirm (speed is not asserted here)."""
     hidden, k = K3.shard(tp).kda_o_proj
     copy = copy_bandwidth()
