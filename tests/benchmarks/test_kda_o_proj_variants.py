@@ -97,8 +97,8 @@ def test_a_base_that_ran_o_proj_fused_is_not_a_base():
 
 def test_no_cap_is_served_because_no_batch_saved_at_both_tp_sizes_in_every_round():
     """cap_batches caps both TP sizes at a batch, so a batch earns it only where every cell that ran o_proj fused
-    saved layer time in every round: TP8 B32 did, TP16 B32 lost in both rounds, B16 split, and at B64 o_proj ran stock
-    on layer 6 (the cap changed nothing the layer launched)."""
+    saved layer time in every round: TP8 B32 did, TP16 B32 lost in both rounds, B16 split (its builds hold four a SM
+    by registers either way), and at B64 o_proj ran stock on layer 6 (the cap changed nothing the layer launched)."""
     per_round = savings(CAP_ROUNDS)
     cells = [bench.cells_by_key(load(variant)) for _, variant in CAP_ROUNDS]
     for batch in (16, 32, 64):
