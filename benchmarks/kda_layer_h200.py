@@ -86,7 +86,7 @@ from k3_decode.kernels import (  # noqa: E402
     phase_trace,
     providers,
 )
-from k3_decode.kernels.kda_o_proj_plan import capped_at, one_pass_at  # noqa: E402
+from k3_decode.kernels.kda_o_proj_plan import capped_at, one_pass_at, warm_at  # noqa: E402
 from k3_decode.kernels.kda_step_plan import KdaStepPlan  # noqa: E402
 from k3_decode.kernels.providers import (  # noqa: E402
     PROVIDERS,
@@ -762,8 +762,10 @@ def kda_step_plan_tag(dims: ModelDims, tp: int, batch: int, sm_count: int) -> st
 
 def o_proj_variant(dims: ModelDims, layer: int, batch: int) -> dict[str, bool]:
     """What kda_o_proj_choice.toml serves the fused o_proj at `layer` and `batch` (its launch capped to ctas_per_sm
-    CTAs an SM; its stream in one pass), so a results file names the variant it timed."""
-    return {"capped": capped_at(batch), "one_pass": one_pass_at(batch, dims.blocks_before(layer))}
+    CTAs an SM; its stream in one pass; L2 warmed with its late weight runs where it has any), so a results file
+    names the variant it timed."""
+    blocks = dims.blocks_before(layer)
+    return {"capped": capped_at(batch), "one_pass": one_pass_at(batch, blocks), "warm": warm_at(batch)}
 
 
 def providers_declared() -> dict[str, Any]:

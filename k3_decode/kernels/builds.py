@@ -209,7 +209,8 @@ class KdaOProjBuild:
 
     @property
     def name(self) -> str:
-        return f"kda_o_proj/tp{self.tp}/b{self.plan.batch}/{self.plan.kind.tag}" + "/one-pass" * self.plan.one_pass
+        p = self.plan
+        return f"kda_o_proj/tp{self.tp}/b{p.batch}/{p.kind.tag}" + "/one-pass" * p.one_pass + "/warm" * p.warm_l2
 
     @property
     def tags(self) -> dict[str, Any]:
@@ -286,6 +287,8 @@ class KdaOProjBuild:
             "row_stores": rows * (2 + k.save),  # the MLP input, the prefix, the saved block
             "pushes": rows * ((k.partials // 4 if mix else 0) + k.out_norm),  # st.async per pushing lane
             "exchanges": rows * (mix + k.out_norm),
+            "warm": p.warm_l2,
+            "warm_prefetches": len(p.late_runs) if p.warm_l2 else 0,  # one per run in the code, before the wait
         }
 
     def compile(self, arch: str) -> KernelArtifacts:
@@ -526,9 +529,12 @@ class K3KernelBuilds:
                 raise ValueError(f"builds.toml kda_o_proj.kinds: {tag} is not an after-attention kind of {dims.name}")
             kinds.append(kind)
         both = spec.get("both_streams", {"batches": [], "kinds": []})
-        both_kinds = [AttnResKind.from_tag(tag) for tag in both["kinds"]]
-        if any(kind not in kinds for kind in both_kinds):
-            raise ValueError(f"builds.toml kda_o_proj.both_streams.kinds must be among kinds, got {both['kinds']}")
+        warm = spec.get("warm", {"batches": [], "kinds": []})
+        variant_kinds = {}
+        for key, table in (("both_streams", both), ("warm", warm)):
+            variant_kinds[key] = [AttnResKind.from_tag(tag) for tag in table["kinds"]]
+            if any(kind not in kinds for kind in variant_kinds[key]):
+                raise ValueError(f"builds.toml kda_o_proj.{key}.kinds must be among kinds, got {table['kinds']}")
         builds: list[KdaOProjBuild] = []
         for tp in spec["tp"]:
             try:
@@ -542,9 +548,17 @@ class K3KernelBuilds:
             # Both streams above 32 rows (one pass and two) where builds.toml asks, whichever kda_o_proj_choice.toml
             # serves, so CI holds the registers and frame of the one a rule may serve next.
             for batch in both["batches"]:
-                for kind in both_kinds:
+                for kind in variant_kinds["both_streams"]:
                     for one_pass in (False, True):
                         plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], one_pass=one_pass)
+                        if all(b.plan != plan for b in builds):
+                            builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
+            # L2 warmed with the late weight runs (kda_o_proj_choice.toml warm_batches), where the stream has any.
+            for batch in warm["batches"]:
+                for kind in variant_kinds["warm"]:
+                    plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], warm=False)
+                    if plan.warmable:
+                        plan = replace(plan, warm_l2=True)
                         if all(b.plan != plan for b in builds):
                             builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
         return builds

@@ -119,7 +119,7 @@ from k3_decode.kernels.kda_in_proj import load_group, multiply, stage, weight_sl
 from k3_decode.kernels.kda_in_proj_mma import allocate_partials, lane_rows, load_w, stream_passes, stream_slots
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
 from k3_decode.kernels.phase_trace import words_for
-from k3_decode.kernels.primitives import launch_resident, trace_stamp
+from k3_decode.kernels.primitives import bulk_prefetch_l2, launch_resident, trace_stamp
 
 
 def compile_args(plan: OProjPlan, capacity: int, trace: bool = False) -> tuple[Any, ...]:
@@ -232,6 +232,7 @@ class KdaOProjKernel:
             partials = allocate_partials(spec, smem)
             cute.arch.cluster_arrive_relaxed()  # publishes the epilogue's barriers to the cluster, long before use
             slots, xslots = stream_slots(spec)
+            self._warm(w, cta, warp, lane)  # first: its registers are free before the slots fill
             load_w(spec, w, slots, lanes, Int32(0))  # weights first, while the previous kernel finishes
             cute.arch.griddepcontrol_wait()
             trace_stamp(self.trace, launches, cta, 1, tidx)
@@ -247,6 +248,7 @@ class KdaOProjKernel:
 
             # Weights first: they do not depend on the previous kernel, so they stream while it finishes.
             load_group(plan, w, slots, row0, lane, Int32(0))
+            self._warm(w, cta, warp, lane)
             cute.arch.griddepcontrol_wait()
             trace_stamp(self.trace, launches, cta, 1, tidx)
             if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
@@ -270,6 +272,26 @@ class KdaOProjKernel:
             if const_expr(self.trace):
                 cute.arch.sync_threads()  # the end stamp after every thread's AttnRes stores
                 trace_stamp(True, launches, cta, 5, tidx)
+
+    @cute.jit
+    def _warm(self, w: cute.Tensor, cta: Int32, warp: Int32, lane: Int32):
+        """A warm plan (kda_o_proj_choice.toml warm_batches): the copy engine prefetches into L2 the runs of W this
+        CTA loads only after its wait (OProjPlan.late_runs), while the previous kernel runs and HBM has room. One
+        `cp.async.bulk.prefetch.L2` per row and run, issued by a lane of the warp that reads it: no register, no
+        shared memory, and nothing the issuing lane waits for."""
+        plan = self.plan
+        if const_expr(plan.warm_l2):
+            if const_expr(plan.tensor_cores):  # run s is warp s's K slice, for every row of the CTA's m-tile
+                if lane < plan.rows_per_cta:
+                    row = w[cta * plan.rows_per_cta + lane, None]
+                    for s, (first, columns) in enumerate(plan.late_runs):
+                        if warp == s:
+                            bulk_prefetch_l2(row.iterator + first, columns * 2)
+            else:  # the rest of K of each of the warp's rows
+                if lane < plan.rows_per_warp:
+                    row = w[(cta * plan.warps + warp) * plan.rows_per_warp + lane, None]
+                    for first, columns in plan.late_runs:
+                        bulk_prefetch_l2(row.iterator + first, columns * 2)
 
     @cute.jit
     def _arrive(self, arrivals: cute.Tensor, tidx: Int32, cta: Int32) -> Int32:

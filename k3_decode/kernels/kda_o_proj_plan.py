@@ -16,12 +16,14 @@ count instructions from these numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
+from k3_decode.kernels.kda_in_proj_mma_plan import STEP as MMA_STEP
 from k3_decode.kernels.kda_in_proj_mma_plan import TILE_M, TILE_N, WIDE_N_TILES, MmaStream, n_tiles
 from k3_decode.kernels.kda_in_proj_plan import STEP, VECTOR, WeightStream
 
@@ -77,6 +79,7 @@ class OProjChoice:
 
     cap_batches: tuple[tuple[int, int], ...]
     one_pass: tuple[OnePassRule, ...]
+    warm_batches: tuple[tuple[int, int], ...] = ()
 
 
 def choice(path: Path | None = None) -> OProjChoice:
@@ -100,6 +103,11 @@ def one_pass_at(batch: int, num_blocks: int, path: Path | None = None) -> bool:
     return any(rule.matches(batch, num_blocks) for rule in choice(path).one_pass)
 
 
+def warm_at(batch: int, path: Path | None = None) -> bool:
+    """Whether kda_o_proj_choice.toml (or `path`) warms L2 with the CTA's late weight runs at `batch`."""
+    return any(first <= batch <= last for first, last in choice(path).warm_batches)
+
+
 def _span(span: object, low: int, where: str) -> tuple[int, int]:
     if isinstance(span, list) and len(span) == 2 and all(isinstance(b, int) for b in span):
         first, last = span
@@ -111,9 +119,14 @@ def _span(span: object, low: int, where: str) -> tuple[int, int]:
 @cache
 def _choice(path: Path) -> OProjChoice:
     table = tomllib.loads(path.read_text())
-    caps, rules = table.get("cap_batches"), table.get("one_pass")
-    if set(table) != {"cap_batches", "one_pass"} or not isinstance(caps, list) or not isinstance(rules, list):
-        raise ValueError(f"{path.name} holds the lists cap_batches and one_pass and nothing else, got {sorted(table)}")
+    caps, rules, warm = table.get("cap_batches"), table.get("one_pass"), table.get("warm_batches", [])
+    if not {"cap_batches", "one_pass"} <= set(table) <= {"cap_batches", "one_pass", "warm_batches"} or not all(
+        isinstance(v, list) for v in (caps, rules, warm)
+    ):
+        raise ValueError(
+            f"{path.name} holds the lists cap_batches and one_pass (and warm_batches) and nothing else, "
+            f"got {sorted(table)}"
+        )
     cap_batches = tuple(_span(span, 1, f"{path.name}: cap_batches[{i}]") for i, span in enumerate(caps))
     one_pass = []
     for i, rule in enumerate(rules):
@@ -125,7 +138,8 @@ def _choice(path: Path) -> OProjChoice:
         if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0:
             raise ValueError(f"{where} max_blocks is a count of bank blocks, got {blocks!r}")
         one_pass.append(OnePassRule(first, last, blocks))
-    return OProjChoice(cap_batches, tuple(one_pass))
+    warm_batches = tuple(_span(span, 1, f"{path.name}: warm_batches[{i}]") for i, span in enumerate(warm))
+    return OProjChoice(cap_batches, tuple(one_pass), warm_batches)
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,7 @@ class OProjPlan(WeightStream):
     rows_per_warp: int
     capped: bool = False  # the launch caps the CTAs an SM holds at ctas_per_sm (launch_smem_bytes)
     one_pass: bool = False  # above 32 rows, one pass of up to ONE_PASS_N_TILES batch tiles (mma)
+    warm_l2: bool = False  # the CTA warms L2 with its late_runs before griddepcontrol.wait
 
     @classmethod
     def for_shape(
@@ -149,10 +164,12 @@ class OProjPlan(WeightStream):
         sm_count: int = H200_SMS,
         capped: bool | None = None,
         one_pass: bool | None = None,
+        warm: bool | None = None,
     ) -> OProjPlan:
         """The plan for one shape: the most rows per warp (the most reuse of each staged o vector) whose grid is
         whole clusters and fits on the SMs at once (one wave, MAX_CTAS_PER_SM per SM). `capped` and `one_pass`: None
-        takes what kda_o_proj_choice.toml says for the batch (and kind)."""
+        takes what kda_o_proj_choice.toml says for the batch (and kind); so does `warm`, which the choice file's
+        warm_batches give only where the stream loads part of W after its wait (late_runs)."""
         cluster = ClusterPlan.for_hidden(hidden)  # raises for a width AttnRes cannot split
         if k <= 0 or k % STEP:
             raise ValueError(f"the fused o_proj kernel needs K to be a positive multiple of {STEP}, got {k}")
@@ -183,6 +200,13 @@ class OProjPlan(WeightStream):
                 f"one pass is the fused o_proj's plan up to {WIDE_N_TILES * TILE_N} rows; got one_pass at {batch}"
             )
         plan = cls(hidden, k, batch, kind, sm_count, fitting[0], capped, one_pass)
+        if warm is None:
+            warm = warm_at(batch) and plan.warmable
+        elif warm and not plan.late_runs:
+            raise ValueError(f"the fused o_proj's stream holds all of W before its wait at {plan.tag}: nothing to warm")
+        elif warm and not plan.warmable:
+            raise ValueError(f"the fused o_proj's two-pass stream is not warmed ({plan.tag}): see OProjPlan.warmable")
+        plan = dataclasses.replace(plan, warm_l2=warm)
         if plan.tensor_cores and plan.rows_per_cta != TILE_M:
             raise ValueError(
                 f"the fused o_proj kernel's tensor-core stream needs {TILE_M} rows per CTA, the plan gives "
@@ -207,6 +231,26 @@ class OProjPlan(WeightStream):
         tiles = n_tiles(self.batch, ONE_PASS_N_TILES if self.one_pass else WIDE_N_TILES)
         loads, x_ahead = MMA_STREAM[tiles]
         return MmaStream(self.hidden, self.k, self.batch, self.rows_per_cta, 1, self.warps, loads, x_ahead, tiles)
+
+    @property
+    def late_runs(self) -> tuple[tuple[int, int], ...]:
+        """(first column, columns) of the runs of each of the CTA's rows of W that its stream loads only after
+        griddepcontrol.wait: what the registers do not hold before it. One run over K on CUDA cores (past the first
+        `depth` steps of 256 columns); on tensor cores one per K slice, slice s being warp s's (past its first
+        `depth` steps of 64). A warm plan has these prefetched into L2 before the wait."""
+        if self.tensor_cores:
+            spec = self.mma
+            width, held = spec.split_steps * MMA_STEP, spec.depth * MMA_STEP
+            return tuple((s * width + held, width - held) for s in range(spec.k_splits) if held < width)
+        held = self.depth * STEP
+        return ((held, self.k - held),) if held < self.k else ()
+
+    @property
+    def warmable(self) -> bool:
+        """Whether a warm plan exists here: some of W is loaded after the wait, in one pass over it. A second pass
+        reads W again after the first, mostly from L2 already, and the eight-block kinds' two-pass builds spilled 8
+        bytes with the prefetches (TP8 and TP16 B64)."""
+        return bool(self.late_runs) and (not self.tensor_cores or len(self.mma.passes) == 1)
 
     @property
     def epilogue_rows(self) -> int:
@@ -295,4 +339,9 @@ class OProjPlan(WeightStream):
 
     @property
     def tag(self) -> str:
-        return f"k{self.k}/b{self.batch}/{self.kind.tag}" + "/one-pass" * self.one_pass + "/cap" * self.capped
+        return (
+            f"k{self.k}/b{self.batch}/{self.kind.tag}"
+            + "/one-pass" * self.one_pass
+            + "/cap" * self.capped
+            + "/warm" * self.warm_l2
+        )

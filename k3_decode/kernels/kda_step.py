@@ -126,7 +126,7 @@ from k3_decode.kernels.kda_step_plan import (
     KdaVerifyPlan,
 )
 from k3_decode.kernels.phase_trace import words_for
-from k3_decode.kernels.primitives import VECTOR, launch_resident, trace_stamp, warp_sum
+from k3_decode.kernels.primitives import VECTOR, bulk_prefetch_l2, launch_resident, trace_stamp, warp_sum
 
 TAPS = CONV_WIDTH - 1
 
@@ -488,12 +488,12 @@ class KdaStepKernel:
         plan = self.plan
         rows = plan.rows_per_cta
         s = cutlass.max(cutlass.min(Int32(state_hint), state.shape[0] - 1), 0)
-        _bulk_prefetch(state[Int64(s), place.head, place.rank * rows, None].iterator, plan.state_bytes)
+        bulk_prefetch_l2(state[Int64(s), place.head, place.rank * rows, None].iterator, plan.state_bytes)
         c = cutlass.max(cutlass.min(Int32(conv_hint), conv_state.shape[0] - 1), 0)
         taps = conv_state[c, None]
         for start, _, count in plan.conv_runs(place.head, place.rank):
             run = cute.local_tile(taps, (columns * VECTOR,), (start // VECTOR,))
-            _bulk_prefetch(run.iterator, count * columns * 2)
+            bulk_prefetch_l2(run.iterator, count * columns * 2)
 
     @cute.jit
     def _warm_ahead(self, conv_state: cute.Tensor, state: cute.Tensor, slots: cute.Tensor, place: _Place):
@@ -996,9 +996,3 @@ def _bulk_copy(dst: Any, src: Any, size: cutlass.Constexpr[int], bar: Any):
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
         read_only_args=[dst.toint(), src.toint(), Int32(size), bar.toint()],
     )
-
-
-@cute.jit
-def _bulk_prefetch(ptr: Any, size: cutlass.Constexpr[int]):
-    """`cp.async.bulk.prefetch.L2` of `size` bytes (a multiple of 16) at a 16-byte aligned global address."""
-    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[ptr.toint(), Int32(size)])

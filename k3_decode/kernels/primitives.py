@@ -104,3 +104,10 @@ def trace_stamp(
             counter[base + TRACE_CLOCK_BASE + phase] = cute.arch.clock()
             if const_expr(phase == 0):
                 counter[base + TRACE_SM_WORD] = cute.arch.smid()
+
+
+@cute.jit
+def bulk_prefetch_l2(ptr: Any, size: cutlass.Constexpr[int]):
+    """`cp.async.bulk.prefetch.L2` of `size` bytes (a multiple of 16) at a 16-byte aligned global address: the copy
+    engine warms L2 and the issuing thread waits for nothing."""
+    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[ptr.toint(), Int32(size)])

@@ -27,12 +27,14 @@ from k3_decode.kernels.kda_o_proj_plan import (
     capped_batches,
     choice,
     one_pass_at,
+    warm_at,
 )
 from k3_decode.kernels.kda_step_plan import KdaStepPlan
 from tests.k3_decode.kernels.helpers import (
     REPO,
     assert_launch_reaches_the_driver,
     build_command,
+    failed_checks_of_broken_build,
     needs_cutedsl,
     o_proj_cta_smem,
 )
@@ -138,6 +140,8 @@ def test_the_cap_is_served_only_where_the_step_is_not_spread():
         ("cap_batches = []\none_pass = [{ batches = [33, 64] }]", r"one_pass\[0\] is \{ batches"),
         ("cap_batches = []\none_pass = [{ batches = [33, 64], max_blocks = -1 }]", "max_blocks is a count"),
         ("cap_batches = []\none_pass = [{ batches = [33, 64], max_blocks = true }]", "max_blocks is a count"),
+        ("cap_batches = []\none_pass = []\nwarm_batches = [[0, 8]]", r"warm_batches\[0\] is a \[first, last\]"),
+        ("cap_batches = []\none_pass = []\nwarm_batches = true", "the lists"),
     ],
 )
 def test_a_malformed_choice_file_is_an_error_naming_it(tmp_path, text, says):
@@ -155,6 +159,47 @@ def test_a_choice_file_serves_what_it_says(tmp_path):
     assert [capped_at(b, path) for b in (8, 16, 36, 40)] == [False, True, False, True]
     assert [one_pass_at(b, N1.num_blocks, path) for b in (32, 33, 64)] == [False, True, True]
     assert not one_pass_at(64, ADD8.num_blocks, path)  # the rule's kinds mix at most one block
+    assert not any(warm_at(b, path) for b in (1, 64))  # warm_batches may be left out: none
+
+
+def test_late_runs_are_what_the_registers_do_not_hold_before_the_wait():
+    """The runs of W a CTA's stream loads after griddepcontrol.wait, per row: on CUDA cores the K past the first
+    `depth` steps of 256 columns (TP8: 768 of 1536; TP16 holds all 768); on tensor cores each warp's K slice past its
+    first `depth` steps of 64 columns. Together with the held columns they cover K exactly once."""
+    tp8, tp16 = (K3.shard(tp).kda_o_proj for tp in (8, 16))
+    assert OProjPlan.for_shape(*tp8, 1, N1).late_runs == ((768, 768),)
+    assert OProjPlan.for_shape(*tp16, 4, N1).late_runs == ()
+    assert OProjPlan.for_shape(*tp8, 32, N1).late_runs == ((64, 320), (448, 320), (832, 320), (1216, 320))
+    assert [OProjPlan.for_shape(*tp16, b, N1).late_runs != () for b in (8, 16, 32, 64)] == [False, False, True, True]
+    for hidden, k in (tp8, tp16):
+        for batch in (1, 4, 8, 16, 32, 64):
+            plan = OProjPlan.for_shape(hidden, k, batch, N1)
+            if plan.tensor_cores:
+                width, held = plan.mma.split_steps * 64, plan.mma.depth * 64
+                held_runs = [(s * width, held) for s in range(plan.mma.k_splits)]
+            else:
+                held_runs = [(0, plan.depth * STEP)]
+            covered = sorted(c for first, n in held_runs + list(plan.late_runs) for c in range(first, first + n))
+            assert covered == list(range(k)), plan.tag
+
+
+def test_a_warm_plan_is_served_only_where_something_is_late(tmp_path, monkeypatch):
+    """warm_batches reaches the plan where its stream loads part of W after the wait, and asking for warmth where
+    the registers hold all of it is an error, not a plan that prefetches nothing."""
+    from k3_decode.kernels import kda_o_proj_plan
+
+    path = tmp_path / "kda_o_proj_choice.toml"
+    path.write_text("cap_batches = []\none_pass = []\nwarm_batches = [[1, 32]]\n")
+    monkeypatch.setattr(kda_o_proj_plan, "CHOICE", path)
+    tp8, tp16 = (K3.shard(tp).kda_o_proj for tp in (8, 16))
+    assert [OProjPlan.for_shape(*tp8, b, N1).warm_l2 for b in (1, 8, 32, 33, 64)] == [True] * 3 + [False] * 2
+    assert [OProjPlan.for_shape(*tp16, b, N1).warm_l2 for b in (1, 16, 32)] == [False, False, True]
+    assert OProjPlan.for_shape(*tp8, 1, N1).tag.endswith("/warm")
+    with pytest.raises(ValueError, match="holds all of W before its wait"):
+        OProjPlan.for_shape(*tp16, 1, N1, warm=True)
+    assert not OProjPlan.for_shape(*tp8, 64, ADD8).warm_l2  # two passes (OProjPlan.warmable)
+    with pytest.raises(ValueError, match="two-pass stream is not warmed"):
+        OProjPlan.for_shape(*tp8, 64, ADD8, warm=True)
 
 
 @pytest.mark.parametrize("tp", [8, 16])
@@ -242,7 +287,7 @@ def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
     assert kinds <= after_attention_kinds()
     assert {b.tp: (b.plan.hidden, b.plan.k) for b in builds} == {8: K3.shard(8).kda_o_proj, 16: K3.shard(16).kda_o_proj}
     assert {b.kernel for b in builds} == {"kda_o_proj"} and {b.capacity for b in builds} == {8}
-    assert len({b.name for b in builds}) == len(builds) == 56 + 4
+    assert len({b.name for b in builds}) == len(builds) == 56 + 4 + 14
     assert "kda_o_proj/tp16/b4/n8-add-norm" in {b.name for b in builds}
     # builds.toml's both_streams: at B64 for the one-block kinds, one pass and two, whichever the choice file serves
     one_block = [(tp, 64, tag) for tp in (8, 16) for tag in ("n1-restart-norm", "n1-add-norm")]
@@ -253,6 +298,17 @@ def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
     tags = {b.name: b.tags for b in builds}
     assert tags["kda_o_proj/tp8/b64/n1-add-norm/one-pass"]["passes"] == 1
     assert tags["kda_o_proj/tp8/b64/n1-add-norm"]["passes"] == 2
+    # builds.toml's warm: each stream whose registers leave runs of W to after the wait, one prefetch per run
+    warm = {b.name: b.tags["warm_prefetches"] for b in builds if b.plan.warm_l2}
+    assert warm == {
+        f"kda_o_proj/tp{tp}/b{batch}/{tag}{'/one-pass' * (batch == 64 and tag == 'n1-add-norm')}/warm": (
+            1 if batch <= 4 else 4
+        )
+        for tag in ("n1-add-norm", "n8-add-norm")
+        for tp, batch in ((8, 1), (8, 4), (8, 8), (8, 16), (8, 32), (8, 64), (16, 32), (16, 64))
+        if not (batch == 64 and tag == "n8-add-norm")  # two passes: not warmable
+    }
+    assert all(b.tags["warm_prefetches"] == 0 for b in builds if not b.plan.warm_l2)
 
 
 def test_both_streams_kinds_must_be_built_kinds(monkeypatch):
@@ -299,7 +355,7 @@ def test_build_tags_count_what_the_code_must_hold():
 def test_expectations_judge_every_o_proj_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_o_proj/*")  # every named tag exists
-    assert len(builds) == 56 + 4  # and the stream not served at B64 for the n1 kinds, both TPs
+    assert len(builds) == 56 + 4 + 14  # the stream not served at B64 for n1, both TPs; 14 warm
     spec = expectations["kda_o_proj"]
     assert spec.max_registers == 128 and spec.max_frame_bytes == 0 and len(spec.rules) >= 45
 
@@ -322,6 +378,37 @@ spec = table["kda_o_proj"] | {"both_streams": {"batches": [64], "kinds": ["n8-ad
 K3_KERNEL_BUILDS.__dict__.pop("table", None)
 K3KernelBuilds.table = table | {"kda_o_proj": spec}
 """
+
+
+WARM_AFTER_WAIT = """
+import os
+os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+import cutlass.cute as cute
+from k3_decode.kernels import kda_o_proj
+
+own = kda_o_proj.KdaOProjKernel._warm
+
+
+@cute.jit
+def late_warm(self, w, cta, warp, lane):
+    cute.arch.griddepcontrol_wait()
+    own(self, w, cta, warp, lane)
+
+
+kda_o_proj.KdaOProjKernel._warm = late_warm
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_warm_build_that_prefetches_after_the_wait_fails_its_build(tmp_path):
+    """The broken case of the warm builds: prefetches issued behind a dependency wait (`_warm` patched in the
+    compiling process only) warm L2 too late to help. The order rule catches it, and so does the single-wait rule."""
+    failed = failed_checks_of_broken_build(tmp_path, "kda_o_proj/tp8/b32/n1-add-norm/warm", WARM_AFTER_WAIT)
+    assert failed == {
+        r"ptx 'griddepcontrol\\.wait;'",
+        r"ptx 'cp\\.async\\.bulk\\.prefetch\\.L2\\.global' before 'griddepcontrol\\.wait;'",
+    }, sorted(failed)
 
 
 @pytest.mark.slow

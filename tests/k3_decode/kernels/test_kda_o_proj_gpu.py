@@ -378,6 +378,69 @@ def test_one_pass_gives_the_two_pass_streams_bits_and_is_timed_beside_it(tp: int
     del weights
 
 
+def warm_choice(tmp_path, monkeypatch, warm: bool) -> None:
+    """The served choice file, with warm_batches covering every batch or none (a choice file of the test's own)."""
+    from k3_decode.kernels import kda_o_proj_plan
+
+    served = kda_o_proj_plan.choice()
+    rules = ", ".join(f"{{ batches = [{r.first}, {r.last}], max_blocks = {r.max_blocks} }}" for r in served.one_pass)
+    caps = ", ".join(f"[{first}, {last}]" for first, last in served.cap_batches)
+    path = tmp_path / f"kda_o_proj_choice-warm-{int(warm)}.toml"
+    path.write_text(f"cap_batches = [{caps}]\none_pass = [{rules}]\nwarm_batches = [{'[1, 64]' if warm else ''}]\n")
+    monkeypatch.setattr(kda_o_proj_plan, "CHOICE", path)
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_warming_l2_changes_no_bit_and_is_timed_beside_the_plain_stream(tp: int, tmp_path, monkeypatch):
+    """kda_o_proj_choice.toml's warm_batches: the CTA prefetches into L2 the runs of W it loads after its wait
+    (OProjPlan.late_runs), which changes when bytes arrive, never what is computed: the same o_proj bits and MLP
+    input as the plain stream at every batch that has late runs (both streams, both epilogue sizes). Both are timed
+    per call in graph replays and printed; here the kernel before each call is the previous call, so the layer
+    benchmark, where the KDA step runs before it, decides."""
+    hidden, k = K3.shard(tp).kda_o_proj
+    copy = copy_bandwidth()
+    l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
+    copies = max(2, math.ceil(3 * l2 / (hidden * k * 2)))
+    weights = [(torch.randn(hidden, k, device=DEV) * 0.02).bfloat16() for _ in range(copies)]
+    mix = after_weights()
+    cases = [
+        (batch, kind)
+        for batch in (1, 4, 8, 16, 32, 64)
+        for kind in EDGE
+        if OProjPlan.for_shape(hidden, k, batch, kind, warm=False).warmable
+    ]
+    want = [1, 4, 8, 16, 32, 64] if tp == 8 else [32, 64]
+    assert sorted({b for b, _ in cases}) == want and len(cases) == 2 * len(want) - 1  # B64 n8: two passes
+    results: dict[tuple[int, str, bool], tuple[Tensor, Tensor]] = {}
+    timed: dict[tuple[int, str, bool], float] = {}
+    for warm in (False, True):
+        warm_choice(tmp_path, monkeypatch, warm)
+        for batch, kind in cases:
+            o, _, _, _ = operands(hidden, k, batch, tp + batch)
+            plan = OProjPlan.for_shape(hidden, k, batch, kind)
+            assert plan.warm_l2 == warm, plan.tag
+            buffers, _, _ = make_buffers(batch, kind.num_blocks, torch.Generator().manual_seed(batch))
+            results[(batch, kind.tag, warm)] = kda_o_proj_op.apply(o, weights[0], buffers, site_of(kind), mix, EPS)
+            attn_out = torch.empty(batch, hidden, dtype=torch.bfloat16, device=DEV)
+            site = site_of(kind)
+
+            def fused(i: int, o=o, ws=weights, buffers=buffers, site=site, attn_out=attn_out) -> None:
+                kda_o_proj_op.apply(o, ws[i % len(ws)], buffers, site, mix, EPS, attn_out=attn_out)
+
+            timed[(batch, kind.tag, warm)] = _graph_seconds_per_call(fused, 4 * copies)
+    torch.cuda.synchronize()
+    for (batch, tag, warm), (partial, out) in results.items():
+        if warm:
+            plain_partial, plain_out = results[(batch, tag, False)]
+            what = f"warm o_proj TP{tp} B{batch} {tag}"
+            assert torch.equal(bits(partial), bits(plain_partial)), f"{what}: o_proj bits differ from the plain stream"
+            assert torch.equal(bits(out), bits(plain_out)), f"{what}: the MLP input differs from the plain stream's"
+            hot, plain = timed[(batch, tag, True)] * 1e6, timed[(batch, tag, False)] * 1e6
+            share = hidden * k * 2 / (hot * 1e-6) / copy
+            print(f"METRIC {what} (graph replays, per call): {hot:.1f} us ({share:.1%} of copy) against {plain:.1f} us")
+    del weights
+
+
 # --- the provider inside the stack executor -------------------------------------------------------------
 
 

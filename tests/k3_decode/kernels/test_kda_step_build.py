@@ -545,7 +545,7 @@ own = kda_step.KdaStepKernel._copy_state
 @cute.jit
 def warm_first(self, state_s, taps_s, state, slot, conv_row, columns: cutlass.Constexpr[int], bars, place):
     rows = self.plan.rows_per_cta
-    kda_step._bulk_prefetch(state[slot, place.head, place.rank * rows, None].iterator, rows * 512)
+    kda_step.bulk_prefetch_l2(state[slot, place.head, place.rank * rows, None].iterator, rows * 512)
     own(self, state_s, taps_s, state, slot, conv_row, columns, bars, place)
 
 
