@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import kda_layer_h200 as bench
-from k3_decode.kernels.kda_o_proj_plan import capped_at, one_pass_at
+from k3_decode.kernels.kda_o_proj_plan import capped_at, one_pass_at, warm_at
 from k3_decode.kernels.providers import max_rows
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results/kda-layer-variants-h100"
@@ -18,6 +18,9 @@ RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results/kda-layer-va
 ONE_PASS_ROUNDS = [(RESULTS / f"one-pass-base-{i}.json", RESULTS / f"one-pass-{i}.json") for i in (1, 2)]
 # The same layer with cap_batches = [[16, 64]] against none.
 CAP_ROUNDS = [(RESULTS / f"cap-base-{i}.json", RESULTS / f"cap-{i}.json") for i in (1, 2)]
+# On the H200, layer 6 at TP8 B1-B8 with warm_batches = [[1, 64]] against none, one round of 60.
+H200 = RESULTS.parent / "kda-layer-variants-h200"
+WARM_ROUNDS = [(H200 / "warm-base-1.json", H200 / "warm-1.json")]
 ONE_BLOCK = 1
 
 
@@ -107,3 +110,16 @@ def test_no_cap_is_served_because_no_batch_saved_at_both_tp_sizes_in_every_round
         won = bool(fused) and all(saved[key] > 0 for saved in per_round for key in fused)
         assert capped_at(batch) == won, f"B{batch}"
     assert all(saved[(8, 32)] > 0 for saved in per_round) and all(saved[(16, 32)] < 0 for saved in per_round)
+
+
+def test_no_warm_batch_is_served_because_warming_lost_at_every_measured_cell():
+    """warm_batches serves a batch only where warming saved layer time in every round; on the H200 it lost at TP8
+    B1-B8 (the last two outside the intervals), so the served file warms nothing there."""
+    ((base, variant),) = WARM_ROUNDS
+    assert load(variant)["variant"]["choice_files"]["kda_o_proj_choice.toml"].endswith("warm_batches = [[1, 64]]\n")
+    assert load(base)["env"]["gpu"] == load(variant)["env"]["gpu"] == "NVIDIA H200"
+    (saved,) = savings(WARM_ROUNDS)
+    assert set(saved) == {(8, b) for b in (1, 2, 4, 8)}
+    for (_, batch), us in saved.items():
+        assert warm_at(batch) == (us > 0), f"B{batch}: saved {us:+.2f} us"
+    assert all(us < 0 for us in saved.values())
