@@ -96,7 +96,9 @@ per 32 batch rows (four batch tiles, 4 W loads per lane in flight); a second pas
 of W again, mostly from L2 (W is 22 MB at TP8, 11 at TP16); a plan with one_pass (kda_o_proj_choice.toml) takes up
 to 64 rows in one pass of eight tiles instead, where the epilogue's held vectors leave the registers for it. Up to
 64 rows, at most half the clusters waiting (two rows each above 32); where the provider serves them is
-providers.toml's [o_proj], by measurement.
+providers.toml's [o_proj], by measurement. A warm plan (kda_o_proj_choice.toml warm_batches; measured slower on the
+H200 and not served) also has the copy engine prefetch into L2, before the wait, the runs of W the stream loads
+after it (`_warm`).
 
 Expected time at TP8, B = 1..4: 22 MB of W at ~4.15 TB/s is ~5.3 us of streaming; the tail after it is the last
 CTA's stores and release (~1 us), the poll that sees it (~0.5-1 us), the row read from L2 and the two DSMEM

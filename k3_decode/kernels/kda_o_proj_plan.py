@@ -16,9 +16,8 @@ count instructions from these numbers.
 
 from __future__ import annotations
 
-import dataclasses
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -206,7 +205,7 @@ class OProjPlan(WeightStream):
             raise ValueError(f"the fused o_proj's stream holds all of W before its wait at {plan.tag}: nothing to warm")
         elif warm and not plan.warmable:
             raise ValueError(f"the fused o_proj's two-pass stream is not warmed ({plan.tag}): see OProjPlan.warmable")
-        plan = dataclasses.replace(plan, warm_l2=warm)
+        plan = replace(plan, warm_l2=warm)
         if plan.tensor_cores and plan.rows_per_cta != TILE_M:
             raise ValueError(
                 f"the fused o_proj kernel's tensor-core stream needs {TILE_M} rows per CTA, the plan gives "
