@@ -403,11 +403,14 @@ kda_o_proj.KdaOProjKernel._warm = late_warm
 @needs_cutedsl
 def test_a_warm_build_that_prefetches_after_the_wait_fails_its_build(tmp_path):
     """The broken case of the warm builds: prefetches issued behind a dependency wait (`_warm` patched in the
-    compiling process only) warm L2 too late to help. The order rule catches it, and so does the single-wait rule."""
+    compiling process only) warm L2 too late to help. The order rule catches it, and so does the single-wait rule;
+    on tensor cores the warm comes before the first W loads, so those are behind the wait too, in PTX and SASS."""
     failed = failed_checks_of_broken_build(tmp_path, "kda_o_proj/tp8/b32/n1-add-norm/warm", WARM_AFTER_WAIT)
     assert failed == {
         r"ptx 'griddepcontrol\\.wait;'",
         r"ptx 'cp\\.async\\.bulk\\.prefetch\\.L2\\.global' before 'griddepcontrol\\.wait;'",
+        r"ptx 'ld\\.global\\.v4\\.b32' before 'griddepcontrol\\.wait;'",
+        r"sass '\\bLDG\\.E\\.128\\b' before '\\bACQBULK\\b'",
     }, sorted(failed)
 
 
