@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from functools import cache
 
 import pytest
@@ -333,12 +334,10 @@ def one_pass_choice(tmp_path, monkeypatch, one_pass: bool) -> None:
     monkeypatch.setattr(kda_o_proj_plan, "CHOICE", choice)
 
 
-@pytest.mark.parametrize("tp", [8, 16])
-def test_one_pass_gives_the_two_pass_streams_bits_and_is_timed_beside_it(tp: int, tmp_path, monkeypatch):
-    """kda_o_proj_choice.toml's one_pass (served at B33-B64 where one block is mixed): above 32 rows one pass of up
-    to eight batch tiles instead of two of four, the same K split and summation order, so the same o_proj bits and
-    MLP input as two passes at B33 and B64 (both one-block kinds); then both timed per call in graph replays,
-    printed for the layer benchmark to confirm (speed is not asserted here)."""
+def choice_on_and_off(tp: int, cases: list, serve: Callable[[bool], None], check: Callable, label: str) -> None:
+    """A choice of kda_o_proj_choice.toml off and on (`serve(on)` serves a choice file; `check(plan, on)` asserts
+    the plan took it) at each case (batch, kind): the same o_proj bits and MLP input both ways, and both timed per
+    call in graph replays (W from HBM), printed for the layer benchmark to confirm (speed is not asserted here)."""
     hidden, k = K3.shard(tp).kda_o_proj
     copy = copy_bandwidth()
     l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
@@ -347,35 +346,44 @@ def test_one_pass_gives_the_two_pass_streams_bits_and_is_timed_beside_it(tp: int
     mix = after_weights()
     results: dict[tuple[int, str, bool], tuple[Tensor, Tensor]] = {}
     timed: dict[tuple[int, str, bool], float] = {}
-    for one_pass in (False, True):
-        one_pass_choice(tmp_path, monkeypatch, one_pass)
-        for batch in (33, 64):
+    for on in (False, True):
+        serve(on)
+        for batch, kind in cases:
             o, _, _, _ = operands(hidden, k, batch, tp + batch)
-            for tag in ("n1-add-norm", "n1-restart-norm"):
-                kind = AttnResKind.from_tag(tag)
-                plan = OProjPlan.for_shape(hidden, k, batch, kind)
-                assert plan.one_pass == one_pass and len(plan.mma.passes) == (1 if one_pass else 2), plan.tag
-                buffers, _, _ = make_buffers(batch, kind.num_blocks, torch.Generator().manual_seed(batch))
-                partial, out = kda_o_proj_op.apply(o, weights[0], buffers, site_of(kind), mix, EPS)
-                results[(batch, tag, one_pass)] = (partial, out)
-                attn_out = torch.empty(batch, hidden, dtype=torch.bfloat16, device=DEV)
-                site = site_of(kind)
+            check(OProjPlan.for_shape(hidden, k, batch, kind), on)
+            buffers, _, _ = make_buffers(batch, kind.num_blocks, torch.Generator().manual_seed(batch))
+            site = site_of(kind)
+            results[(batch, kind.tag, on)] = kda_o_proj_op.apply(o, weights[0], buffers, site, mix, EPS)
+            attn_out = torch.empty(batch, hidden, dtype=torch.bfloat16, device=DEV)
 
-                def fused(i: int, o=o, ws=weights, buffers=buffers, site=site, attn_out=attn_out) -> None:
-                    kda_o_proj_op.apply(o, ws[i % len(ws)], buffers, site, mix, EPS, attn_out=attn_out)
+            def fused(i: int, o=o, ws=weights, buffers=buffers, site=site, attn_out=attn_out) -> None:
+                kda_o_proj_op.apply(o, ws[i % len(ws)], buffers, site, mix, EPS, attn_out=attn_out)
 
-                timed[(batch, tag, one_pass)] = _graph_seconds_per_call(fused, 4 * copies)
+            timed[(batch, kind.tag, on)] = _graph_seconds_per_call(fused, 4 * copies)
     torch.cuda.synchronize()
-    for (batch, tag, one_pass), (partial, out) in results.items():
-        if one_pass:
-            two_partial, two_out = results[(batch, tag, False)]
-            what = f"one-pass o_proj TP{tp} B{batch} {tag}"
-            assert torch.equal(bits(partial), bits(two_partial)), f"{what}: o_proj bits differ from two passes"
-            assert torch.equal(bits(out), bits(two_out)), f"{what}: the MLP input differs from two passes'"
-            one, two = timed[(batch, tag, True)] * 1e6, timed[(batch, tag, False)] * 1e6
-            share = hidden * k * 2 / (one * 1e-6) / copy
-            print(f"METRIC {what} (graph replays, per call): {one:.1f} us ({share:.1%} of copy) against {two:.1f} us")
+    for (batch, tag, on), (partial, out) in results.items():
+        if on:
+            off_partial, off_out = results[(batch, tag, False)]
+            what = f"{label} o_proj TP{tp} B{batch} {tag}"
+            assert torch.equal(bits(partial), bits(off_partial)), f"{what}: o_proj bits differ from the plan without it"
+            assert torch.equal(bits(out), bits(off_out)), f"{what}: the MLP input differs from the plan's without it"
+            us, off_us = timed[(batch, tag, True)] * 1e6, timed[(batch, tag, False)] * 1e6
+            share = hidden * k * 2 / (us * 1e-6) / copy
+            print(f"METRIC {what} (graph replays, per call): {us:.1f} us ({share:.1%} of copy) against {off_us:.1f} us")
     del weights
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_one_pass_gives_the_two_pass_streams_bits_and_is_timed_beside_it(tp: int, tmp_path, monkeypatch):
+    """kda_o_proj_choice.toml's one_pass (served at B33-B64 where one block is mixed): above 32 rows one pass of up
+    to eight batch tiles instead of two of four, the same K split and summation order, so the same o_proj bits and
+    MLP input as two passes at B33 and B64 (both one-block kinds); both timed."""
+
+    def check(plan: OProjPlan, on: bool) -> None:
+        assert plan.one_pass == on and len(plan.mma.passes) == (1 if on else 2), plan.tag
+
+    cases = [(batch, AttnResKind.from_tag(tag)) for batch in (33, 64) for tag in ("n1-add-norm", "n1-restart-norm")]
+    choice_on_and_off(tp, cases, lambda on: one_pass_choice(tmp_path, monkeypatch, on), check, "one-pass")
 
 
 def warm_choice(tmp_path, monkeypatch, warm: bool) -> None:
@@ -394,15 +402,10 @@ def warm_choice(tmp_path, monkeypatch, warm: bool) -> None:
 def test_warming_l2_changes_no_bit_and_is_timed_beside_the_plain_stream(tp: int, tmp_path, monkeypatch):
     """kda_o_proj_choice.toml's warm_batches: the CTA prefetches into L2 the runs of W it loads after its wait
     (OProjPlan.late_runs), which changes when bytes arrive, never what is computed: the same o_proj bits and MLP
-    input as the plain stream at every batch that has late runs (both streams, both epilogue sizes). Both are timed
-    per call in graph replays and printed; here the kernel before each call is the previous call, so the layer
-    benchmark, where the KDA step runs before it, decides."""
+    input as the plain stream at every batch whose one-pass stream has late runs (both streams, both epilogue sizes).
+    Here the kernel before each timed call is the previous call, so the layer benchmark, where the KDA step runs
+    before it, decides."""
     hidden, k = K3.shard(tp).kda_o_proj
-    copy = copy_bandwidth()
-    l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
-    copies = max(2, math.ceil(3 * l2 / (hidden * k * 2)))
-    weights = [(torch.randn(hidden, k, device=DEV) * 0.02).bfloat16() for _ in range(copies)]
-    mix = after_weights()
     cases = [
         (batch, kind)
         for batch in (1, 4, 8, 16, 32, 64)
@@ -411,34 +414,11 @@ def test_warming_l2_changes_no_bit_and_is_timed_beside_the_plain_stream(tp: int,
     ]
     want = [1, 4, 8, 16, 32, 64] if tp == 8 else [32, 64]
     assert sorted({b for b, _ in cases}) == want and len(cases) == 2 * len(want) - 1  # B64 n8: two passes
-    results: dict[tuple[int, str, bool], tuple[Tensor, Tensor]] = {}
-    timed: dict[tuple[int, str, bool], float] = {}
-    for warm in (False, True):
-        warm_choice(tmp_path, monkeypatch, warm)
-        for batch, kind in cases:
-            o, _, _, _ = operands(hidden, k, batch, tp + batch)
-            plan = OProjPlan.for_shape(hidden, k, batch, kind)
-            assert plan.warm_l2 == warm, plan.tag
-            buffers, _, _ = make_buffers(batch, kind.num_blocks, torch.Generator().manual_seed(batch))
-            results[(batch, kind.tag, warm)] = kda_o_proj_op.apply(o, weights[0], buffers, site_of(kind), mix, EPS)
-            attn_out = torch.empty(batch, hidden, dtype=torch.bfloat16, device=DEV)
-            site = site_of(kind)
 
-            def fused(i: int, o=o, ws=weights, buffers=buffers, site=site, attn_out=attn_out) -> None:
-                kda_o_proj_op.apply(o, ws[i % len(ws)], buffers, site, mix, EPS, attn_out=attn_out)
+    def check(plan: OProjPlan, on: bool) -> None:
+        assert plan.warm_l2 == on, plan.tag
 
-            timed[(batch, kind.tag, warm)] = _graph_seconds_per_call(fused, 4 * copies)
-    torch.cuda.synchronize()
-    for (batch, tag, warm), (partial, out) in results.items():
-        if warm:
-            plain_partial, plain_out = results[(batch, tag, False)]
-            what = f"warm o_proj TP{tp} B{batch} {tag}"
-            assert torch.equal(bits(partial), bits(plain_partial)), f"{what}: o_proj bits differ from the plain stream"
-            assert torch.equal(bits(out), bits(plain_out)), f"{what}: the MLP input differs from the plain stream's"
-            hot, plain = timed[(batch, tag, True)] * 1e6, timed[(batch, tag, False)] * 1e6
-            share = hidden * k * 2 / (hot * 1e-6) / copy
-            print(f"METRIC {what} (graph replays, per call): {hot:.1f} us ({share:.1%} of copy) against {plain:.1f} us")
-    del weights
+    choice_on_and_off(tp, cases, lambda on: warm_choice(tmp_path, monkeypatch, on), check, "warm")
 
 
 # --- the provider inside the stack executor -------------------------------------------------------------
