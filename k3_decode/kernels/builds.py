@@ -556,9 +556,8 @@ class K3KernelBuilds:
             # L2 warmed with the late weight runs (kda_o_proj_choice.toml warm_batches), where the stream has any.
             for batch in warm["batches"]:
                 for kind in variant_kinds["warm"]:
-                    plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], warm=False)
-                    if plan.warmable:
-                        plan = replace(plan, warm_l2=True)
+                    if OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], warm=False).warmable:
+                        plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], warm=True)
                         if all(b.plan != plan for b in builds):
                             builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
         return builds

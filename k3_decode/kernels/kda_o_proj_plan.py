@@ -93,7 +93,7 @@ def capped_batches(path: Path | None = None) -> tuple[tuple[int, int], ...]:
 
 def capped_at(batch: int, path: Path | None = None) -> bool:
     """Whether kda_o_proj_choice.toml (or `path`) caps the launch at `batch`."""
-    return any(first <= batch <= last for first, last in capped_batches(path))
+    return _within(batch, capped_batches(path))
 
 
 def one_pass_at(batch: int, num_blocks: int, path: Path | None = None) -> bool:
@@ -104,7 +104,11 @@ def one_pass_at(batch: int, num_blocks: int, path: Path | None = None) -> bool:
 
 def warm_at(batch: int, path: Path | None = None) -> bool:
     """Whether kda_o_proj_choice.toml (or `path`) warms L2 with the CTA's late weight runs at `batch`."""
-    return any(first <= batch <= last for first, last in choice(path).warm_batches)
+    return _within(batch, choice(path).warm_batches)
+
+
+def _within(batch: int, ranges: tuple[tuple[int, int], ...]) -> bool:
+    return any(first <= batch <= last for first, last in ranges)
 
 
 def _span(span: object, low: int, where: str) -> tuple[int, int]:
