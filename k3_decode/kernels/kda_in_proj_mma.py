@@ -71,7 +71,7 @@ class KdaInProjKernelMma:
             self.kernel(x, w, out, launches),
             grid=[plan.ctas, 1, 1],
             threads=plan.threads,
-            ctas_per_sm=1,
+            ctas_per_sm=plan.ctas_per_sm,
             stream=stream,
             smem=plan.smem_bytes,
         )

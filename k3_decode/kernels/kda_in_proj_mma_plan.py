@@ -184,6 +184,9 @@ def check_shape(what: str, rows: int, k: int, batch: int) -> None:
 @dataclass(frozen=True)
 class InProjMmaPlan(MmaStream):
     sm_count: int = H200_SMS
+    # CTAs each SM holds at once: ptxas caps the registers for them. The projection runs one a SM (its grid is one
+    # wave); benchmarks/mma_stream_shapes.py also times taller and shorter CTAs, as o_proj's stream tiles its rows.
+    ctas_per_sm: int = 1
 
     @classmethod
     def for_shape(cls, rows: int, k: int, batch: int, sm_count: int = H200_SMS) -> InProjMmaPlan:

@@ -1,0 +1,145 @@
+"""benchmarks/mma_stream_shapes.py off the GPU: the variants file is checked before any device work, its baselines are
+the streams the kernels build, and --table renders a results file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import mma_stream_shapes as mss
+from k3_decode.kernels.attn_res_plan import AttnResKind
+from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan, MmaStream
+from k3_decode.kernels.kda_o_proj_plan import OProjPlan
+
+ONE_BLOCK = AttnResKind(1, "add", False, True)
+EIGHT_BLOCKS = AttnResKind(8, "add", False, True)
+STREAM_FIELDS = [f.name for f in dataclasses.fields(MmaStream)]
+
+
+def _stream(plan: MmaStream) -> dict:
+    return {name: getattr(plan, name) for name in STREAM_FIELDS}
+
+
+def _variant(shapes: list[mss.Shape], shape: str, name: str) -> InProjMmaPlan:
+    return next(v.plan for s in shapes if s.name == shape for v in s.variants if v.name == name)
+
+
+def test_the_shipped_variants_load_and_every_baseline_is_one_of_them():
+    shapes = mss.load_shapes()
+    assert {s.name for s in shapes} == {"o_proj-tp8-b64", "o_proj-tp16-b64", "in_proj-tp16-b64"}
+    for s in shapes:
+        assert s.baseline in {v.name for v in s.variants}
+
+
+@pytest.mark.parametrize(("shape", "k"), [("o_proj-tp8-b64", 1536), ("o_proj-tp16-b64", 768)])
+def test_the_o_proj_baselines_are_the_streams_o_proj_builds(shape: str, k: int):
+    """What the timings are compared against must be what the fused o_proj runs: its one pass (one block) and its
+    two passes (eight blocks), CTAs an SM included."""
+    shapes = mss.load_shapes()
+    one = OProjPlan.for_shape(7168, k, 64, ONE_BLOCK, one_pass=True)
+    two = OProjPlan.for_shape(7168, k, 64, EIGHT_BLOCKS)
+    for name, built in (("m1k4", one), ("m1k4-two-pass", two)):
+        timed = _variant(shapes, shape, name)
+        assert _stream(timed) == _stream(built.mma), name
+        assert timed.ctas_per_sm == built.ctas_per_sm
+        assert timed.ctas == built.ctas
+
+
+def test_the_projection_baseline_is_the_plan_for_64_rows():
+    served = InProjMmaPlan.for_shape(3216, 7168, 64)
+    assert _variant(mss.load_shapes(), "in_proj-tp16-b64", "served") == served
+
+
+def test_taller_ctas_keep_the_k_split_so_a_rows_sum_is_the_same():
+    """Every o_proj tiling but the one named for it splits K four ways, as the built stream does."""
+    for s in mss.load_shapes():
+        if s.name.startswith("o_proj"):
+            assert {v.name for v in s.variants if v.plan.k_splits != 4} <= {"m4k2-ring4-w8"}
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "variants.toml"
+    path.write_text(text)
+    return path
+
+
+SHAPE = '[[shape]]\nname = "s"\nrows = 7168\nk = 1536\nbatch = 64\nbaseline = "a"\n'
+GOOD = (
+    '[[shape.variant]]\nname = "a"\nrows_per_cta = 32\nm_tiles = 2\nk_splits = 4\nw_loads = 4\nx_ahead = 1\n'
+    "n_tiles = 8\nx_stages = 0\nctas_per_sm = 2\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("x_stages = 0", "x_stages = 4"), "shared memory do not fit an SM"),
+        (("k_splits = 4", "k_splits = 5"), "does not divide the 24 k steps"),
+        (("rows_per_cta = 32", "rows_per_cta = 48"), "is not covered by 2 m-tiles"),
+        (("ctas_per_sm = 2", "ctas_per_sm = 9"), "do not fit an SM"),
+        (("x_stages = 0", "x_stages = 1"), "x_stages 0 or at least 2"),
+        (("m_tiles = 2\n", ""), "needs integer rows_per_cta"),
+    ],
+)
+def test_a_tiling_the_stream_cannot_run_is_refused_naming_it(tmp_path: Path, change: tuple[str, str], message: str):
+    assert mss.load_shapes(_write(tmp_path, SHAPE + GOOD))  # the unbroken file loads
+    with pytest.raises(mss.VariantsError, match=message) as exc:
+        mss.load_shapes(_write(tmp_path, SHAPE + GOOD.replace(*change)))
+    assert "variant 'a'" in str(exc.value) or "variant 'a'" in str(exc.value).replace('"', "'")
+
+
+def test_a_baseline_that_is_no_variant_is_refused(tmp_path: Path):
+    with pytest.raises(mss.VariantsError, match="baseline 'b' is not one of its variants"):
+        mss.load_shapes(_write(tmp_path, SHAPE.replace('"a"', '"b"') + GOOD))
+
+
+def test_the_cli_refuses_a_bad_file_before_any_device_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    bad = _write(tmp_path, SHAPE + GOOD.replace("k_splits = 4", "k_splits = 5"))
+    assert mss.main(["--out", str(tmp_path / "r.json"), "--variants", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "k_splits 5" in err
+    assert not (tmp_path / "r.json").exists()
+    assert mss.main(["--out", str(tmp_path / "r.json"), "--shapes", "nope"]) == 2
+    assert "no shape ['nope']" in capsys.readouterr().err
+
+
+def _cell(us: float, ok: bool = True, same: bool = True, plan: dict | None = None) -> dict:
+    return {
+        "plan": plan,
+        "why": "",
+        "us": {"median": us, "p10": us - 0.1, "p90": us + 0.1, "rounds": 4},
+        "tb_per_s": 1.0,
+        "ratio_to_baseline": us / 16.0,
+        "ratio_to_cublas": us / 9.0,
+        "within_one_bf16_rounding": ok,
+        "bits_equal_baseline": same,
+    }
+
+
+def test_the_table_prints_every_variant_and_flags_a_wrong_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    plan = mss.plan_record(_variant(mss.load_shapes(), "o_proj-tp8-b64", "m2k4"))
+    results = {
+        "env": {"gpu": "NVIDIA H200", "commit": "abcdef0123"},
+        "rounds": 4,
+        "shapes": [
+            {
+                "shape": {"name": "o_proj-tp8-b64", "rows": 7168, "k": 1536, "batch": 64},
+                "baseline": "m1k4",
+                "variants": {
+                    "m1k4": _cell(16.0, plan=plan),
+                    "m2k4": _cell(12.0, ok=False, same=False, plan=plan),
+                    "cublas": _cell(9.0, same=False),
+                },
+            }
+        ],
+    }
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(results))
+    assert mss.main(["--table", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| m2k4 | 224 x 256 | 2 | 32 | 1 | 12.00 (11.90-12.10) | 1.00 | 0.750 | 1.333 | NO | no |" in out
+    assert "| cublas | - | - | - | - |" in out
+    assert mss.main(["--table", str(tmp_path / "missing.json")]) == 2
