@@ -94,9 +94,12 @@ def _variant(where: str, rows: int, k: int, batch: int, spec: dict[str, Any], sm
         v = {key: int(spec[key]) for key in VARIANT_KEYS}
     except (KeyError, TypeError, ValueError) as exc:
         raise VariantsError(f"{where} variant {name!r}: needs integer {', '.join(VARIANT_KEYS)} ({exc})") from None
+    w_smem = spec.get("w_smem", False)
+    if not isinstance(w_smem, bool):
+        raise VariantsError(f"{where} variant {name!r}: w_smem must be true or false, got {w_smem!r}")
     plan = InProjMmaPlan(
         rows, k, batch, v["rows_per_cta"], v["m_tiles"], v["k_splits"], v["w_loads"], v["x_ahead"], v["n_tiles"],
-        v["x_stages"], sm_count=sm_count, ctas_per_sm=v["ctas_per_sm"],
+        v["x_stages"], w_smem, sm_count=sm_count, ctas_per_sm=v["ctas_per_sm"],
     )  # fmt: skip
     problems = []
     if rows % TILE_M or k % STEP:
@@ -129,6 +132,7 @@ def plan_record(plan: InProjMmaPlan) -> dict[str, Any]:
         "n_tiles": plan.n_tiles,
         "passes": list(plan.passes),
         "x_stages": plan.x_stages,
+        "w_smem": plan.w_smem,
         "smem_bytes": plan.smem_bytes,
         "ctas_per_sm": plan.ctas_per_sm,
     }

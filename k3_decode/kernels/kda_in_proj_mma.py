@@ -49,11 +49,11 @@ from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from k3_decode.kernels.kda_in_proj import compile_args as compile_args  # the same arguments: x, W, out, counter
 from k3_decode.kernels.kda_in_proj_mma_plan import STEP, TILE_N, VECTOR, WARP, InProjMmaPlan, MmaStream
-from k3_decode.kernels.primitives import launch_resident, load8, trace_stamp
+from k3_decode.kernels.primitives import bulk_copy, launch_resident, load8, trace_stamp
 
 
 class KdaInProjKernelMma:
@@ -89,13 +89,22 @@ class KdaInProjKernelMma:
         ring = allocate_x_ring(plan, smem)
         slots, xslots = stream_slots(plan)
 
-        load_w(plan, w, slots, lanes, Int32(0))  # before the wait: W does not depend on the previous kernel
+        # Before the wait: W does not depend on the previous kernel.
+        if const_expr(plan.w_smem):
+            w_rows, w_bar = stage_w(plan, w, smem, cta * plan.rows_per_cta, tidx, warp)
+        else:
+            load_w(plan, w, slots, lanes, Int32(0))
         cute.arch.griddepcontrol_wait()
         trace_stamp(self.trace, launches, cta, 1, tidx)
         if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
             cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
 
-        stream_passes(plan, x, w, out, partials, slots, xslots, lanes, warp, ring)
+        if const_expr(plan.w_smem):
+            cute.arch.mbarrier_wait(w_bar, 0)  # the CTA's rows of W have landed
+            load_w(plan, w_rows, slots, lanes, Int32(0))
+            stream_passes(plan, x, w_rows, out, partials, slots, xslots, lanes, warp, ring)
+        else:
+            stream_passes(plan, x, w, out, partials, slots, xslots, lanes, warp, ring)
         if const_expr(self.trace):
             cute.arch.sync_threads()  # the end stamp after every warp's last store
             trace_stamp(True, launches, cta, 2, tidx)
@@ -136,6 +145,32 @@ def allocate_partials(plan: MmaStream, smem: Any) -> cute.Tensor:
     """Shared memory for the K slices' FP32 tiles: [warp x accumulator, lane]."""
     layout = cute.make_layout((plan.warps * plan.partial_floats, WARP), stride=(WARP, 1))
     return smem.allocate_tensor(Float32, layout, byte_alignment=16)
+
+
+@cute.jit
+def stage_w(plan: MmaStream, w: cute.Tensor, smem: Any, first: Int32, tidx: Int32, warp: Int32) -> tuple:
+    """(the CTA's rows of W in shared memory, their transaction barrier) for a w_smem plan: one `cp.async.bulk` per
+    row, issued by warp 0's lanes (lane l copies rows l, l + 32, ...), all completing the one barrier, which thread
+    0 arms with the bytes of the rows the CTA has (fewer in the last CTA). The caller waits on phase 0 of it."""
+    bar = smem.allocate_array(Int64, 1, byte_alignment=8)
+    layout = cute.make_layout((plan.rows_per_cta, plan.k), stride=(plan.w_row_stride, 1))
+    rows = smem.allocate_tensor(BFloat16, layout, byte_alignment=128)
+    here = cutlass.min(Int32(plan.rows_per_cta), Int32(plan.rows) - first)
+    if tidx == 0:
+        cute.arch.mbarrier_init(bar, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.fence_proxy("async.shared", space="cta")  # the bulk copies complete this barrier
+    cute.arch.sync_threads()  # every thread sees the barrier initialized before it waits on it
+    if warp == 0:
+        lane = cute.arch.lane_idx()
+        if lane == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, here * (plan.k * 2))
+        for r in cutlass.range_constexpr(-(-plan.rows_per_cta // WARP)):
+            row = lane + r * WARP
+            if row < here:
+                src = w.iterator + (first + row) * plan.k
+                bulk_copy(rows.iterator + row * plan.w_row_stride, src, plan.k * 2, bar)
+    return rows, bar
 
 
 def allocate_x_ring(plan: MmaStream, smem: Any) -> cute.Tensor | None:
@@ -366,11 +401,15 @@ def _ring_vector(plan: MmaStream, lanes: LaneRows, stage: Int32, tile: int, v: i
 
 @cute.jit
 def load_w(plan: MmaStream, w: cute.Tensor, slots: list, lanes: LaneRows, step: Int32):
-    """k steps step, step + 1, ... of the lane's two rows into the given slots (one step each)."""
+    """k steps step, step + 1, ... of the lane's two rows into the given slots (one step each). For a w_smem plan `w`
+    is the CTA's rows in shared memory (stage_w), indexed by the rows' place in the CTA."""
     for j in cutlass.range_constexpr(len(slots)):
         for h in cutlass.range_constexpr(2):
+            row = lanes.rows[h]
+            if const_expr(plan.w_smem):
+                row = cutlass.min(lanes.local[h], lanes.here - 1)
             for v in cutlass.range_constexpr(2):
-                load8(w[lanes.rows[h], None], lanes.vec0 + (step + j) * (STEP // VECTOR) + 4 * v, slots[j][h][v])
+                load8(w[row, None], lanes.vec0 + (step + j) * (STEP // VECTOR) + 4 * v, slots[j][h][v])
 
 
 @cute.jit

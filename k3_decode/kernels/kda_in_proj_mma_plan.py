@@ -57,6 +57,9 @@ class MmaStream:
     x_steps_ahead: int = 2  # k steps of x a lane holds at most
     max_n_tiles: int = MAX_N_TILES  # batch tiles of 8 rows one pass holds
     x_stages: int = 0  # 0: x in registers, x_depth steps ahead; else a cp.async ring of this many k steps per slice
+    # W bulk-copied whole into shared memory before griddepcontrol.wait (one cp.async.bulk per row, no register held
+    # for it), the slots then filled from there: a benchmark variant (benchmarks/mma_stream_shapes.toml), not served
+    w_smem: bool = False
 
     @property
     def steps(self) -> int:
@@ -117,9 +120,21 @@ class MmaStream:
         return self.k_splits * self.x_stages * self.n_tiles * 2 * WARP
 
     @property
+    def w_row_stride(self) -> int:
+        """Elements from one W row to the next in shared memory (w_smem): 16 bytes past K, so the 8 rows a warp's
+        lanes read at one column fall in 8 different 16-byte bank groups."""
+        return self.k + VECTOR
+
+    @property
+    def w_smem_bytes(self) -> int:
+        """The CTA's rows of W in shared memory (w_smem) and their transaction barrier, else nothing."""
+        return self.rows_per_cta * self.w_row_stride * 2 + 16 if self.w_smem else 0
+
+    @property
     def smem_bytes(self) -> int:
-        """The slices' partial sums, one FP32 tile per warp and batch tile, for the fixed-order sum, and the x ring."""
-        return self.warps * self.partial_floats * WARP * 4 + self.x_ring_vectors * 16
+        """The slices' partial sums, one FP32 tile per warp and batch tile, for the fixed-order sum, the x ring,
+        and W where it is staged whole (w_smem)."""
+        return self.warps * self.partial_floats * WARP * 4 + self.x_ring_vectors * 16 + self.w_smem_bytes
 
     @property
     def weight_bytes(self) -> int:

@@ -126,7 +126,14 @@ from k3_decode.kernels.kda_step_plan import (
     KdaVerifyPlan,
 )
 from k3_decode.kernels.phase_trace import words_for
-from k3_decode.kernels.primitives import VECTOR, bulk_prefetch_l2, launch_resident, trace_stamp, warp_sum
+from k3_decode.kernels.primitives import (
+    VECTOR,
+    bulk_copy,
+    bulk_prefetch_l2,
+    launch_resident,
+    trace_stamp,
+    warp_sum,
+)
 
 TAPS = CONV_WIDTH - 1
 
@@ -466,10 +473,10 @@ class KdaStepKernel:
         for i in cutlass.range_constexpr(5):
             cute.arch.mbarrier_arrive_and_expect_tx(bars + i, sizes[i])
         cute.arch.mbarrier_arrive_and_expect_tx(bars + 5, plan.state_bytes)
-        _bulk_copy(fb_s.iterator, f_b[place.first, None].iterator, rows * GATE_RANK * 2, bars + 2)
+        bulk_copy(fb_s.iterator, f_b[place.first, None].iterator, rows * GATE_RANK * 2, bars + 2)
         for start, local, count in plan.conv_runs(place.head, place.rank):
             src = conv_w.iterator + CONV_WIDTH * start
-            _bulk_copy(cw_s.iterator + CONV_WIDTH * local, src, count * CONV_WIDTH * 2, bars + 2)
+            bulk_copy(cw_s.iterator + CONV_WIDTH * local, src, count * CONV_WIDTH * 2, bars + 2)
 
     @cute.jit
     def _prefetch(
@@ -526,9 +533,9 @@ class KdaStepKernel:
         rows, sec = plan.rows_per_cta, plan.sections
         fa_at, gate_at = _section_offsets(plan)
         for start, local, count in plan.conv_runs(place.head, place.rank):
-            _bulk_copy(x_s.iterator + (at + local), x.iterator + start, count * 2, bars + 3)
-        _bulk_copy(x_s.iterator + (at + fa_at), x.iterator + sec["f_a"], GATE_RANK * 2, bars + 3)
-        _bulk_copy(x_s.iterator + (at + gate_at), x.iterator + (sec["g"] + place.first), rows * 2, bars + 3)
+            bulk_copy(x_s.iterator + (at + local), x.iterator + start, count * 2, bars + 3)
+        bulk_copy(x_s.iterator + (at + fa_at), x.iterator + sec["f_a"], GATE_RANK * 2, bars + 3)
+        bulk_copy(x_s.iterator + (at + gate_at), x.iterator + (sec["g"] + place.first), rows * 2, bars + 3)
 
     @cute.jit
     def _copy_state(
@@ -546,11 +553,11 @@ class KdaStepKernel:
         `conv_row` (barrier 4); both from L2, prefetched before the wait."""
         plan = self.plan
         rows = plan.rows_per_cta
-        _bulk_copy(
+        bulk_copy(
             state_s.iterator, state[slot, place.head, place.rank * rows, None].iterator, plan.state_bytes, bars + 5
         )
         for start, local, count in plan.conv_runs(place.head, place.rank):
-            _bulk_copy(
+            bulk_copy(
                 taps_s.iterator + columns * local, conv_row.iterator + columns * start, count * columns * 2, bars + 4
             )
 
@@ -986,13 +993,3 @@ def _dot(a: cute.Tensor, b: cute.Tensor, n: cutlass.Constexpr[int]) -> Float32:
 def _sigmoid(x: Float32) -> Float32:
     """1 / (1 + e^-x); saturates to 0 (not NaN) for very negative x, as e^-x overflows to inf."""
     return cute.arch.rcp_approx(1.0 + cute.math.exp(-x))
-
-
-@cute.jit
-def _bulk_copy(dst: Any, src: Any, size: cutlass.Constexpr[int], bar: Any):
-    """`cp.async.bulk` of `size` bytes from global to this CTA's shared memory, completing `size` bytes of the
-    transaction barrier `bar` (16-byte aligned addresses, `size` a multiple of 16)."""
-    cute.arch.inline_ptx(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
-        read_only_args=[dst.toint(), src.toint(), Int32(size), bar.toint()],
-    )

@@ -111,3 +111,13 @@ def bulk_prefetch_l2(ptr: Any, size: cutlass.Constexpr[int]):
     """`cp.async.bulk.prefetch.L2` of `size` bytes (a multiple of 16) at a 16-byte aligned global address: the copy
     engine warms L2 and the issuing thread waits for nothing."""
     cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[ptr.toint(), Int32(size)])
+
+
+@cute.jit
+def bulk_copy(dst: Any, src: Any, size: cutlass.Constexpr[int], bar: Any):
+    """`cp.async.bulk` of `size` bytes from global to this CTA's shared memory, completing `size` bytes of the
+    transaction barrier `bar` (16-byte aligned addresses, `size` a multiple of 16)."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
+        read_only_args=[dst.toint(), src.toint(), Int32(size), bar.toint()],
+    )

@@ -53,6 +53,14 @@ def test_the_projection_baseline_is_the_plan_for_64_rows():
     assert _variant(mss.load_shapes(), "in_proj-tp16-b64", "served") == served
 
 
+def test_w_in_shared_memory_counts_its_rows_and_barrier_in_the_ctas_shared_memory():
+    timed = _variant(mss.load_shapes(), "o_proj-tp8-b64", "m1k4-w-smem")
+    plain = _variant(mss.load_shapes(), "o_proj-tp8-b64", "m1k4")
+    assert timed.w_smem and not plain.w_smem
+    assert timed.smem_bytes - plain.smem_bytes == 16 * (1536 + 8) * 2 + 16
+    assert timed.smem_bytes * timed.ctas_per_sm <= mss.SMEM_PER_SM < timed.smem_bytes * (timed.ctas_per_sm + 1)
+
+
 def test_taller_ctas_keep_the_k_split_so_a_rows_sum_is_the_same():
     """Every o_proj tiling but the one named for it splits K four ways, as the built stream does."""
     for s in mss.load_shapes():
@@ -82,6 +90,8 @@ GOOD = (
         (("ctas_per_sm = 2", "ctas_per_sm = 9"), "do not fit an SM"),
         (("x_stages = 0", "x_stages = 1"), "x_stages 0 or at least 2"),
         (("m_tiles = 2\n", ""), "needs integer rows_per_cta"),
+        (("ctas_per_sm = 2\n", "ctas_per_sm = 4\nw_smem = true\n"), "shared memory do not fit an SM"),
+        (("ctas_per_sm = 2\n", "ctas_per_sm = 2\nw_smem = 1\n"), "w_smem must be true or false"),
     ],
 )
 def test_a_tiling_the_stream_cannot_run_is_refused_naming_it(tmp_path: Path, change: tuple[str, str], message: str):
