@@ -210,7 +210,12 @@ class KdaOProjBuild:
     @property
     def name(self) -> str:
         p = self.plan
-        return f"kda_o_proj/tp{self.tp}/b{p.batch}/{p.kind.tag}" + "/one-pass" * p.one_pass + "/warm" * p.warm_l2
+        return (
+            f"kda_o_proj/tp{self.tp}/b{p.batch}/{p.kind.tag}"
+            + "/one-pass" * p.one_pass
+            + "/warm" * p.warm_l2
+            + "/w-smem" * p.w_smem
+        )
 
     @property
     def tags(self) -> dict[str, Any]:
@@ -241,6 +246,8 @@ class KdaOProjBuild:
             "passes": 1,
             # CTA barriers before the arrival: o's staging, and the one ordering every store before the release
             "arrival_barriers": 2,
+            "w_shared_loads": 0,
+            "w_bulk_copies": 0,
         }
         if p.tensor_cores:  # the tensor-core stream: o read in MMA fragments, no staging, no FMAs or shuffles
             m = p.mma
@@ -257,8 +264,11 @@ class KdaOProjBuild:
                 "stream_mmas": counts["mmas"],
                 "out_stores": counts["out_stores"],
                 "passes": counts["passes"],
-                # each pass's fixed-order sum, one between passes (its partials are read), the one before the release
-                "arrival_barriers": 2 * counts["passes"],
+                # each pass's fixed-order sum, one between passes (its partials are read), the one before the release,
+                # and with W staged in shared memory the one that publishes its barrier's initialization
+                "arrival_barriers": 2 * counts["passes"] + m.w_smem,
+                "w_shared_loads": counts["w_shared_loads"],
+                "w_bulk_copies": counts["w_bulk_copies"],
             }
         return {
             "tp": self.tp,
@@ -289,6 +299,8 @@ class KdaOProjBuild:
             "exchanges": rows * (mix + k.out_norm),
             "warm": p.warm_l2,
             "warm_prefetches": len(p.late_runs) if p.warm_l2 else 0,  # one per run in the code, before the wait
+            "w_smem": p.w_smem,
+            "w_barrier_waits": int(p.w_smem),  # the wait for the CTA's rows of W, after the dependency wait
         }
 
     def compile(self, arch: str) -> KernelArtifacts:
@@ -530,8 +542,9 @@ class K3KernelBuilds:
             kinds.append(kind)
         both = spec.get("both_streams", {"batches": [], "kinds": []})
         warm = spec.get("warm", {"batches": [], "kinds": []})
+        staged = spec.get("w_smem", {"batches": [], "kinds": []})
         variant_kinds = {}
-        for key, table in (("both_streams", both), ("warm", warm)):
+        for key, table in (("both_streams", both), ("warm", warm), ("w_smem", staged)):
             variant_kinds[key] = [AttnResKind.from_tag(tag) for tag in table["kinds"]]
             if any(kind not in kinds for kind in variant_kinds[key]):
                 raise ValueError(f"builds.toml kda_o_proj.{key}.kinds must be among kinds, got {table['kinds']}")
@@ -560,6 +573,12 @@ class K3KernelBuilds:
                         plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], warm=True)
                         if all(b.plan != plan for b in builds):
                             builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
+            # W staged whole in shared memory (kda_o_proj_choice.toml w_smem_batches), with the served stream.
+            for batch in staged["batches"]:
+                for kind in variant_kinds["w_smem"]:
+                    plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], w_smem=True)
+                    if all(b.plan != plan for b in builds):
+                        builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
         return builds
 
     def _projection_builds(self, section: str, shape: Callable[[Any], tuple[int, int]]) -> list[KdaInProjBuild]:

@@ -37,6 +37,11 @@ Why this design (the plan's numbers: kda_in_proj_mma_plan.py):
   steps per K slice, 3 steps ahead without holding registers, and W keeps 2 steps in flight. The slice's warps
   share its ring (each copies its own batch tiles) and meet at a named barrier per step
   (stream_pass_staged). The MMAs and their order are those of the register path: the same bits.
+- W staged whole in shared memory (plan.w_smem: o_proj's w_smem_batches and benchmarks/mma_stream_shapes.py; not
+  served). Before the wait warp 0's lanes issue one `cp.async.bulk` per row of the CTA into rows padded by 16 bytes
+  (so the 8 rows a load instruction reads sit in 8 bank groups), all completing one transaction barrier; after it
+  every thread waits on the barrier and the slots are filled from shared memory by the same loads in the same
+  order: the same bits, with all of W in flight at once instead of `depth` steps a lane.
 
 Measured on one H200 at 28f8360 (tests/k3_decode/kernels/test_kda_in_proj_gpu.py, CUDA-graph replays, W from HBM):
 83-87% of the copy bandwidth at TP8 B1-B8 (24.3-25.6 us; cuBLAS 25.1-26.5, the CUDA-core build 35.4 at B8) and

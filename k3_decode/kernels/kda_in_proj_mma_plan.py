@@ -158,9 +158,15 @@ class MmaStream:
         body_x = (
             self.depth if self.groups > 1 else sum(j + self.x_stages - 1 < self.split_steps for j in range(self.depth))
         )
+        # W from HBM in the slots: `ahead` before the wait and once per later pass, one refill body; with w_smem the
+        # same slot fills read shared memory after the wait, and the CTA's rows arrive by one bulk copy per row a
+        # lane of warp 0 issues (the loop over rows is unrolled: ceil(rows / 32) copies in the code)
+        weight_loads = len(tiles) * ahead + (len(tiles) * ahead if self.groups > 1 else 0)
         return {
-            "weight_loads_ahead": ahead,
-            "weight_loads": len(tiles) * ahead + (len(tiles) * ahead if self.groups > 1 else 0),
+            "weight_loads_ahead": 0 if self.w_smem else ahead,
+            "weight_loads": 0 if self.w_smem else weight_loads,
+            "w_shared_loads": weight_loads if self.w_smem else 0,
+            "w_bulk_copies": -(-self.rows_per_cta // WARP) if self.w_smem else 0,
             # x: the steps ahead, then one refill per step but the last x_depth of the slice (the compiler drops
             # those when one group covers the slice: their condition is then a constant); none when staged
             "x_loads": 0

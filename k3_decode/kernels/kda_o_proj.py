@@ -98,7 +98,12 @@ to 64 rows in one pass of eight tiles instead, where the epilogue's held vectors
 64 rows, at most half the clusters waiting (two rows each above 32); where the provider serves them is
 providers.toml's [o_proj], by measurement. A warm plan (kda_o_proj_choice.toml warm_batches; measured slower on the
 H200 and not served) also has the copy engine prefetch into L2, before the wait, the runs of W the stream loads
-after it (`_warm`).
+after it (`_warm`). A w_smem plan (w_smem_batches; built, not measured yet, not served) has the copy engine copy the
+CTA's rows of W whole into shared memory before the wait instead (kda_in_proj_mma.stage_w), and the stream fills
+its slots from there: at 33-64 rows the accumulators and x fragments leave room for one k step of W in flight a
+lane, and staged, all of it is in flight at once. 48 KB a CTA at TP8 leaves three CTAs an SM from B32, so that grid
+runs in more than one wave, which the argument above allows (OProjPlan.resident_clusters > epilogue_clusters, which
+the plan checks).
 
 Expected time at TP8, B = 1..4: 22 MB of W at ~4.15 TB/s is ~5.3 us of streaming; the tail after it is the last
 CTA's stores and release (~1 us), the poll that sees it (~0.5-1 us), the row read from L2 and the two DSMEM
@@ -118,7 +123,14 @@ from k3_decode.kernels import cutedsl
 from k3_decode.kernels.attn_res import AttnResKernel
 from k3_decode.kernels.attn_res import _load8 as _row_vector
 from k3_decode.kernels.kda_in_proj import load_group, multiply, stage, weight_slots
-from k3_decode.kernels.kda_in_proj_mma import allocate_partials, lane_rows, load_w, stream_passes, stream_slots
+from k3_decode.kernels.kda_in_proj_mma import (
+    allocate_partials,
+    lane_rows,
+    load_w,
+    stage_w,
+    stream_passes,
+    stream_slots,
+)
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
 from k3_decode.kernels.phase_trace import words_for
 from k3_decode.kernels.primitives import bulk_prefetch_l2, launch_resident, trace_stamp
@@ -234,13 +246,23 @@ class KdaOProjKernel:
             partials = allocate_partials(spec, smem)
             cute.arch.cluster_arrive_relaxed()  # publishes the epilogue's barriers to the cluster, long before use
             slots, xslots = stream_slots(spec)
-            self._warm(w, cta, warp, lane)  # first: its registers are free before the slots fill
-            load_w(spec, w, slots, lanes, Int32(0))  # weights first, while the previous kernel finishes
+            # Weights first, while the previous kernel finishes: the first `depth` k steps into the slots, or
+            # (w_smem) all of the CTA's rows into shared memory by the copy engine.
+            if const_expr(spec.w_smem):
+                w_rows, w_bar = stage_w(spec, w, smem, cta * plan.rows_per_cta, tidx, warp)
+            else:
+                self._warm(w, cta, warp, lane)  # first: its registers are free before the slots fill
+                load_w(spec, w, slots, lanes, Int32(0))
             cute.arch.griddepcontrol_wait()
             trace_stamp(self.trace, launches, cta, 1, tidx)
             if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
                 cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
-            stream_passes(spec, o, w, attn_out, partials, slots, xslots, lanes, warp)  # 32 batch rows a pass
+            if const_expr(spec.w_smem):
+                cute.arch.mbarrier_wait(w_bar, 0)  # the CTA's rows of W have landed
+                load_w(spec, w_rows, slots, lanes, Int32(0))
+                stream_passes(spec, o, w_rows, attn_out, partials, slots, xslots, lanes, warp)
+            else:
+                stream_passes(spec, o, w, attn_out, partials, slots, xslots, lanes, warp)  # 32 batch rows a pass
         else:
             staged = smem.allocate_tensor(
                 BFloat16, cute.make_layout((plan.batch, plan.k), stride=(plan.k, 1)), byte_alignment=16

@@ -79,6 +79,7 @@ class OProjChoice:
     cap_batches: tuple[tuple[int, int], ...]
     one_pass: tuple[OnePassRule, ...]
     warm_batches: tuple[tuple[int, int], ...] = ()
+    w_smem_batches: tuple[tuple[int, int], ...] = ()
 
 
 def choice(path: Path | None = None) -> OProjChoice:
@@ -107,6 +108,11 @@ def warm_at(batch: int, path: Path | None = None) -> bool:
     return _within(batch, choice(path).warm_batches)
 
 
+def w_smem_at(batch: int, path: Path | None = None) -> bool:
+    """Whether kda_o_proj_choice.toml (or `path`) stages the CTA's rows of W whole in shared memory at `batch`."""
+    return _within(batch, choice(path).w_smem_batches)
+
+
 def _within(batch: int, ranges: tuple[tuple[int, int], ...]) -> bool:
     return any(first <= batch <= last for first, last in ranges)
 
@@ -122,13 +128,15 @@ def _span(span: object, low: int, where: str) -> tuple[int, int]:
 @cache
 def _choice(path: Path) -> OProjChoice:
     table = tomllib.loads(path.read_text())
-    caps, rules, warm = table.get("cap_batches"), table.get("one_pass"), table.get("warm_batches", [])
-    if not {"cap_batches", "one_pass"} <= set(table) <= {"cap_batches", "one_pass", "warm_batches"} or not all(
-        isinstance(v, list) for v in (caps, rules, warm)
+    caps, rules = table.get("cap_batches"), table.get("one_pass")
+    warm, staged = table.get("warm_batches", []), table.get("w_smem_batches", [])
+    known = {"cap_batches", "one_pass", "warm_batches", "w_smem_batches"}
+    if not {"cap_batches", "one_pass"} <= set(table) <= known or not all(
+        isinstance(v, list) for v in (caps, rules, warm, staged)
     ):
         raise ValueError(
-            f"{path.name} holds the lists cap_batches and one_pass (and warm_batches) and nothing else, "
-            f"got {sorted(table)}"
+            f"{path.name} holds the lists cap_batches and one_pass (and warm_batches, w_smem_batches) and nothing "
+            f"else, got {sorted(table)}"
         )
     cap_batches = tuple(_span(span, 1, f"{path.name}: cap_batches[{i}]") for i, span in enumerate(caps))
     one_pass = []
@@ -142,7 +150,11 @@ def _choice(path: Path) -> OProjChoice:
             raise ValueError(f"{where} max_blocks is a count of bank blocks, got {blocks!r}")
         one_pass.append(OnePassRule(first, last, blocks))
     warm_batches = tuple(_span(span, 1, f"{path.name}: warm_batches[{i}]") for i, span in enumerate(warm))
-    return OProjChoice(cap_batches, tuple(one_pass), warm_batches)
+    w_smem_batches = tuple(
+        _span(span, CUDA_CORE_MAX_BATCH + 1, f"{path.name}: w_smem_batches[{i}] (tensor-core batches)")
+        for i, span in enumerate(staged)
+    )
+    return OProjChoice(cap_batches, tuple(one_pass), warm_batches, w_smem_batches)
 
 
 @dataclass(frozen=True)
@@ -156,6 +168,7 @@ class OProjPlan(WeightStream):
     capped: bool = False  # the launch caps the CTAs an SM holds at ctas_per_sm (launch_smem_bytes)
     one_pass: bool = False  # above 32 rows, one pass of up to ONE_PASS_N_TILES batch tiles (mma)
     warm_l2: bool = False  # the CTA warms L2 with its late_runs before griddepcontrol.wait
+    w_smem: bool = False  # the tensor-core stream bulk-copies the CTA's rows of W into shared memory before the wait
 
     @classmethod
     def for_shape(
@@ -168,11 +181,13 @@ class OProjPlan(WeightStream):
         capped: bool | None = None,
         one_pass: bool | None = None,
         warm: bool | None = None,
+        w_smem: bool | None = None,
     ) -> OProjPlan:
         """The plan for one shape: the most rows per warp (the most reuse of each staged o vector) whose grid is
         whole clusters and fits on the SMs at once (one wave, MAX_CTAS_PER_SM per SM). `capped` and `one_pass`: None
         takes what kda_o_proj_choice.toml says for the batch (and kind); so does `warm`, which the choice file's
-        warm_batches give only where the stream loads part of W after its wait (late_runs)."""
+        warm_batches give only where the stream loads part of W after its wait (late_runs), and `w_smem` (tensor
+        cores only; a staged stream has no late runs, so it is never warmed)."""
         cluster = ClusterPlan.for_hidden(hidden)  # raises for a width AttnRes cannot split
         if k <= 0 or k % STEP:
             raise ValueError(f"the fused o_proj kernel needs K to be a positive multiple of {STEP}, got {k}")
@@ -202,7 +217,14 @@ class OProjPlan(WeightStream):
             raise ValueError(
                 f"one pass is the fused o_proj's plan up to {WIDE_N_TILES * TILE_N} rows; got one_pass at {batch}"
             )
-        plan = cls(hidden, k, batch, kind, sm_count, fitting[0], capped, one_pass)
+        if w_smem is None:
+            w_smem = w_smem_at(batch)
+        if w_smem and batch <= CUDA_CORE_MAX_BATCH:
+            raise ValueError(
+                f"W staged in shared memory is a plan of the tensor-core stream (above {CUDA_CORE_MAX_BATCH} rows); "
+                f"got w_smem at {batch}"
+            )
+        plan = cls(hidden, k, batch, kind, sm_count, fitting[0], capped, one_pass, w_smem=w_smem)
         if warm is None:
             warm = warm_at(batch) and plan.warmable
         elif warm and not plan.late_runs:
@@ -214,6 +236,12 @@ class OProjPlan(WeightStream):
             raise ValueError(
                 f"the fused o_proj kernel's tensor-core stream needs {TILE_M} rows per CTA, the plan gives "
                 f"{plan.rows_per_cta} for {hidden} rows"
+            )
+        if plan.resident_clusters <= plan.epilogue_clusters:
+            raise ValueError(
+                f"{plan.tag}: {plan.resident_ctas_per_sm} CTAs of {plan.cta_smem_bytes} bytes of shared memory an SM "
+                f"hold {plan.resident_clusters} clusters at once, not more than the {plan.epilogue_clusters} that wait "
+                "for the grid: the rest could never run"
             )
         if plan.epilogue_clusters * WAITING_SHARE > plan.clusters:
             raise ValueError(
@@ -233,14 +261,19 @@ class OProjPlan(WeightStream):
         one pass (up to WIDE_N_TILES tiles of 8; ONE_PASS_N_TILES with one_pass)."""
         tiles = n_tiles(self.batch, ONE_PASS_N_TILES if self.one_pass else WIDE_N_TILES)
         loads, x_ahead = MMA_STREAM[tiles]
-        return MmaStream(self.hidden, self.k, self.batch, self.rows_per_cta, 1, self.warps, loads, x_ahead, tiles)
+        return MmaStream(
+            self.hidden, self.k, self.batch, self.rows_per_cta, 1, self.warps, loads, x_ahead, tiles, w_smem=self.w_smem
+        )
 
     @property
     def late_runs(self) -> tuple[tuple[int, int], ...]:
         """(first column, columns) of the runs of each of the CTA's rows of W that its stream loads only after
         griddepcontrol.wait: what the registers do not hold before it. One run over K on CUDA cores (past the first
         `depth` steps of 256 columns); on tensor cores one per K slice, slice s being warp s's (past its first
-        `depth` steps of 64). A warm plan has these prefetched into L2 before the wait."""
+        `depth` steps of 64; none when W is staged whole in shared memory). A warm plan has these prefetched into L2
+        before the wait."""
+        if self.w_smem:
+            return ()
         if self.tensor_cores:
             spec = self.mma
             width, held = spec.split_steps * MMA_STEP, spec.depth * MMA_STEP
@@ -311,6 +344,26 @@ class OProjPlan(WeightStream):
         return -(-self.ctas // self.sm_count)
 
     @property
+    def cta_smem_bytes(self) -> int:
+        """The shared memory of one CTA, the driver's 1 KiB included: staged o (the CUDA-core stream) or the K slices'
+        partials and, with w_smem, the CTA's rows of W (tensor cores); the AttnRes exchange's two barriers and areas
+        per epilogue row; alignment."""
+        exchange = (2 * 8 + (self.attn.slots * 20 + self.attn.slots) * 4 + 64) * self.epilogue_rows
+        stream = self.mma.smem_bytes if self.tensor_cores else self.stage_bytes
+        return stream + exchange + 1024
+
+    @property
+    def resident_ctas_per_sm(self) -> int:
+        """CTAs of this grid an SM can hold at once by registers (ctas_per_sm, the cap ptxas meets) and shared
+        memory. Below ctas_per_sm (W staged in shared memory at TP8) the grid runs in more than one wave, which the
+        grid-wide point allows while more clusters than wait for it fit at once (resident_clusters)."""
+        return min(self.ctas_per_sm, SMEM_PER_SM // self.cta_smem_bytes)
+
+    @property
+    def resident_clusters(self) -> int:
+        return self.sm_count * self.resident_ctas_per_sm // self.cluster
+
+    @property
     def launch_smem_bytes(self) -> int | None:
         """The dynamic shared memory the launch asks for: None (what the kernel allocates, a few KiB) uncapped;
         capped, a request that alone exceeds an SM's share for ctas_per_sm + 1 CTAs, so that no SM holds more than
@@ -347,4 +400,5 @@ class OProjPlan(WeightStream):
             + "/one-pass" * self.one_pass
             + "/cap" * self.capped
             + "/warm" * self.warm_l2
+            + "/w-smem" * self.w_smem
         )

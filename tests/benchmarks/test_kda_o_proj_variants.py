@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import kda_layer_h200 as bench
-from k3_decode.kernels.kda_o_proj_plan import capped_at, one_pass_at, warm_at
+from k3_decode.kernels.kda_o_proj_plan import capped_at, choice, one_pass_at, w_smem_at, warm_at
 from k3_decode.kernels.providers import max_rows
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results/kda-layer-variants-h100"
@@ -21,6 +21,8 @@ CAP_ROUNDS = [(RESULTS / f"cap-base-{i}.json", RESULTS / f"cap-{i}.json") for i 
 # On the H200, layer 6 at TP8 B1-B8 with warm_batches = [[1, 64]] against none, one round of 60.
 H200 = RESULTS.parent / "kda-layer-variants-h200"
 WARM_ROUNDS = [(H200 / "warm-base-1.json", H200 / "warm-1.json")]
+# W staged in shared memory (w_smem_batches) against the plain stream: no round yet.
+W_SMEM_ROUNDS = sorted(RESULTS.parent.glob("kda-layer-variants-h*/w-smem-*.json"))
 ONE_BLOCK = 1
 
 
@@ -123,3 +125,20 @@ def test_no_warm_batch_is_served_because_warming_lost_at_every_measured_cell():
     for (_, batch), us in saved.items():
         assert warm_at(batch) == (us > 0), f"B{batch}: saved {us:+.2f} us"
     assert all(us < 0 for us in saved.values())
+
+
+def w_smem_served_without_rounds(path=None) -> list[int]:
+    """The batches the choice file stages W at although no committed layer round measured it there."""
+    served = [b for b in range(1, 65) if w_smem_at(b, path)]
+    return served if not W_SMEM_ROUNDS else []
+
+
+def test_w_is_staged_nowhere_until_a_layer_round_has_measured_it(tmp_path):
+    """w_smem_batches is built and checked in CI, not measured on a GPU yet: the served file stages W nowhere until
+    committed rounds (kda-layer-variants-*/w-smem-*.json) exist to bind a verdict to, as the others are bound above.
+    Broken case: a file that stages it at B32-B64 now is refused."""
+    assert w_smem_served_without_rounds() == []
+    assert choice().w_smem_batches == ()
+    staged = tmp_path / "kda_o_proj_choice.toml"
+    staged.write_text("cap_batches = []\none_pass = []\nw_smem_batches = [[32, 64]]\n")
+    assert w_smem_served_without_rounds(staged) == ([] if W_SMEM_ROUNDS else list(range(32, 65)))

@@ -65,11 +65,8 @@ def failed_checks_of_broken_build(tmp_path: Path, match: str, patch: str) -> set
 
 
 def o_proj_cta_smem(plan: OProjPlan) -> int:
-    """The shared memory of one fused o_proj CTA, the driver's 1 KiB included: staged o (the CUDA-core stream) or
-    the K slices' partials (tensor cores), the AttnRes exchange's two barriers and areas per epilogue row, alignment."""
-    exchange = (2 * 8 + (plan.attn.slots * 20 + plan.attn.slots) * 4 + 64) * plan.epilogue_rows
-    stream = plan.mma.smem_bytes if plan.tensor_cores else plan.stage_bytes
-    return stream + exchange + 1024
+    """The shared memory of one fused o_proj CTA, the driver's 1 KiB included (OProjPlan.cta_smem_bytes)."""
+    return plan.cta_smem_bytes
 
 
 def compiled_cubin(kernel: Any, args: tuple[Any, ...]) -> tuple[bytes, str]:

@@ -27,6 +27,7 @@ from k3_decode.kernels.kda_o_proj_plan import (
     capped_batches,
     choice,
     one_pass_at,
+    w_smem_at,
     warm_at,
 )
 from k3_decode.kernels.kda_step_plan import KdaStepPlan
@@ -142,6 +143,8 @@ def test_the_cap_is_served_only_where_the_step_is_not_spread():
         ("cap_batches = []\none_pass = [{ batches = [33, 64], max_blocks = true }]", "max_blocks is a count"),
         ("cap_batches = []\none_pass = []\nwarm_batches = [[0, 8]]", r"warm_batches\[0\] is a \[first, last\]"),
         ("cap_batches = []\none_pass = []\nwarm_batches = true", "the lists"),
+        ("cap_batches = []\none_pass = []\nw_smem_batches = [[1, 64]]", r"w_smem_batches\[0\] .* range within 5\.\.64"),
+        ("cap_batches = []\none_pass = []\nw_smem_batches = 32", "the lists"),
     ],
 )
 def test_a_malformed_choice_file_is_an_error_naming_it(tmp_path, text, says):
@@ -160,6 +163,50 @@ def test_a_choice_file_serves_what_it_says(tmp_path):
     assert [one_pass_at(b, N1.num_blocks, path) for b in (32, 33, 64)] == [False, True, True]
     assert not one_pass_at(64, ADD8.num_blocks, path)  # the rule's kinds mix at most one block
     assert not any(warm_at(b, path) for b in (1, 64))  # warm_batches may be left out: none
+    assert not any(w_smem_at(b, path) for b in (8, 64))  # so may w_smem_batches
+    staged = tmp_path / "staged.toml"  # choice() caches by path
+    staged.write_text("cap_batches = []\none_pass = []\nw_smem_batches = [[16, 32]]\n")
+    assert [w_smem_at(b, staged) for b in (8, 16, 32, 64)] == [False, True, True, False]
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_w_in_shared_memory_is_staged_whole_and_fits_beside_more_than_the_waiting_clusters(tp):
+    """w_smem (kda_o_proj_choice.toml w_smem_batches): the CTA's 16 rows of W in shared memory instead of the first
+    k steps in registers, nothing of W left for after the wait (so nothing to warm), the same K split and passes (so
+    a row's bits: the GPU test asks for them). It costs 48 KB a CTA at TP8, so from B32 an SM holds three CTAs, not
+    four: the grid then runs in more than one wave, and the plan makes sure that more clusters fit at once than wait
+    for the grid (else the rest could never run)."""
+    hidden, k = K3.shard(tp).kda_o_proj
+    for batch, kind in ((8, N1), (16, ADD8), (32, N1), (64, ADD8), (64, N1)):
+        plain = OProjPlan.for_shape(hidden, k, batch, kind, w_smem=False)
+        staged = OProjPlan.for_shape(hidden, k, batch, kind, w_smem=True)
+        assert staged.mma.w_smem and not plain.mma.w_smem and staged.tag == plain.tag + "/w-smem"
+        assert staged.late_runs == () and not staged.warmable
+        assert (staged.mma.k_splits, staged.mma.passes) == (plain.mma.k_splits, plain.mma.passes)
+        assert staged.cta_smem_bytes - plain.cta_smem_bytes == 16 * (k + 8) * 2 + 16
+        counts = staged.mma.code_counts()
+        assert counts["weight_loads_ahead"] == counts["weight_loads"] == 0 and counts["w_bulk_copies"] == 1
+        assert counts["w_shared_loads"] == plain.mma.code_counts()["weight_loads"]
+        assert staged.resident_ctas_per_sm * staged.cta_smem_bytes <= SMEM_PER_SM
+        assert staged.resident_clusters > staged.epilogue_clusters
+        want = 3 if tp == 8 and batch >= 32 else 4
+        assert staged.resident_ctas_per_sm == want and plain.resident_ctas_per_sm == 4, staged.tag
+    with pytest.raises(ValueError, match="tensor-core stream"):
+        OProjPlan.for_shape(hidden, k, 4, N1, w_smem=True)
+    with pytest.raises(ValueError, match="holds all of W before its wait"):
+        OProjPlan.for_shape(hidden, k, 32, N1, w_smem=True, warm=True)
+    for batch in (16, 64):  # the served file's verdict reaches the plan
+        assert OProjPlan.for_shape(hidden, k, batch, N1).w_smem == w_smem_at(batch)
+
+
+def test_a_grid_whose_resident_clusters_cannot_outnumber_the_waiting_ones_is_refused():
+    """Where the staged CTAs' shared memory leaves fewer clusters resident than the epilogue holds waiting (here a
+    K whose 16 rows of W alone take 192 KB, so no CTA fits beside its partials), the grid-wide point could never be
+    reached: the plan is refused, not launched to hang."""
+    plain = OProjPlan.for_shape(7168, 6144, 64, N1, w_smem=False)
+    assert plain.resident_clusters > plain.epilogue_clusters
+    with pytest.raises(ValueError, match="could never run"):
+        OProjPlan.for_shape(7168, 6144, 64, N1, w_smem=True)
 
 
 def test_late_runs_are_what_the_registers_do_not_hold_before_the_wait():
@@ -287,7 +334,7 @@ def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
     assert kinds <= after_attention_kinds()
     assert {b.tp: (b.plan.hidden, b.plan.k) for b in builds} == {8: K3.shard(8).kda_o_proj, 16: K3.shard(16).kda_o_proj}
     assert {b.kernel for b in builds} == {"kda_o_proj"} and {b.capacity for b in builds} == {8}
-    assert len({b.name for b in builds}) == len(builds) == 56 + 4 + 14
+    assert len({b.name for b in builds}) == len(builds) == 56 + 4 + 14 + 12
     assert "kda_o_proj/tp16/b4/n8-add-norm" in {b.name for b in builds}
     # builds.toml's both_streams: at B64 for the one-block kinds, one pass and two, whichever the choice file serves
     one_block = [(tp, 64, tag) for tp in (8, 16) for tag in ("n1-restart-norm", "n1-add-norm")]
@@ -309,6 +356,20 @@ def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
         if not (batch == 64 and tag == "n8-add-norm")  # two passes: not warmable
     }
     assert all(b.tags["warm_prefetches"] == 0 for b in builds if not b.plan.warm_l2)
+    # builds.toml's w_smem: B16-B64 at both epilogue sizes, with the stream the choice file serves (one pass at 64
+    # rows for one block), one bulk copy in the code and the slot fills from shared memory
+    staged = {b.name: b.tags for b in builds if b.plan.w_smem}
+    assert set(staged) == {
+        f"kda_o_proj/tp{tp}/b{batch}/{tag}{'/one-pass' * (batch == 64 and tag == 'n1-add-norm')}/w-smem"
+        for tp in (8, 16)
+        for batch in (16, 32, 64)
+        for tag in ("n1-add-norm", "n8-add-norm")
+    }
+    for name, t in staged.items():
+        assert (t["w_bulk_copies"], t["w_barrier_waits"], t["weight_loads_ahead"]) == (1, 1, 0), name
+        plain = tags[name.removesuffix("/w-smem").removesuffix("/one-pass")]
+        assert t["w_shared_loads"] > 0 and t["stream_loads"] < plain["stream_loads"], name
+    assert all(b.tags["w_bulk_copies"] == b.tags["w_shared_loads"] == 0 for b in builds if not b.plan.w_smem)
 
 
 def test_both_streams_kinds_must_be_built_kinds(monkeypatch):
@@ -355,7 +416,7 @@ def test_build_tags_count_what_the_code_must_hold():
 def test_expectations_judge_every_o_proj_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_o_proj/*")  # every named tag exists
-    assert len(builds) == 56 + 4 + 14  # the stream not served at B64 for n1, both TPs; 14 warm
+    assert len(builds) == 56 + 4 + 14 + 12  # the stream not served at B64 for n1, both TPs; 14 warm; 12 W staged
     spec = expectations["kda_o_proj"]
     assert spec.max_registers == 128 and spec.max_frame_bytes == 0 and len(spec.rules) >= 45
 
@@ -411,6 +472,39 @@ def test_a_warm_build_that_prefetches_after_the_wait_fails_its_build(tmp_path):
         r"ptx 'cp\\.async\\.bulk\\.prefetch\\.L2\\.global' before 'griddepcontrol\\.wait;'",
         r"ptx 'ld\\.global\\.v4\\.b32' before 'griddepcontrol\\.wait;'",
         r"sass '\\bLDG\\.E\\.128\\b' before '\\bACQBULK\\b'",
+    }, sorted(failed)
+
+
+W_COPIED_AFTER_WAIT = """
+import os
+os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+import cutlass.cute as cute
+from k3_decode.kernels import kda_in_proj_mma, kda_o_proj
+
+own = kda_in_proj_mma.stage_w
+
+
+@cute.jit
+def late_stage(plan, w, smem, first, tidx, warp):
+    cute.arch.griddepcontrol_wait()
+    return own(plan, w, smem, first, tidx, warp)
+
+
+kda_o_proj.stage_w = late_stage
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_w_smem_build_that_copies_w_after_the_wait_fails_its_build(tmp_path):
+    """The broken case of the w_smem builds: the rows of W copied behind a dependency wait (`stage_w` patched in the
+    compiling process only) arrive only after the previous kernel, which is what staging them was for. The order rule
+    catches it, and so does the single-wait rule."""
+    failed = failed_checks_of_broken_build(tmp_path, "kda_o_proj/tp8/b32/n1-add-norm/w-smem", W_COPIED_AFTER_WAIT)
+    assert failed == {
+        r"ptx 'griddepcontrol\\.wait;'",
+        r"ptx 'cp\\.async\\.bulk\\.shared::cluster\\.global\\.mbarrier::complete_tx::bytes' "
+        r"before 'griddepcontrol\\.wait;'",
     }, sorted(failed)
 
 

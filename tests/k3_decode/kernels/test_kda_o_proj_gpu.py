@@ -72,6 +72,7 @@ AFTER_KINDS = sorted(
 )
 SAVE_KINDS = [AttnResKind(3, "add", True, True), AttnResKind(5, "restart", True, True)]
 EDGE = [AttnResKind.from_tag("n1-restart-norm"), AttnResKind.from_tag("n8-add-norm")]
+N1_ADD = AttnResKind.from_tag("n1-add-norm")
 # B = 1..4: the CUDA-core stream; 8 and 16: tensor cores in one pass of two batch tiles; 22 and 32: one pass of four
 # tiles (22: a third tile of 6 rows, 2 masked, and a fourth past the batch); 33 and 64: two passes, and 17 and 32
 # epilogue clusters of two rows each (33: the last cluster's second row past the batch).
@@ -387,17 +388,22 @@ def test_one_pass_gives_the_two_pass_streams_bits_and_is_timed_beside_it(tp: int
     choice_on_and_off(tp, cases, lambda on: one_pass_choice(tmp_path, monkeypatch, on), check, "one-pass")
 
 
-def warm_choice(tmp_path, monkeypatch, warm: bool) -> None:
-    """The served choice file with its warm_batches line set to every batch or none (a choice file of the test's
-    own)."""
+def served_choice_with(tmp_path, monkeypatch, key: str, ranges: str) -> None:
+    """The served choice file with its `key` line (a list of batch ranges) set to `ranges`, as a choice file of the
+    test's own."""
     from k3_decode.kernels import kda_o_proj_plan
 
     served = kda_o_proj_plan.CHOICE.read_text()
-    text, lines = re.subn(r"(?m)^warm_batches = .*$", f"warm_batches = [{'[1, 64]' if warm else ''}]", served)
-    assert lines == 1, "kda_o_proj_choice.toml has no warm_batches line to set"
-    path = tmp_path / f"kda_o_proj_choice-warm-{int(warm)}.toml"
+    text, lines = re.subn(rf"(?m)^{key} = .*$", f"{key} = [{ranges}]", served)
+    assert lines == 1, f"kda_o_proj_choice.toml has no {key} line to set"
+    path = tmp_path / f"kda_o_proj_choice-{key}-{len(ranges)}.toml"
     path.write_text(text)
     monkeypatch.setattr(kda_o_proj_plan, "CHOICE", path)
+
+
+def warm_choice(tmp_path, monkeypatch, warm: bool) -> None:
+    """The served choice file with its warm_batches line set to every batch or none."""
+    served_choice_with(tmp_path, monkeypatch, "warm_batches", "[1, 64]" if warm else "")
 
 
 @pytest.mark.parametrize("tp", [8, 16])
@@ -421,6 +427,37 @@ def test_warming_l2_changes_no_bit_and_is_timed_beside_the_plain_stream(tp: int,
         assert plan.warm_l2 == on, plan.tag
 
     choice_on_and_off(tp, cases, lambda on: warm_choice(tmp_path, monkeypatch, on), check, "warm")
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_w_in_shared_memory_changes_no_bit_and_is_timed_beside_the_plain_stream(tp: int, tmp_path, monkeypatch):
+    """kda_o_proj_choice.toml's w_smem_batches: the CTA's rows of W bulk-copied into shared memory before the wait
+    and the stream's slots filled from there, which changes where W is read from, never what is computed: the same
+    o_proj bits and MLP input as the plain stream at B8-B64 (one and two passes, both epilogue sizes), both timed.
+    Speed is the layer benchmark's to judge (the KDA step runs before o_proj there)."""
+    cases = [(batch, kind) for batch in (8, 16, 32, 64) for kind in (N1_ADD, EDGE[-1])]
+
+    def check(plan: OProjPlan, on: bool) -> None:
+        assert plan.w_smem == on and plan.mma.w_smem == on, plan.tag
+
+    serve = lambda on: served_choice_with(tmp_path, monkeypatch, "w_smem_batches", "[5, 64]" if on else "")  # noqa: E731
+    choice_on_and_off(tp, cases, serve, check, "w-smem")
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_the_driver_fits_the_w_smem_plans_resident_ctas_an_sm(tp: int):
+    """OProjPlan.resident_ctas_per_sm, which the plan's refusal of a grid that could never finish rests on: the
+    driver's occupancy calculator, given the staged build at B64 and its own shared memory, fits exactly that many
+    CTAs an SM (three at TP8, where W takes 48 KB a CTA; four at TP16)."""
+    from k3_decode.kernels.kda_o_proj import KdaOProjKernel, compile_args
+
+    hidden, k = K3.shard(tp).kda_o_proj
+    plan = OProjPlan.for_shape(hidden, k, 64, N1_ADD, w_smem=True)
+    own = o_proj_cta_smem(plan) - 1024  # the kernel's allocation, without the driver's reserve
+    cubin, entry = compiled_cubin(KdaOProjKernel(plan), compile_args(plan, CAPACITY))
+    (fits,) = ctas_per_sm(cubin, entry, plan.threads, [own])
+    print(f"METRIC o_proj TP{tp} B64 w-smem: {fits} CTAs per SM at {own} B")
+    assert fits == plan.resident_ctas_per_sm == (3 if tp == 8 else 4), (fits, plan.resident_ctas_per_sm)
 
 
 # --- the provider inside the stack executor -------------------------------------------------------------
