@@ -143,6 +143,7 @@ def test_the_table_prints_every_variant_and_flags_a_wrong_one(tmp_path: Path, ca
                     "m2k4": _cell(12.0, ok=False, same=False, plan=plan),
                     "cublas": _cell(9.0, same=False),
                 },
+                "not_compiled": {"m4k4": "DSLRuntimeError: too many registers"},
             }
         ],
     }
@@ -152,4 +153,5 @@ def test_the_table_prints_every_variant_and_flags_a_wrong_one(tmp_path: Path, ca
     out = capsys.readouterr().out
     assert "| m2k4 | 224 x 256 | 2 | 32 | 1 | 12.00 (11.90-12.10) | 1.00 | 0.750 | 1.333 | NO | no |" in out
     assert "| cublas | - | - | - | - |" in out
+    assert "- m4k4 did not compile: DSLRuntimeError: too many registers" in out
     assert mss.main(["--table", str(tmp_path / "missing.json")]) == 2
