@@ -58,7 +58,8 @@ class MmaStream:
     max_n_tiles: int = MAX_N_TILES  # batch tiles of 8 rows one pass holds
     x_stages: int = 0  # 0: x in registers, x_depth steps ahead; else a cp.async ring of this many k steps per slice
     # W bulk-copied whole into shared memory before griddepcontrol.wait (one cp.async.bulk per row, no register held
-    # for it), the slots then filled from there: a benchmark variant (benchmarks/mma_stream_shapes.toml), not served
+    # for it), the slots then filled from there: o_proj's w_smem_batches and benchmarks/mma_stream_shapes.toml; not
+    # served anywhere yet
     w_smem: bool = False
 
     @property
