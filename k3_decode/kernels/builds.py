@@ -232,11 +232,12 @@ class KdaOProjBuild:
         rows = p.epilogue_rows  # batch rows each epilogue cluster applies AttnRes to, each with its own exchanges
         per_row = k.num_blocks + (k.delta == "add")  # a row's bank blocks and old prefix
         independent = weight_loads + rows * per_row
-        stream_loads = group + (group if p.groups > 1 else 0) + p.fill_loads
+        w_loads = group + (group if p.groups > 1 else 0)  # the slots' fills: ahead and one refill body
+        stream_loads = (0 if p.w_smem else w_loads) + p.fill_loads
         stream = {  # the CUDA-core stream (B <= 4)
             "depth": p.depth,
             "groups": p.groups,
-            "weight_loads_ahead": group,
+            "weight_loads_ahead": 0 if p.w_smem else group,
             "o_stages": p.fill_loads,  # shared stores of the staged o
             "o_reads": p.depth * p.batch,  # ld.shared.v4 of o, one per step and batch row
             "stream_fmas": p.depth * p.rows_per_warp * p.batch * 8,
@@ -245,9 +246,10 @@ class KdaOProjBuild:
             "out_stores": p.rows_per_warp * p.batch,  # BF16 o_proj outputs per lane's warp
             "passes": 1,
             # CTA barriers before the arrival: o's staging, and the one ordering every store before the release
-            "arrival_barriers": 2,
-            "w_shared_loads": 0,
-            "w_bulk_copies": 0,
+            # (and with W staged in shared memory the one that publishes its barrier's initialization)
+            "arrival_barriers": 2 + p.w_smem,
+            "w_shared_loads": w_loads if p.w_smem else 0,  # the same fills, from shared memory after the wait
+            "w_bulk_copies": 1 if p.w_smem else 0,  # a lane a row: the CTA's 16 rows in one unrolled copy
         }
         if p.tensor_cores:  # the tensor-core stream: o read in MMA fragments, no staging, no FMAs or shuffles
             m = p.mma

@@ -234,10 +234,13 @@ def multiply(
     lane: Int32,
     first: Int32 | int,
     batch: cutlass.Constexpr[int],
+    w_row0: Int32 | None = None,
 ):
     """out[first .. first + batch - 1, the warp's rows] = the staged rows @ W[the warp's rows]^T, with group 0 of
-    the weights already in the slots."""
+    the weights already in the slots. `w_row0`: where the warp's rows start in `w` when that is not W itself but the
+    CTA's rows of it in shared memory (the fused o_proj's w_smem plan); row0 is still where they go in `out`."""
     rows = plan.rows_per_warp
+    src = row0 if w_row0 is None else w_row0
     acc = cute.make_rmem_tensor((rows * batch,), Float32)
     acc.fill(0.0)
     for g in cutlass.range(plan.groups, unroll=1):
@@ -245,7 +248,7 @@ def multiply(
             wv = [to_f32(slots[j][r].load()) for r in range(rows)]
             if g + 1 < plan.groups:  # refill the slot just read: the stream runs `depth` steps ahead
                 for r in cutlass.range_constexpr(rows):
-                    load8(w[row0 + r, None], lane + WARP * ((g + 1) * plan.depth + j), slots[j][r])
+                    load8(w[src + r, None], lane + WARP * ((g + 1) * plan.depth + j), slots[j][r])
             step = g * plan.depth + j
             for b in cutlass.range_constexpr(batch):
                 xv = to_f32(load8_value(staged[b, None], lane + WARP * step))

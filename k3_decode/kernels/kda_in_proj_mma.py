@@ -154,13 +154,31 @@ def allocate_partials(plan: MmaStream, smem: Any) -> cute.Tensor:
 
 @cute.jit
 def stage_w(plan: MmaStream, w: cute.Tensor, smem: Any, first: Int32, tidx: Int32, warp: Int32) -> tuple:
-    """(the CTA's rows of W in shared memory, their transaction barrier) for a w_smem plan: one `cp.async.bulk` per
-    row, issued by warp 0's lanes (lane l copies rows l, l + 32, ...), all completing the one barrier, which thread
-    0 arms with the bytes of the rows the CTA has (fewer in the last CTA). The caller waits on phase 0 of it."""
+    """(the CTA's rows of W in shared memory, their transaction barrier) for a w_smem plan (stage_rows), in rows
+    padded by 16 bytes: a load instruction reads 8 rows at one column, which then fall in 8 bank groups."""
+    return stage_rows(w, smem, first, plan.rows_per_cta, plan.rows, plan.w_row_stride, tidx, warp)
+
+
+@cute.jit
+def stage_rows(
+    w: cute.Tensor,
+    smem: Any,
+    first: Int32,
+    count: cutlass.Constexpr[int],
+    rows: cutlass.Constexpr[int],
+    stride: cutlass.Constexpr[int],
+    tidx: Int32,
+    warp: Int32,
+) -> tuple:
+    """(rows first .. first + count - 1 of W (of `rows`) in shared memory, `stride` elements apart, their
+    transaction barrier): one `cp.async.bulk` per row, issued by warp 0's lanes (lane l copies rows l, l + 32, ...),
+    all completing the one barrier, which thread 0 arms with the bytes of the rows that exist (fewer in a last,
+    partial CTA). The caller waits on phase 0 of it. Used before griddepcontrol.wait: W does not depend on the
+    previous kernel."""
+    k = w.shape[1]
     bar = smem.allocate_array(Int64, 1, byte_alignment=8)
-    layout = cute.make_layout((plan.rows_per_cta, plan.k), stride=(plan.w_row_stride, 1))
-    rows = smem.allocate_tensor(BFloat16, layout, byte_alignment=128)
-    here = cutlass.min(Int32(plan.rows_per_cta), Int32(plan.rows) - first)
+    staged = smem.allocate_tensor(BFloat16, cute.make_layout((count, k), stride=(stride, 1)), byte_alignment=128)
+    here = cutlass.min(Int32(count), Int32(rows) - first)
     if tidx == 0:
         cute.arch.mbarrier_init(bar, 1)
         cute.arch.mbarrier_init_fence()
@@ -169,13 +187,12 @@ def stage_w(plan: MmaStream, w: cute.Tensor, smem: Any, first: Int32, tidx: Int3
     if warp == 0:
         lane = cute.arch.lane_idx()
         if lane == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, here * (plan.k * 2))
-        for r in cutlass.range_constexpr(-(-plan.rows_per_cta // WARP)):
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, here * (k * 2))
+        for r in cutlass.range_constexpr(-(-count // WARP)):
             row = lane + r * WARP
             if row < here:
-                src = w.iterator + (first + row) * plan.k
-                bulk_copy(rows.iterator + row * plan.w_row_stride, src, plan.k * 2, bar)
-    return rows, bar
+                bulk_copy(staged.iterator + row * stride, w.iterator + (first + row) * k, k * 2, bar)
+    return staged, bar
 
 
 def allocate_x_ring(plan: MmaStream, smem: Any) -> cute.Tensor | None:

@@ -128,8 +128,10 @@ class MmaStream:
 
     @property
     def w_smem_bytes(self) -> int:
-        """The CTA's rows of W in shared memory (w_smem) and their transaction barrier, else nothing."""
-        return self.rows_per_cta * self.w_row_stride * 2 + 16 if self.w_smem else 0
+        """The CTA's rows of W in shared memory (w_smem), else nothing: the rows, and 128 bytes for their transaction
+        barrier and the padding to the rows' 128-byte alignment after it (the launch asks for smem_bytes, so this
+        must not fall short of what the kernel allocates)."""
+        return self.rows_per_cta * self.w_row_stride * 2 + 128 if self.w_smem else 0
 
     @property
     def smem_bytes(self) -> int:

@@ -99,11 +99,11 @@ to 64 rows in one pass of eight tiles instead, where the epilogue's held vectors
 providers.toml's [o_proj], by measurement. A warm plan (kda_o_proj_choice.toml warm_batches; measured slower on the
 H200 and not served) also has the copy engine prefetch into L2, before the wait, the runs of W the stream loads
 after it (`_warm`). A w_smem plan (w_smem_batches; built, not measured yet, not served) has the copy engine copy the
-CTA's rows of W whole into shared memory before the wait instead (kda_in_proj_mma.stage_w), and the stream fills
-its slots from there: at 33-64 rows the accumulators and x fragments leave room for one k step of W in flight a
-lane, and staged, all of it is in flight at once. 48 KB a CTA at TP8 leaves three CTAs an SM from B32, so that grid
-runs in more than one wave, which the argument above allows (OProjPlan.resident_clusters > epilogue_clusters, which
-the plan checks).
+CTA's rows of W whole into shared memory before the wait instead (kda_in_proj_mma.stage_rows), and either stream
+fills its slots from there in the same order: at 33-64 rows the accumulators and x fragments leave room for one k
+step of W in flight a lane, and staged, all of it is in flight at once. 48 KB a CTA at TP8 leaves three CTAs an SM
+at B4 and from B32, so that grid runs in more than one wave, which the argument above allows
+(OProjPlan.resident_clusters > epilogue_clusters, which the plan checks).
 
 Expected time at TP8, B = 1..4: 22 MB of W at ~4.15 TB/s is ~5.3 us of streaming; the tail after it is the last
 CTA's stores and release (~1 us), the poll that sees it (~0.5-1 us), the row read from L2 and the two DSMEM
@@ -127,6 +127,7 @@ from k3_decode.kernels.kda_in_proj_mma import (
     allocate_partials,
     lane_rows,
     load_w,
+    stage_rows,
     stage_w,
     stream_passes,
     stream_slots,
@@ -270,9 +271,14 @@ class KdaOProjKernel:
             cute.arch.cluster_arrive_relaxed()  # publishes the epilogue's barriers to the cluster, long before use
             slots = weight_slots(plan)
 
-            # Weights first: they do not depend on the previous kernel, so they stream while it finishes.
-            load_group(plan, w, slots, row0, lane, Int32(0))
-            self._warm(w, cta, warp, lane)
+            # Weights first: they do not depend on the previous kernel, so they stream while it finishes (w_smem:
+            # all of the CTA's rows, into shared memory by the copy engine).
+            if const_expr(plan.w_smem):
+                first = cta * plan.rows_per_cta
+                w_rows, w_bar = stage_rows(w, smem, first, plan.rows_per_cta, plan.hidden, plan.k, tidx, warp)
+            else:
+                load_group(plan, w, slots, row0, lane, Int32(0))
+                self._warm(w, cta, warp, lane)
             cute.arch.griddepcontrol_wait()
             trace_stamp(self.trace, launches, cta, 1, tidx)
             if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
@@ -280,7 +286,13 @@ class KdaOProjKernel:
             stage(plan, o, staged, 0, plan.batch, plan.fill_loads, tidx)
             cute.arch.sync_threads()
             cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
-            multiply(plan, w, attn_out, staged, slots, row0, lane, 0, plan.batch)  # attn_out[:, the warp's rows]
+            if const_expr(plan.w_smem):
+                cute.arch.mbarrier_wait(w_bar, 0)  # the CTA's rows of W have landed
+                local = warp * plan.rows_per_warp  # the warp's rows in the staged ones
+                load_group(plan, w_rows, slots, local, lane, Int32(0))
+                multiply(plan, w_rows, attn_out, staged, slots, row0, lane, 0, plan.batch, w_row0=local)
+            else:
+                multiply(plan, w, attn_out, staged, slots, row0, lane, 0, plan.batch)  # attn_out[:, the warp's rows]
 
         # The grid-wide point: this CTA's share of attn_out is stored; it says so on the arrival word.
         cute.arch.cluster_wait()  # the epilogue's barriers are published (the arrive above is long done)

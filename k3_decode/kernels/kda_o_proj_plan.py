@@ -150,10 +150,7 @@ def _choice(path: Path) -> OProjChoice:
             raise ValueError(f"{where} max_blocks is a count of bank blocks, got {blocks!r}")
         one_pass.append(OnePassRule(first, last, blocks))
     warm_batches = tuple(_span(span, 1, f"{path.name}: warm_batches[{i}]") for i, span in enumerate(warm))
-    w_smem_batches = tuple(
-        _span(span, CUDA_CORE_MAX_BATCH + 1, f"{path.name}: w_smem_batches[{i}] (tensor-core batches)")
-        for i, span in enumerate(staged)
-    )
+    w_smem_batches = tuple(_span(span, 1, f"{path.name}: w_smem_batches[{i}]") for i, span in enumerate(staged))
     return OProjChoice(cap_batches, tuple(one_pass), warm_batches, w_smem_batches)
 
 
@@ -168,7 +165,7 @@ class OProjPlan(WeightStream):
     capped: bool = False  # the launch caps the CTAs an SM holds at ctas_per_sm (launch_smem_bytes)
     one_pass: bool = False  # above 32 rows, one pass of up to ONE_PASS_N_TILES batch tiles (mma)
     warm_l2: bool = False  # the CTA warms L2 with its late_runs before griddepcontrol.wait
-    w_smem: bool = False  # the tensor-core stream bulk-copies the CTA's rows of W into shared memory before the wait
+    w_smem: bool = False  # the CTA bulk-copies its rows of W into shared memory before the wait
 
     @classmethod
     def for_shape(
@@ -186,8 +183,8 @@ class OProjPlan(WeightStream):
         """The plan for one shape: the most rows per warp (the most reuse of each staged o vector) whose grid is
         whole clusters and fits on the SMs at once (one wave, MAX_CTAS_PER_SM per SM). `capped` and `one_pass`: None
         takes what kda_o_proj_choice.toml says for the batch (and kind); so does `warm`, which the choice file's
-        warm_batches give only where the stream loads part of W after its wait (late_runs), and `w_smem` (tensor
-        cores only; a staged stream has no late runs, so it is never warmed)."""
+        warm_batches give only where the stream loads part of W after its wait (late_runs), and `w_smem` (a staged
+        stream has no late runs, so it is never warmed)."""
         cluster = ClusterPlan.for_hidden(hidden)  # raises for a width AttnRes cannot split
         if k <= 0 or k % STEP:
             raise ValueError(f"the fused o_proj kernel needs K to be a positive multiple of {STEP}, got {k}")
@@ -219,10 +216,10 @@ class OProjPlan(WeightStream):
             )
         if w_smem is None:
             w_smem = w_smem_at(batch)
-        if w_smem and batch <= CUDA_CORE_MAX_BATCH:
+        if w_smem and capped:
             raise ValueError(
-                f"W staged in shared memory is a plan of the tensor-core stream (above {CUDA_CORE_MAX_BATCH} rows); "
-                f"got w_smem at {batch}"
+                f"the fused o_proj's capped launch asks for less shared memory than W staged in it takes at {batch} "
+                "rows: serve cap_batches or w_smem_batches there, not both"
             )
         plan = cls(hidden, k, batch, kind, sm_count, fitting[0], capped, one_pass, w_smem=w_smem)
         if warm is None:
@@ -349,7 +346,10 @@ class OProjPlan(WeightStream):
         partials and, with w_smem, the CTA's rows of W (tensor cores); the AttnRes exchange's two barriers and areas
         per epilogue row; alignment."""
         exchange = (2 * 8 + (self.attn.slots * 20 + self.attn.slots) * 4 + 64) * self.epilogue_rows
-        stream = self.mma.smem_bytes if self.tensor_cores else self.stage_bytes
+        if self.tensor_cores:
+            stream = self.mma.smem_bytes
+        else:  # W's rows unpadded: a load instruction reads 512 contiguous bytes of one row
+            stream = self.stage_bytes + (self.rows_per_cta * self.k * 2 + 128) * self.w_smem
         return stream + exchange + 1024
 
     @property

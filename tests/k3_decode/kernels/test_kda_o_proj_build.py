@@ -143,7 +143,7 @@ def test_the_cap_is_served_only_where_the_step_is_not_spread():
         ("cap_batches = []\none_pass = [{ batches = [33, 64], max_blocks = true }]", "max_blocks is a count"),
         ("cap_batches = []\none_pass = []\nwarm_batches = [[0, 8]]", r"warm_batches\[0\] is a \[first, last\]"),
         ("cap_batches = []\none_pass = []\nwarm_batches = true", "the lists"),
-        ("cap_batches = []\none_pass = []\nw_smem_batches = [[1, 64]]", r"w_smem_batches\[0\] .* range within 5\.\.64"),
+        ("cap_batches = []\none_pass = []\nw_smem_batches = [[0, 64]]", r"w_smem_batches\[0\] .* range within 1\.\.64"),
         ("cap_batches = []\none_pass = []\nw_smem_batches = 32", "the lists"),
     ],
 )
@@ -172,27 +172,33 @@ def test_a_choice_file_serves_what_it_says(tmp_path):
 @pytest.mark.parametrize("tp", [8, 16])
 def test_w_in_shared_memory_is_staged_whole_and_fits_beside_more_than_the_waiting_clusters(tp):
     """w_smem (kda_o_proj_choice.toml w_smem_batches): the CTA's 16 rows of W in shared memory instead of the first
-    k steps in registers, nothing of W left for after the wait (so nothing to warm), the same K split and passes (so
-    a row's bits: the GPU test asks for them). It costs 48 KB a CTA at TP8, so from B32 an SM holds three CTAs, not
-    four: the grid then runs in more than one wave, and the plan makes sure that more clusters fit at once than wait
-    for the grid (else the rest could never run)."""
+    k steps in registers, nothing of W left for after the wait (so nothing to warm), the same K split and passes on
+    tensor cores and the same steps on CUDA cores (so a row's bits: the GPU test asks for them). It costs 48 KB a CTA
+    at TP8, so at B4 (beside 12 KB of staged o) and from B32 an SM holds three CTAs, not four: the grid then runs in
+    more than one wave, and the plan makes sure that more clusters fit at once than wait for the grid (else the rest
+    could never run)."""
     hidden, k = K3.shard(tp).kda_o_proj
-    for batch, kind in ((8, N1), (16, ADD8), (32, N1), (64, ADD8), (64, N1)):
+    for batch, kind in ((1, N1), (4, ADD8), (8, N1), (16, ADD8), (32, N1), (64, ADD8), (64, N1)):
         plain = OProjPlan.for_shape(hidden, k, batch, kind, w_smem=False)
         staged = OProjPlan.for_shape(hidden, k, batch, kind, w_smem=True)
-        assert staged.mma.w_smem and not plain.mma.w_smem and staged.tag == plain.tag + "/w-smem"
+        assert staged.w_smem and staged.tag == plain.tag + "/w-smem"
         assert staged.late_runs == () and not staged.warmable
+        assert staged.resident_ctas_per_sm * staged.cta_smem_bytes <= SMEM_PER_SM
+        assert staged.resident_clusters > staged.epilogue_clusters
+        want = 3 if tp == 8 and batch in (4, 32, 64) else 4
+        assert staged.resident_ctas_per_sm == want and plain.resident_ctas_per_sm == 4, staged.tag
+        if not plain.tensor_cores:  # CUDA cores: the rows unpadded (a load reads 512 bytes of one row)
+            assert (staged.depth, staged.groups) == (plain.depth, plain.groups)
+            assert staged.cta_smem_bytes - plain.cta_smem_bytes == 16 * k * 2 + 128
+            continue
+        assert staged.mma.w_smem and not plain.mma.w_smem
         assert (staged.mma.k_splits, staged.mma.passes) == (plain.mma.k_splits, plain.mma.passes)
-        assert staged.cta_smem_bytes - plain.cta_smem_bytes == 16 * (k + 8) * 2 + 16
+        assert staged.cta_smem_bytes - plain.cta_smem_bytes == 16 * (k + 8) * 2 + 128
         counts = staged.mma.code_counts()
         assert counts["weight_loads_ahead"] == counts["weight_loads"] == 0 and counts["w_bulk_copies"] == 1
         assert counts["w_shared_loads"] == plain.mma.code_counts()["weight_loads"]
-        assert staged.resident_ctas_per_sm * staged.cta_smem_bytes <= SMEM_PER_SM
-        assert staged.resident_clusters > staged.epilogue_clusters
-        want = 3 if tp == 8 and batch >= 32 else 4
-        assert staged.resident_ctas_per_sm == want and plain.resident_ctas_per_sm == 4, staged.tag
-    with pytest.raises(ValueError, match="tensor-core stream"):
-        OProjPlan.for_shape(hidden, k, 4, N1, w_smem=True)
+    with pytest.raises(ValueError, match="not both"):  # the cap's request is below the staged rows
+        OProjPlan.for_shape(hidden, k, 16, N1, w_smem=True, capped=True)
     with pytest.raises(ValueError, match="holds all of W before its wait"):
         OProjPlan.for_shape(hidden, k, 32, N1, w_smem=True, warm=True)
     for batch in (16, 64):  # the served file's verdict reaches the plan
@@ -334,7 +340,7 @@ def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
     assert kinds <= after_attention_kinds()
     assert {b.tp: (b.plan.hidden, b.plan.k) for b in builds} == {8: K3.shard(8).kda_o_proj, 16: K3.shard(16).kda_o_proj}
     assert {b.kernel for b in builds} == {"kda_o_proj"} and {b.capacity for b in builds} == {8}
-    assert len({b.name for b in builds}) == len(builds) == 56 + 4 + 14 + 12
+    assert len({b.name for b in builds}) == len(builds) == 56 + 4 + 14 + 20
     assert "kda_o_proj/tp16/b4/n8-add-norm" in {b.name for b in builds}
     # builds.toml's both_streams: at B64 for the one-block kinds, one pass and two, whichever the choice file serves
     one_block = [(tp, 64, tag) for tp in (8, 16) for tag in ("n1-restart-norm", "n1-add-norm")]
@@ -356,13 +362,13 @@ def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
         if not (batch == 64 and tag == "n8-add-norm")  # two passes: not warmable
     }
     assert all(b.tags["warm_prefetches"] == 0 for b in builds if not b.plan.warm_l2)
-    # builds.toml's w_smem: B16-B64 at both epilogue sizes, with the stream the choice file serves (one pass at 64
-    # rows for one block), one bulk copy in the code and the slot fills from shared memory
+    # builds.toml's w_smem: B1, B4 (CUDA cores) and B16-B64 at both epilogue sizes, with the stream the choice file
+    # serves (one pass at 64 rows for one block), one bulk copy in the code and the slot fills from shared memory
     staged = {b.name: b.tags for b in builds if b.plan.w_smem}
     assert set(staged) == {
         f"kda_o_proj/tp{tp}/b{batch}/{tag}{'/one-pass' * (batch == 64 and tag == 'n1-add-norm')}/w-smem"
         for tp in (8, 16)
-        for batch in (16, 32, 64)
+        for batch in (1, 4, 16, 32, 64)
         for tag in ("n1-add-norm", "n8-add-norm")
     }
     for name, t in staged.items():
@@ -416,7 +422,7 @@ def test_build_tags_count_what_the_code_must_hold():
 def test_expectations_judge_every_o_proj_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_o_proj/*")  # every named tag exists
-    assert len(builds) == 56 + 4 + 14 + 12  # the stream not served at B64 for n1, both TPs; 14 warm; 12 W staged
+    assert len(builds) == 56 + 4 + 14 + 20  # the stream not served at B64 for n1, both TPs; 14 warm; 20 W staged
     spec = expectations["kda_o_proj"]
     assert spec.max_registers == 128 and spec.max_frame_bytes == 0 and len(spec.rules) >= 45
 

@@ -433,14 +433,15 @@ def test_warming_l2_changes_no_bit_and_is_timed_beside_the_plain_stream(tp: int,
 def test_w_in_shared_memory_changes_no_bit_and_is_timed_beside_the_plain_stream(tp: int, tmp_path, monkeypatch):
     """kda_o_proj_choice.toml's w_smem_batches: the CTA's rows of W bulk-copied into shared memory before the wait
     and the stream's slots filled from there, which changes where W is read from, never what is computed: the same
-    o_proj bits and MLP input as the plain stream at B8-B64 (one and two passes, both epilogue sizes), both timed.
+    o_proj bits and MLP input as the plain stream at B1-B64 (CUDA cores; one and two tensor-core passes; both
+    epilogue sizes), both timed.
     Speed is the layer benchmark's to judge (the KDA step runs before o_proj there)."""
-    cases = [(batch, kind) for batch in (8, 16, 32, 64) for kind in (N1_ADD, EDGE[-1])]
+    cases = [(batch, kind) for batch in (1, 4, 8, 16, 32, 64) for kind in (N1_ADD, EDGE[-1])]
 
     def check(plan: OProjPlan, on: bool) -> None:
-        assert plan.w_smem == on and plan.mma.w_smem == on, plan.tag
+        assert plan.w_smem == on and (not plan.tensor_cores or plan.mma.w_smem == on), plan.tag
 
-    serve = lambda on: served_choice_with(tmp_path, monkeypatch, "w_smem_batches", "[5, 64]" if on else "")  # noqa: E731
+    serve = lambda on: served_choice_with(tmp_path, monkeypatch, "w_smem_batches", "[1, 64]" if on else "")  # noqa: E731
     choice_on_and_off(tp, cases, serve, check, "w-smem")
 
 
