@@ -63,7 +63,7 @@ class Shape:
     variants: tuple[Variant, ...]
 
 
-def load_shapes(path: Path = VARIANTS, sm_count: int = 132) -> list[Shape]:
+def load_shapes(path: Path = VARIANTS) -> list[Shape]:
     """The shapes and tilings of `path`, each tiling checked against what the stream and an SM can hold."""
     try:
         table = tomllib.loads(path.read_text())
@@ -76,7 +76,7 @@ def load_shapes(path: Path = VARIANTS, sm_count: int = 132) -> list[Shape]:
             rows, k, batch, baseline = int(spec["rows"]), int(spec["k"]), int(spec["batch"]), str(spec["baseline"])
         except (KeyError, TypeError, ValueError) as exc:
             raise VariantsError(f"{where}: needs integer rows, k, batch and a baseline name ({exc})") from None
-        variants = tuple(_variant(where, rows, k, batch, v, sm_count) for v in spec.get("variant", []))
+        variants = tuple(_variant(where, rows, k, batch, v) for v in spec.get("variant", []))
         names = [v.name for v in variants]
         if len(set(names)) != len(names) or CUBLAS in names:
             raise VariantsError(f"{where}: variant names must be distinct and not {CUBLAS!r}, got {names}")
@@ -88,7 +88,7 @@ def load_shapes(path: Path = VARIANTS, sm_count: int = 132) -> list[Shape]:
     return shapes
 
 
-def _variant(where: str, rows: int, k: int, batch: int, spec: dict[str, Any], sm_count: int) -> Variant:
+def _variant(where: str, rows: int, k: int, batch: int, spec: dict[str, Any]) -> Variant:
     name = spec.get("name", "?")
     try:
         v = {key: int(spec[key]) for key in VARIANT_KEYS}
@@ -99,7 +99,7 @@ def _variant(where: str, rows: int, k: int, batch: int, spec: dict[str, Any], sm
         raise VariantsError(f"{where} variant {name!r}: w_smem must be true or false, got {w_smem!r}")
     plan = InProjMmaPlan(
         rows, k, batch, v["rows_per_cta"], v["m_tiles"], v["k_splits"], v["w_loads"], v["x_ahead"], v["n_tiles"],
-        v["x_stages"], w_smem, sm_count=sm_count, ctas_per_sm=v["ctas_per_sm"],
+        v["x_stages"], w_smem, ctas_per_sm=v["ctas_per_sm"],
     )  # fmt: skip
     problems = []
     if rows % TILE_M or k % STEP:
@@ -282,9 +282,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"mma_stream_shapes.py: CuTe DSL is not importable ({exc}); install nvidia-cutlass-dsl", file=sys.stderr)
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    shapes = load_shapes(Path(args.variants), sms)  # the grid's SM count is the device's
-    shapes = [s for s in shapes if not args.shapes or s.name in args.shapes]
     results: dict[str, Any] = {"benchmark": "mma_stream_shapes", "env": _environment(), "rounds": args.rounds,
                                "variants_file": Path(args.variants).read_text(), "shapes": []}  # fmt: skip
     out = Path(args.out)

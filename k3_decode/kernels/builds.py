@@ -301,8 +301,7 @@ class KdaOProjBuild:
             "exchanges": rows * (mix + k.out_norm),
             "warm": p.warm_l2,
             "warm_prefetches": len(p.late_runs) if p.warm_l2 else 0,  # one per run in the code, before the wait
-            "w_smem": p.w_smem,
-            "w_barrier_waits": int(p.w_smem),  # the wait for the CTA's rows of W, after the dependency wait
+            "w_smem": p.w_smem,  # as a count: the one wait for the CTA's rows of W, after the dependency wait
         }
 
     def compile(self, arch: str) -> KernelArtifacts:

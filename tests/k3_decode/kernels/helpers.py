@@ -14,8 +14,6 @@ from typing import Any
 
 import pytest
 
-from k3_decode.kernels.kda_o_proj_plan import OProjPlan
-
 REPO = Path(__file__).resolve().parents[3]
 BUILDS = "k3_decode.kernels.builds:K3_KERNEL_BUILDS"
 HAS_CUTEDSL = importlib.util.find_spec("cutlass") is not None
@@ -62,11 +60,6 @@ def failed_checks_of_broken_build(tmp_path: Path, match: str, patch: str) -> set
     failed = {c["name"] for c in result["checks"] if not c["passed"]}
     assert "compiles" not in failed and "registers" not in failed, sorted(failed)
     return failed
-
-
-def o_proj_cta_smem(plan: OProjPlan) -> int:
-    """The shared memory of one fused o_proj CTA, the driver's 1 KiB included (OProjPlan.cta_smem_bytes)."""
-    return plan.cta_smem_bytes
 
 
 def compiled_cubin(kernel: Any, args: tuple[Any, ...]) -> tuple[bytes, str]:

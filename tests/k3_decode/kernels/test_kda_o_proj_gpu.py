@@ -46,7 +46,7 @@ from k3_decode.kernels.providers import max_rows, not_built_reason
 from k3_decode.reference import attn_res as ra
 from k3_decode.stock import attn_res as stock_attn_res
 from k3_decode.stock import gemm
-from tests.k3_decode.kernels.helpers import compiled_cubin, ctas_per_sm, o_proj_cta_smem
+from tests.k3_decode.kernels.helpers import compiled_cubin, ctas_per_sm
 from tests.k3_decode.kernels.test_attn_res_gpu import CAPACITY, EPS, HIDDEN, TOL, make_buffers, site_of
 from tests.k3_decode.kernels.test_kda_in_proj_gpu import (
     BIT_EQUAL_FLOOR,
@@ -318,7 +318,7 @@ def test_a_capped_launch_holds_four_ctas_an_sm_where_registers_allow_five(tp: in
     hidden, k = K3.shard(tp).kda_o_proj
     for tag, want in (("n1-add-norm", 5), ("n8-add-norm", 4)):
         plan = OProjPlan.for_shape(hidden, k, 32, AttnResKind.from_tag(tag), capped=True)
-        own = o_proj_cta_smem(plan) - 1024  # the kernel's allocation, without the driver's reserve
+        own = plan.cta_smem_bytes - 1024  # the kernel's allocation, without the driver's reserve
         cubin, entry = compiled_cubin(KdaOProjKernel(plan), compile_args(plan, CAPACITY))
         plain, capped = ctas_per_sm(cubin, entry, plan.threads, [own, plan.launch_smem_bytes])
         print(f"METRIC o_proj TP{tp} B32 {tag}: {plain} CTAs per SM at {own} B, {capped} at {plan.launch_smem_bytes} B")
@@ -454,7 +454,7 @@ def test_the_driver_fits_the_w_smem_plans_resident_ctas_an_sm(tp: int):
 
     hidden, k = K3.shard(tp).kda_o_proj
     plan = OProjPlan.for_shape(hidden, k, 64, N1_ADD, w_smem=True)
-    own = o_proj_cta_smem(plan) - 1024  # the kernel's allocation, without the driver's reserve
+    own = plan.cta_smem_bytes - 1024  # the kernel's allocation, without the driver's reserve
     cubin, entry = compiled_cubin(KdaOProjKernel(plan), compile_args(plan, CAPACITY))
     (fits,) = ctas_per_sm(cubin, entry, plan.threads, [own])
     print(f"METRIC o_proj TP{tp} B64 w-smem: {fits} CTAs per SM at {own} B")

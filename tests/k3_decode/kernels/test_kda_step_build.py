@@ -34,7 +34,6 @@ from tests.k3_decode.kernels.helpers import (
     build_command,
     failed_checks_of_broken_build,
     needs_cutedsl,
-    o_proj_cta_smem,
 )
 
 SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory; the driver reserves 1 KiB per CTA
@@ -266,9 +265,9 @@ def test_a_small_grid_is_spread_over_the_sms_and_leaves_room_for_o_proj(tp, batc
         assert plan.launch_smem_bytes == plan.smem_bytes
     rows = min(batch, O_PROJ_MAX_BATCH)  # above (none at K3's batches), o_proj runs stock
     o_proj = OProjPlan.for_shape(*shard.kda_o_proj, rows, AttnResKind.from_tag("n8-add-norm"), 132)
-    beside = plan.launch_smem_bytes + (1024 + STATIC_SMEM) + o_proj.ctas_per_sm * o_proj_cta_smem(o_proj)
+    beside = plan.launch_smem_bytes + (1024 + STATIC_SMEM) + o_proj.ctas_per_sm * o_proj.cta_smem_bytes
     if plan.launch_smem_bytes > plan.smem_bytes:  # what the padding takes must not push o_proj off the SM
-        assert beside <= SMEM_PER_SM, (plan.launch_smem_bytes, o_proj_cta_smem(o_proj))
+        assert beside <= SMEM_PER_SM, (plan.launch_smem_bytes, o_proj.cta_smem_bytes)
     verify = KdaVerifyPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, 132, tokens=4)
     assert verify.sm_count == 132 and verify.launch_smem_bytes == verify.smem_bytes  # verify: not spread
 
