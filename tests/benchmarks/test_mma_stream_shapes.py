@@ -155,3 +155,52 @@ def test_the_table_prints_every_variant_and_flags_a_wrong_one(tmp_path: Path, ca
     assert "| cublas | - | - | - | - |" in out
     assert "- m4k4 did not compile: DSLRuntimeError: too many registers" in out
     assert mss.main(["--table", str(tmp_path / "missing.json")]) == 2
+
+
+class _FakeGraph:
+    """A CUDA graph stand-in on the CPU: it replays the calls recorded under its capture."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def replay(self) -> None:
+        for call in self.calls:
+            call()
+
+
+@pytest.mark.parametrize("captured", [True, False])
+def test_a_graph_that_replays_nothing_is_refused_not_timed(monkeypatch: pytest.MonkeyPatch, captured: bool):
+    """The bug this guards: launches sent to the stream read before the capture ran eagerly, and the graph timed
+    0.25 us for 3.7 MB of W (93 TB/s). Here a call that escapes the capture writes its output once, eagerly."""
+    torch = pytest.importorskip("torch")
+    graph = _FakeGraph()
+    recording: list[bool] = [False]
+
+    class _Capture:
+        def __init__(self, g: _FakeGraph) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            recording[0] = captured
+
+        def __exit__(self, *exc: object) -> None:
+            recording[0] = False
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: graph)
+    monkeypatch.setattr(torch.cuda, "graph", _Capture)
+    out = torch.zeros(4)
+
+    def fn(i: int) -> None:
+        write = lambda: out.fill_(1.0)  # noqa: E731
+        if recording[0]:
+            graph.calls.append(write)
+        else:
+            write()
+
+    if captured:
+        assert mss._graph("m1k4", fn, 3, out) is graph
+        assert len(graph.calls) == 3
+    else:
+        with pytest.raises(RuntimeError, match="m1k4 left its output unwritten"):
+            mss._graph("m1k4", fn, 3, out)
