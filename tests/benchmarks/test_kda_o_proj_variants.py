@@ -21,8 +21,8 @@ CAP_ROUNDS = [(RESULTS / f"cap-base-{i}.json", RESULTS / f"cap-{i}.json") for i 
 # On the H200, layer 6 at TP8 B1-B8 with warm_batches = [[1, 64]] against none, one round of 60.
 H200 = RESULTS.parent / "kda-layer-variants-h200"
 WARM_ROUNDS = [(H200 / "warm-base-1.json", H200 / "warm-1.json")]
-# W staged in shared memory (w_smem_batches) against the plain stream: no round yet.
-W_SMEM_ROUNDS = sorted(RESULTS.parent.glob("kda-layer-variants-h*/w-smem-*.json"))
+# On the H200, layer 6 at B1, B4, B8 and B64 with w_smem_batches = [[1, 64]] against none, one round of 60 per TP.
+W_SMEM_ROUNDS = [(H200 / f"w-smem-base-tp{tp}.json", H200 / f"w-smem-tp{tp}.json") for tp in (8, 16)]
 ONE_BLOCK = 1
 
 
@@ -127,18 +127,57 @@ def test_no_warm_batch_is_served_because_warming_lost_at_every_measured_cell():
     assert all(us < 0 for us in saved.values())
 
 
-def w_smem_served_without_rounds(path=None) -> list[int]:
-    """The batches the choice file stages W at although no committed layer round measured it there."""
-    served = [b for b in range(1, 65) if w_smem_at(b, path)]
-    return served if not W_SMEM_ROUNDS else []
+def w_smem_verdicts(rounds: list[tuple[Path, Path]]) -> dict[int, bool]:
+    """Per measured batch: whether staging W saved layer time at every TP size whose o_proj ran fused there (where
+    it ran stock, as at TP8 B64 on layer 6, staging changed nothing the layer launched), after checking that each
+    run staged W exactly where its name says."""
+    for base, variant in rounds:
+        for path, staged in ((base, False), (variant, True)):
+            for key, cell in bench.cells_by_key(load(path)).items():
+                if o_proj_path(cell) == "specialized":
+                    assert cell["o_proj_variant"]["w_smem"] is staged, (path.name, key)
+    per_round = savings(rounds)
+    cells = {}
+    for _, variant in rounds:
+        cells.update(bench.cells_by_key(load(variant)))
+    verdicts: dict[int, bool] = {}
+    for batch in sorted({b for _, b in cells}):
+        keys = [k for k, c in cells.items() if k[1] == batch and o_proj_path(c) == "specialized"]
+        verdicts[batch] = bool(keys) and all(saved[k] > 0 for saved in per_round for k in keys if k in saved)
+    return verdicts
 
 
-def test_w_is_staged_nowhere_until_a_layer_round_has_measured_it(tmp_path):
-    """w_smem_batches is built and checked in CI, not measured on a GPU yet: the served file stages W nowhere until
-    committed rounds (kda-layer-variants-*/w-smem-*.json) exist to bind a verdict to, as the others are bound above.
-    Broken case: a file that stages it at B32-B64 now is refused."""
-    assert w_smem_served_without_rounds() == []
+def test_w_is_staged_nowhere_because_it_lost_or_changed_nothing_at_every_measured_batch():
+    """On the H200 (f8da2b3's kernels) staging W lost layer time at B1, B4 and B8 at both TP sizes (TP8 B4 -5.6 us,
+    outside the intervals everywhere there) and at TP16 B64; at TP8 B64 layer 6's o_proj runs stock, so the +0.45 us
+    there is noise. The served file stages W nowhere, and a batch is served only where it saved at every TP size."""
+    for base, variant in W_SMEM_ROUNDS:
+        assert load(variant)["variant"]["choice_files"]["kda_o_proj_choice.toml"].endswith(
+            "w_smem_batches = [[1, 64]]\n"
+        )
+        assert load(base)["env"]["gpu"] == load(variant)["env"]["gpu"] == "NVIDIA H200"
+    verdicts = w_smem_verdicts(W_SMEM_ROUNDS)
+    assert set(verdicts) == {1, 4, 8, 64}
+    assert not any(verdicts.values())
+    for batch, won in verdicts.items():
+        assert w_smem_at(batch) == won, f"B{batch}"
     assert choice().w_smem_batches == ()
-    staged = tmp_path / "kda_o_proj_choice.toml"
-    staged.write_text("cap_batches = []\none_pass = []\nw_smem_batches = [[32, 64]]\n")
-    assert w_smem_served_without_rounds(staged) == ([] if W_SMEM_ROUNDS else list(range(32, 65)))
+
+
+def test_a_round_where_staging_won_at_b1_at_both_tp_sizes_would_serve_it(tmp_path):
+    """Broken case: copies of both rounds whose B1 losses are inverted into gains; B1's verdict flips, and the
+    served file (staging nothing) no longer matches it."""
+    flipped = []
+    for base, variant in W_SMEM_ROUNDS:
+        doc, base_cells = load(variant), bench.cells_by_key(load(base))
+        for run in doc["runs"]:
+            for cell in run["cells"]:
+                if cell["batch"] == 1:
+                    s_base = base_cells[(cell["tp"], 1)]["layer_speedup"]["speedup"]
+                    cell["layer_speedup"]["speedup"] = s_base**2 / cell["layer_speedup"]["speedup"]
+        better = tmp_path / variant.name
+        better.write_text(json.dumps(doc))
+        flipped.append((base, better))
+    verdicts = w_smem_verdicts(flipped)
+    assert verdicts[1] is True and verdicts[4] is False
+    assert w_smem_at(1) != verdicts[1]
