@@ -215,6 +215,7 @@ class KdaOProjBuild:
             + "/one-pass" * p.one_pass
             + "/warm" * p.warm_l2
             + "/w-smem" * p.w_smem
+            + "/w-l2" * p.w_l2
         )
 
     @property
@@ -237,7 +238,7 @@ class KdaOProjBuild:
         stream = {  # the CUDA-core stream (B <= 4)
             "depth": p.depth,
             "groups": p.groups,
-            "weight_loads_ahead": 0 if p.w_smem else group,
+            "weight_loads_ahead": 0 if p.w_smem or p.w_l2 else group,
             "o_stages": p.fill_loads,  # shared stores of the staged o
             "o_reads": p.depth * p.batch,  # ld.shared.v4 of o, one per step and batch row
             "stream_fmas": p.depth * p.rows_per_warp * p.batch * 8,
@@ -300,8 +301,9 @@ class KdaOProjBuild:
             "pushes": rows * ((k.partials // 4 if mix else 0) + k.out_norm),  # st.async per pushing lane
             "exchanges": rows * (mix + k.out_norm),
             "warm": p.warm_l2,
-            "warm_prefetches": len(p.late_runs) if p.warm_l2 else 0,  # one per run in the code, before the wait
+            "warm_prefetches": len(p.late_runs) if p.l2_prefetched else 0,  # one per run in the code, before the wait
             "w_smem": p.w_smem,  # as a count: the one wait for the CTA's rows of W, after the dependency wait
+            "w_l2": p.w_l2,
         }
 
     def compile(self, arch: str) -> KernelArtifacts:
@@ -544,8 +546,9 @@ class K3KernelBuilds:
         both = spec.get("both_streams", {"batches": [], "kinds": []})
         warm = spec.get("warm", {"batches": [], "kinds": []})
         staged = spec.get("w_smem", {"batches": [], "kinds": []})
+        in_l2 = spec.get("w_l2", {"batches": [], "kinds": []})
         variant_kinds = {}
-        for key, table in (("both_streams", both), ("warm", warm), ("w_smem", staged)):
+        for key, table in (("both_streams", both), ("warm", warm), ("w_smem", staged), ("w_l2", in_l2)):
             variant_kinds[key] = [AttnResKind.from_tag(tag) for tag in table["kinds"]]
             if any(kind not in kinds for kind in variant_kinds[key]):
                 raise ValueError(f"builds.toml kda_o_proj.{key}.kinds must be among kinds, got {table['kinds']}")
@@ -578,6 +581,12 @@ class K3KernelBuilds:
             for batch in staged["batches"]:
                 for kind in variant_kinds["w_smem"]:
                     plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], w_smem=True)
+                    if all(b.plan != plan for b in builds):
+                        builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
+            # W prefetched whole into L2 and none in registers before the wait (w_l2_batches; CUDA cores only).
+            for batch in in_l2["batches"]:
+                for kind in variant_kinds["w_l2"]:
+                    plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], w_l2=True)
                     if all(b.plan != plan for b in builds):
                         builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
         return builds

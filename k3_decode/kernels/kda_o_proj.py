@@ -98,12 +98,14 @@ to 64 rows in one pass of eight tiles instead, where the epilogue's held vectors
 64 rows, at most half the clusters waiting (two rows each above 32); where the provider serves them is
 providers.toml's [o_proj], by measurement. A warm plan (kda_o_proj_choice.toml warm_batches; measured slower on the
 H200 and not served) also has the copy engine prefetch into L2, before the wait, the runs of W the stream loads
-after it (`_warm`). A w_smem plan (w_smem_batches; built, not measured yet, not served) has the copy engine copy the
-CTA's rows of W whole into shared memory before the wait instead (kda_in_proj_mma.stage_rows), and either stream
-fills its slots from there in the same order: at 33-64 rows the accumulators and x fragments leave room for one k
-step of W in flight a lane, and staged, all of it is in flight at once. 48 KB a CTA at TP8 leaves three CTAs an SM
-at B4 and from B32, so that grid runs in more than one wave, which the argument above allows
-(OProjPlan.resident_clusters > epilogue_clusters, which the plan checks).
+after it (`_warm`). A w_smem plan (w_smem_batches; measured slower on the H200 and not served) has the copy engine
+copy the CTA's rows of W whole into shared memory before the wait instead (kda_in_proj_mma.stage_rows), and either
+stream fills its slots from there in the same order. 48 KB a CTA at TP8 leaves three CTAs an SM at B4 and from B32,
+so that grid runs in more than one wave, which the argument above allows (OProjPlan.resident_clusters >
+epilogue_clusters, which the plan checks). A w_l2 plan (w_l2_batches, B1-B4 only; built, not measured yet, not
+served) has the copy engine prefetch the CTA's rows of W whole into L2 before the wait and loads none into registers
+until after it: in the layer's phase traces the KDA step's cluster exchanges, running beside o_proj's first weight
+loads, took 1.6-1.8 us instead of 0.2-0.5 (docs/kda-layer-h200.md); a prefetch lands nothing in the SM.
 
 Expected time at TP8, B = 1..4: 22 MB of W at ~4.15 TB/s is ~5.3 us of streaming; the tail after it is the last
 CTA's stores and release (~1 us), the poll that sees it (~0.5-1 us), the row read from L2 and the two DSMEM
@@ -276,6 +278,8 @@ class KdaOProjKernel:
             if const_expr(plan.w_smem):
                 first = cta * plan.rows_per_cta
                 w_rows, w_bar = stage_rows(w, smem, first, plan.rows_per_cta, plan.hidden, plan.k, tidx, warp)
+            elif const_expr(plan.w_l2):  # all of the warp's rows to L2, none to registers (the slots fill after)
+                self._warm(w, cta, warp, lane)
             else:
                 load_group(plan, w, slots, row0, lane, Int32(0))
                 self._warm(w, cta, warp, lane)
@@ -292,6 +296,8 @@ class KdaOProjKernel:
                 load_group(plan, w_rows, slots, local, lane, Int32(0))
                 multiply(plan, w_rows, attn_out, staged, slots, row0, lane, 0, plan.batch, w_row0=local)
             else:
+                if const_expr(plan.w_l2):  # the first group, from L2 now that nothing lands beside the previous kernel
+                    load_group(plan, w, slots, row0, lane, Int32(0))
                 multiply(plan, w, attn_out, staged, slots, row0, lane, 0, plan.batch)  # attn_out[:, the warp's rows]
 
         # The grid-wide point: this CTA's share of attn_out is stored; it says so on the arrival word.
@@ -311,12 +317,13 @@ class KdaOProjKernel:
 
     @cute.jit
     def _warm(self, w: cute.Tensor, cta: Int32, warp: Int32, lane: Int32):
-        """A warm plan (kda_o_proj_choice.toml warm_batches): the copy engine prefetches into L2 the runs of W this
-        CTA loads only after its wait (OProjPlan.late_runs), while the previous kernel runs and HBM has room. One
+        """A warm plan (kda_o_proj_choice.toml warm_batches) or a w_l2 one: the copy engine prefetches into L2 the
+        runs of W this CTA loads only after its wait (OProjPlan.late_runs: all of K for w_l2), while the previous
+        kernel runs and HBM has room. One
         `cp.async.bulk.prefetch.L2` per row and run, issued by a lane of the warp that reads it: no register, no
         shared memory, and nothing the issuing lane waits for."""
         plan = self.plan
-        if const_expr(plan.warm_l2):
+        if const_expr(plan.l2_prefetched):
             if const_expr(plan.tensor_cores):  # run s is warp s's K slice, for every row of the CTA's m-tile
                 if lane < plan.rows_per_cta:
                     row = w[cta * plan.rows_per_cta + lane, None]

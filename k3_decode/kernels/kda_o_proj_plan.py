@@ -80,6 +80,7 @@ class OProjChoice:
     one_pass: tuple[OnePassRule, ...]
     warm_batches: tuple[tuple[int, int], ...] = ()
     w_smem_batches: tuple[tuple[int, int], ...] = ()
+    w_l2_batches: tuple[tuple[int, int], ...] = ()
 
 
 def choice(path: Path | None = None) -> OProjChoice:
@@ -113,6 +114,12 @@ def w_smem_at(batch: int, path: Path | None = None) -> bool:
     return _within(batch, choice(path).w_smem_batches)
 
 
+def w_l2_at(batch: int, path: Path | None = None) -> bool:
+    """Whether kda_o_proj_choice.toml (or `path`) has the CTA's rows of W prefetched whole into L2 before the wait,
+    and none loaded into registers before it, at `batch`."""
+    return _within(batch, choice(path).w_l2_batches)
+
+
 def _within(batch: int, ranges: tuple[tuple[int, int], ...]) -> bool:
     return any(first <= batch <= last for first, last in ranges)
 
@@ -130,13 +137,14 @@ def _choice(path: Path) -> OProjChoice:
     table = tomllib.loads(path.read_text())
     caps, rules = table.get("cap_batches"), table.get("one_pass")
     warm, staged = table.get("warm_batches", []), table.get("w_smem_batches", [])
-    known = {"cap_batches", "one_pass", "warm_batches", "w_smem_batches"}
+    in_l2 = table.get("w_l2_batches", [])
+    known = {"cap_batches", "one_pass", "warm_batches", "w_smem_batches", "w_l2_batches"}
     if not {"cap_batches", "one_pass"} <= set(table) <= known or not all(
-        isinstance(v, list) for v in (caps, rules, warm, staged)
+        isinstance(v, list) for v in (caps, rules, warm, staged, in_l2)
     ):
         raise ValueError(
-            f"{path.name} holds the lists cap_batches and one_pass (and warm_batches, w_smem_batches) and nothing "
-            f"else, got {sorted(table)}"
+            f"{path.name} holds the lists cap_batches and one_pass (and warm_batches, w_smem_batches, w_l2_batches) "
+            f"and nothing else, got {sorted(table)}"
         )
     cap_batches = tuple(_span(span, 1, f"{path.name}: cap_batches[{i}]") for i, span in enumerate(caps))
     one_pass = []
@@ -151,7 +159,14 @@ def _choice(path: Path) -> OProjChoice:
         one_pass.append(OnePassRule(first, last, blocks))
     warm_batches = tuple(_span(span, 1, f"{path.name}: warm_batches[{i}]") for i, span in enumerate(warm))
     w_smem_batches = tuple(_span(span, 1, f"{path.name}: w_smem_batches[{i}]") for i, span in enumerate(staged))
-    return OProjChoice(cap_batches, tuple(one_pass), warm_batches, w_smem_batches)
+    w_l2_batches = tuple(_span(span, 1, f"{path.name}: w_l2_batches[{i}]") for i, span in enumerate(in_l2))
+    for i, (_, last) in enumerate(w_l2_batches):
+        if last > CUDA_CORE_MAX_BATCH:
+            raise ValueError(
+                f"{path.name}: w_l2_batches[{i}] reaches {last} rows; W goes to L2 alone only on the CUDA-core "
+                f"stream, 1..{CUDA_CORE_MAX_BATCH} rows"
+            )
+    return OProjChoice(cap_batches, tuple(one_pass), warm_batches, w_smem_batches, w_l2_batches)
 
 
 @dataclass(frozen=True)
@@ -166,6 +181,7 @@ class OProjPlan(WeightStream):
     one_pass: bool = False  # above 32 rows, one pass of up to ONE_PASS_N_TILES batch tiles (mma)
     warm_l2: bool = False  # the CTA warms L2 with its late_runs before griddepcontrol.wait
     w_smem: bool = False  # the CTA bulk-copies its rows of W into shared memory before the wait
+    w_l2: bool = False  # the CTA's rows of W go to L2 by the copy engine before the wait, none to registers
 
     @classmethod
     def for_shape(
@@ -179,12 +195,14 @@ class OProjPlan(WeightStream):
         one_pass: bool | None = None,
         warm: bool | None = None,
         w_smem: bool | None = None,
+        w_l2: bool | None = None,
     ) -> OProjPlan:
         """The plan for one shape: the most rows per warp (the most reuse of each staged o vector) whose grid is
         whole clusters and fits on the SMs at once (one wave, MAX_CTAS_PER_SM per SM). `capped` and `one_pass`: None
         takes what kda_o_proj_choice.toml says for the batch (and kind); so does `warm`, which the choice file's
         warm_batches give only where the stream loads part of W after its wait (late_runs), and `w_smem` (a staged
-        stream has no late runs, so it is never warmed)."""
+        stream has no late runs, so it is never warmed), and `w_l2` (whose late runs are all of W, already
+        prefetched, so it is never warmed either)."""
         cluster = ClusterPlan.for_hidden(hidden)  # raises for a width AttnRes cannot split
         if k <= 0 or k % STEP:
             raise ValueError(f"the fused o_proj kernel needs K to be a positive multiple of {STEP}, got {k}")
@@ -221,8 +239,21 @@ class OProjPlan(WeightStream):
                 f"the fused o_proj's capped launch asks for less shared memory than W staged in it takes at {batch} "
                 "rows: serve cap_batches or w_smem_batches there, not both"
             )
-        plan = cls(hidden, k, batch, kind, sm_count, fitting[0], capped, one_pass, w_smem=w_smem)
-        if warm is None:
+        if w_l2 is None:
+            w_l2 = w_l2_at(batch)
+        if w_l2 and batch > CUDA_CORE_MAX_BATCH:
+            raise ValueError(
+                f"W goes to L2 alone (w_l2) only on the fused o_proj's CUDA-core stream, 1..{CUDA_CORE_MAX_BATCH} "
+                f"rows; got {batch}"
+            )
+        if w_l2 and w_smem:
+            raise ValueError(f"W is either staged in shared memory or prefetched into L2 before the wait at {batch}")
+        if w_l2 and warm:
+            raise ValueError(f"a w_l2 plan prefetches all of W into L2 already at {batch}: it is not also warmed")
+        plan = cls(hidden, k, batch, kind, sm_count, fitting[0], capped, one_pass, w_smem=w_smem, w_l2=w_l2)
+        if w_l2:
+            warm = False
+        elif warm is None:
             warm = warm_at(batch) and plan.warmable
         elif warm and not plan.late_runs:
             raise ValueError(f"the fused o_proj's stream holds all of W before its wait at {plan.tag}: nothing to warm")
@@ -267,16 +298,24 @@ class OProjPlan(WeightStream):
         """(first column, columns) of the runs of each of the CTA's rows of W that its stream loads only after
         griddepcontrol.wait: what the registers do not hold before it. One run over K on CUDA cores (past the first
         `depth` steps of 256 columns); on tensor cores one per K slice, slice s being warp s's (past its first
-        `depth` steps of 64; none when W is staged whole in shared memory). A warm plan has these prefetched into L2
-        before the wait."""
+        `depth` steps of 64; none when W is staged whole in shared memory; all of K when W goes to L2 alone). A warm
+        plan, and a w_l2 one, has these prefetched into L2 before the wait."""
         if self.w_smem:
             return ()
+        if self.w_l2:
+            return ((0, self.k),)
         if self.tensor_cores:
             spec = self.mma
             width, held = spec.split_steps * MMA_STEP, spec.depth * MMA_STEP
             return tuple((s * width + held, width - held) for s in range(spec.k_splits) if held < width)
         held = self.depth * STEP
         return ((held, self.k - held),) if held < self.k else ()
+
+    @property
+    def l2_prefetched(self) -> bool:
+        """Whether the CTA has the copy engine prefetch its late runs of W into L2 before the wait: a warm plan, or
+        a w_l2 one (whose late runs are all of W)."""
+        return self.warm_l2 or self.w_l2
 
     @property
     def warmable(self) -> bool:
@@ -401,4 +440,5 @@ class OProjPlan(WeightStream):
             + "/cap" * self.capped
             + "/warm" * self.warm_l2
             + "/w-smem" * self.w_smem
+            + "/w-l2" * self.w_l2
         )

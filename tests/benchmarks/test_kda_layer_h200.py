@@ -628,7 +628,7 @@ def test_a_cell_names_the_o_proj_variant_it_timed(monkeypatch, tmp_path):
     choice = tmp_path / "kda_o_proj_choice.toml"
     choice.write_text(
         "cap_batches = [[16, 32]]\none_pass = [{ batches = [33, 64], max_blocks = 1 }]\nwarm_batches = [[1, 8]]\n"
-        "w_smem_batches = [[32, 64]]\n"
+        "w_smem_batches = [[32, 64]]\nw_l2_batches = [[2, 4]]\n"
     )
     monkeypatch.setattr(kda_o_proj_plan, "CHOICE", choice)
     assert [bench.o_proj_variant(K3, 6, b)["capped"] for b in (8, 16, 32, 64)] == [False, True, True, False]
@@ -636,12 +636,14 @@ def test_a_cell_names_the_o_proj_variant_it_timed(monkeypatch, tmp_path):
     assert [bench.o_proj_variant(K3, layer, 64)["one_pass"] for layer in (6, 86)] == [True, False]
     assert not bench.o_proj_variant(K3, 6, 32)["one_pass"]
     assert [bench.o_proj_variant(K3, 6, b)["w_smem"] for b in (16, 32, 64)] == [False, True, True]
+    assert [bench.o_proj_variant(K3, 6, b)["w_l2"] for b in (1, 2, 4, 8)] == [False, True, True, False]
     monkeypatch.undo()
     want = {
         "capped": kda_o_proj_plan.capped_at(64),
         "one_pass": kda_o_proj_plan.one_pass_at(64, K3.blocks_before(6)),
         "warm": kda_o_proj_plan.warm_at(64),
         "w_smem": kda_o_proj_plan.w_smem_at(64),
+        "w_l2": kda_o_proj_plan.w_l2_at(64),
     }
     assert bench.o_proj_variant(K3, 6, 64) == want
 
@@ -676,7 +678,13 @@ def test_a_choice_file_given_on_the_command_line_is_what_the_plans_serve(tmp_pat
     }
     shard = K3.shard(8)
     assert KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, 64, 132).resident_threads == 1024
-    assert bench.o_proj_variant(K3, 6, 64) == {"capped": True, "one_pass": True, "warm": False, "w_smem": False}
+    assert bench.o_proj_variant(K3, 6, 64) == {
+        "capped": True,
+        "one_pass": True,
+        "warm": False,
+        "w_smem": False,
+        "w_l2": False,
+    }
     assert providers.max_rows("o_proj", "p", 8)[0] == 64 and providers.max_rows("in_proj", "p", 8) is None
     assert (step, o_proj, rows) == (step_plan.CHOICE, o_proj_plan.CHOICE, providers.CHOICE)
 

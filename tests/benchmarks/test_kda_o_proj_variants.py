@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import kda_layer_h200 as bench
-from k3_decode.kernels.kda_o_proj_plan import capped_at, choice, one_pass_at, w_smem_at, warm_at
+from k3_decode.kernels.kda_o_proj_plan import capped_at, choice, one_pass_at, w_l2_at, w_smem_at, warm_at
 from k3_decode.kernels.providers import max_rows
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results/kda-layer-variants-h100"
@@ -23,6 +23,8 @@ H200 = RESULTS.parent / "kda-layer-variants-h200"
 WARM_ROUNDS = [(H200 / "warm-base-1.json", H200 / "warm-1.json")]
 # On the H200, layer 6 at B1, B4, B8 and B64 with w_smem_batches = [[1, 64]] against none, one round of 60 per TP.
 W_SMEM_ROUNDS = [(H200 / f"w-smem-base-tp{tp}.json", H200 / f"w-smem-tp{tp}.json") for tp in (8, 16)]
+# W sent to L2 alone before the wait (w_l2_batches) against the plain stream: no round yet.
+W_L2_ROUNDS = sorted(RESULTS.parent.glob("kda-layer-variants-h*/w-l2-*.json"))
 ONE_BLOCK = 1
 
 
@@ -181,3 +183,20 @@ def test_a_round_where_staging_won_at_b1_at_both_tp_sizes_would_serve_it(tmp_pat
     verdicts = w_smem_verdicts(flipped)
     assert verdicts[1] is True and verdicts[4] is False
     assert w_smem_at(1) != verdicts[1]
+
+
+def w_l2_served_without_rounds(path=None) -> list[int]:
+    """The batches the choice file sends W to L2 alone at although no committed layer round measured it there."""
+    served = [b for b in range(1, 5) if w_l2_at(b, path)]
+    return served if not W_L2_ROUNDS else []
+
+
+def test_w_goes_to_l2_alone_nowhere_until_a_layer_round_has_measured_it(tmp_path):
+    """w_l2_batches is built and checked in CI, not measured on a GPU yet: the served file sends W to L2 alone
+    nowhere until committed rounds (kda-layer-variants-*/w-l2-*.json) exist to bind a verdict to, as the others are
+    bound above. Broken case: a file that serves it at B1-B2 now is refused."""
+    assert w_l2_served_without_rounds() == []
+    assert choice().w_l2_batches == ()
+    in_l2 = tmp_path / "kda_o_proj_choice.toml"
+    in_l2.write_text("cap_batches = []\none_pass = []\nw_l2_batches = [[1, 2]]\n")
+    assert w_l2_served_without_rounds(in_l2) == ([] if W_L2_ROUNDS else [1, 2])

@@ -27,6 +27,7 @@ from k3_decode.kernels.kda_o_proj_plan import (
     capped_batches,
     choice,
     one_pass_at,
+    w_l2_at,
     w_smem_at,
     warm_at,
 )
@@ -144,6 +145,9 @@ def test_the_cap_is_served_only_where_the_step_is_not_spread():
         ("cap_batches = []\none_pass = []\nwarm_batches = true", "the lists"),
         ("cap_batches = []\none_pass = []\nw_smem_batches = [[0, 64]]", r"w_smem_batches\[0\] .* range within 1\.\.64"),
         ("cap_batches = []\none_pass = []\nw_smem_batches = 32", "the lists"),
+        ("cap_batches = []\none_pass = []\nw_l2_batches = [[1, 8]]", r"w_l2_batches\[0\] reaches 8 rows.*1\.\.4"),
+        ("cap_batches = []\none_pass = []\nw_l2_batches = [[0, 2]]", r"w_l2_batches\[0\] .* range within 1\.\.64"),
+        ("cap_batches = []\none_pass = []\nw_l2_batches = 2", "the lists"),
     ],
 )
 def test_a_malformed_choice_file_is_an_error_naming_it(tmp_path, text, says):
@@ -166,6 +170,36 @@ def test_a_choice_file_serves_what_it_says(tmp_path):
     staged = tmp_path / "staged.toml"  # choice() caches by path
     staged.write_text("cap_batches = []\none_pass = []\nw_smem_batches = [[16, 32]]\n")
     assert [w_smem_at(b, staged) for b in (8, 16, 32, 64)] == [False, True, True, False]
+    assert not any(w_l2_at(b, path) for b in (1, 4))  # w_l2_batches may be left out: none
+    in_l2 = tmp_path / "in_l2.toml"
+    in_l2.write_text("cap_batches = []\none_pass = []\nw_l2_batches = [[1, 2]]\n")
+    assert [w_l2_at(b, in_l2) for b in (1, 2, 4)] == [True, True, False]
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_w_to_l2_alone_prefetches_whole_rows_and_holds_none_before_the_wait(tp):
+    """w_l2 (kda_o_proj_choice.toml w_l2_batches, B1-B4): every row of the CTA's W prefetched whole into L2 by the
+    copy engine before the wait, its first group loaded into the slots only after it. The stream, its steps and the
+    CTA's shared memory are the plain plan's, so are its bits (the GPU test asks); only when W moves changes."""
+    hidden, k = K3.shard(tp).kda_o_proj
+    for batch in (1, 2, 4):
+        for kind in (N1, ADD8):
+            plain = OProjPlan.for_shape(hidden, k, batch, kind, w_l2=False, warm=False)
+            in_l2 = OProjPlan.for_shape(hidden, k, batch, kind, w_l2=True)
+            assert in_l2.w_l2 and in_l2.tag == plain.tag + "/w-l2"
+            assert in_l2.late_runs == ((0, k),) and in_l2.l2_prefetched and not in_l2.warm_l2
+            assert not plain.l2_prefetched
+            assert (in_l2.depth, in_l2.groups, in_l2.rows_per_warp) == (plain.depth, plain.groups, plain.rows_per_warp)
+            assert in_l2.cta_smem_bytes == plain.cta_smem_bytes
+            assert in_l2.resident_ctas_per_sm == plain.resident_ctas_per_sm
+    with pytest.raises(ValueError, match="only on the fused o_proj's CUDA-core stream"):
+        OProjPlan.for_shape(hidden, k, 8, N1, w_l2=True)
+    with pytest.raises(ValueError, match="either staged in shared memory or prefetched"):
+        OProjPlan.for_shape(hidden, k, 1, N1, w_l2=True, w_smem=True)
+    with pytest.raises(ValueError, match="not also warmed"):
+        OProjPlan.for_shape(hidden, k, 1, N1, w_l2=True, warm=True)
+    for batch in (1, 4):  # the served file's verdict reaches the plan
+        assert OProjPlan.for_shape(hidden, k, batch, N1).w_l2 == w_l2_at(batch)
 
 
 @pytest.mark.parametrize("tp", [8, 16])
@@ -339,7 +373,7 @@ def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
     assert kinds <= after_attention_kinds()
     assert {b.tp: (b.plan.hidden, b.plan.k) for b in builds} == {8: K3.shard(8).kda_o_proj, 16: K3.shard(16).kda_o_proj}
     assert {b.kernel for b in builds} == {"kda_o_proj"} and {b.capacity for b in builds} == {8}
-    assert len({b.name for b in builds}) == len(builds) == 56 + 4 + 14 + 20
+    assert len({b.name for b in builds}) == len(builds) == 56 + 4 + 14 + 20 + 12
     assert "kda_o_proj/tp16/b4/n8-add-norm" in {b.name for b in builds}
     # builds.toml's both_streams: at B64 for the one-block kinds, one pass and two, whichever the choice file serves
     one_block = [(tp, 64, tag) for tp in (8, 16) for tag in ("n1-restart-norm", "n1-add-norm")]
@@ -360,7 +394,7 @@ def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
         for tp, batch in ((8, 1), (8, 4), (8, 8), (8, 16), (8, 32), (8, 64), (16, 32), (16, 64))
         if not (batch == 64 and tag == "n8-add-norm")  # two passes: not warmable
     }
-    assert all(b.tags["warm_prefetches"] == 0 for b in builds if not b.plan.warm_l2)
+    assert all(b.tags["warm_prefetches"] == 0 for b in builds if not b.plan.l2_prefetched)
     # builds.toml's w_smem: B1, B4 (CUDA cores) and B16-B64 at both epilogue sizes, with the stream the choice file
     # serves (one pass at 64 rows for one block), one bulk copy in the code and the slot fills from shared memory
     staged = {b.name: b.tags for b in builds if b.plan.w_smem}
@@ -375,6 +409,23 @@ def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
         plain = tags[name.removesuffix("/w-smem").removesuffix("/one-pass")]
         assert t["w_shared_loads"] > 0 and t["stream_loads"] < plain["stream_loads"], name
     assert all(b.tags["w_bulk_copies"] == b.tags["w_shared_loads"] == 0 for b in builds if not b.plan.w_smem)
+    # builds.toml's w_l2: B1, B2 and B4 at both epilogue sizes: one prefetch (the warp's rows, whole), no weight load
+    # before the wait, and the plain build's loads after it
+    in_l2 = {b.name: b.tags for b in builds if b.plan.w_l2}
+    assert set(in_l2) == {
+        f"kda_o_proj/tp{tp}/b{batch}/{tag}/w-l2"
+        for tp in (8, 16)
+        for batch in (1, 2, 4)
+        for tag in ("n1-add-norm", "n8-add-norm")
+    }
+    for name, t in in_l2.items():
+        assert (t["warm_prefetches"], t["w_l2"], t["weight_loads_ahead"], t["warm"]) == (1, True, 0, False), name
+        plain = tags[name.removesuffix("/w-l2")]
+        assert plain["weight_loads_ahead"] > 0 and (t["stream_loads"], t["global_loads"]) == (
+            plain["stream_loads"],
+            plain["global_loads"],
+        ), name
+    assert not any(b.tags["w_l2"] for b in builds if not b.plan.w_l2)
 
 
 def test_both_streams_kinds_must_be_built_kinds(monkeypatch):
@@ -421,7 +472,7 @@ def test_build_tags_count_what_the_code_must_hold():
 def test_expectations_judge_every_o_proj_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_o_proj/*")  # every named tag exists
-    assert len(builds) == 56 + 4 + 14 + 20  # the stream not served at B64 for n1, both TPs; 14 warm; 20 W staged
+    assert len(builds) == 56 + 4 + 14 + 20 + 12  # the stream not served at B64 for n1; 14 warm; 20 staged; 12 to L2
     spec = expectations["kda_o_proj"]
     assert spec.max_registers == 128 and spec.max_frame_bytes == 0 and len(spec.rules) >= 45
 
@@ -510,6 +561,36 @@ def test_a_w_smem_build_that_copies_w_after_the_wait_fails_its_build(tmp_path):
         r"ptx 'griddepcontrol\\.wait;'",
         r"ptx 'cp\\.async\\.bulk\\.shared::cluster\\.global\\.mbarrier::complete_tx::bytes' "
         r"before 'griddepcontrol\\.wait;'",
+    }, sorted(failed)
+
+
+W_LOADED_BEFORE_THE_WAIT = """
+import dataclasses
+import os
+os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+from k3_decode.kernels import kda_o_proj
+
+own = kda_o_proj.KdaOProjKernel.__init__
+
+
+def loads_ahead(self, plan, *args, **kwargs):
+    own(self, dataclasses.replace(plan, w_l2=False, warm_l2=True), *args, **kwargs)
+
+
+kda_o_proj.KdaOProjKernel.__init__ = loads_ahead
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_w_l2_build_that_loads_w_before_the_wait_fails_its_build(tmp_path):
+    """The broken case of the w_l2 builds: the kernel built from the plan that prefetches its late runs but still
+    loads the first group into registers before the wait (patched in the compiling process only), which is what
+    sending W to L2 alone is to avoid. Its one prefetch passes; both rules on loads before the wait fail."""
+    failed = failed_checks_of_broken_build(tmp_path, "kda_o_proj/tp8/b1/n1-add-norm/w-l2", W_LOADED_BEFORE_THE_WAIT)
+    assert failed == {
+        r"ptx 'ld\\.global\\.v4\\.b32' before 'griddepcontrol\\.wait;'",
+        r"sass '\\bLDG\\.E\\.128\\b' before '\\bACQBULK\\b'",
     }, sorted(failed)
 
 

@@ -446,6 +446,22 @@ def test_w_in_shared_memory_changes_no_bit_and_is_timed_beside_the_plain_stream(
 
 
 @pytest.mark.parametrize("tp", [8, 16])
+def test_w_sent_to_l2_alone_changes_no_bit_and_is_timed_beside_the_plain_stream(tp: int, tmp_path, monkeypatch):
+    """kda_o_proj_choice.toml's w_l2_batches: the CTA's rows of W prefetched whole into L2 before the wait and its
+    first group loaded only after it, which changes when W moves, never what is computed: the same o_proj bits and
+    MLP input as the plain stream at B1, B2 and B4 (both epilogue sizes), both timed. Per call it can only lose (the
+    previous kernel here is the previous call); what it is for, the KDA step running beside o_proj's CTAs without
+    their weight loads, only the layer benchmark shows."""
+    cases = [(batch, kind) for batch in (1, 2, 4) for kind in (N1_ADD, EDGE[-1])]
+
+    def check(plan: OProjPlan, on: bool) -> None:
+        assert plan.w_l2 == on and plan.l2_prefetched == on, plan.tag
+
+    serve = lambda on: served_choice_with(tmp_path, monkeypatch, "w_l2_batches", "[1, 4]" if on else "")  # noqa: E731
+    choice_on_and_off(tp, cases, serve, check, "w-l2")
+
+
+@pytest.mark.parametrize("tp", [8, 16])
 def test_the_driver_fits_the_w_smem_plans_resident_ctas_an_sm(tp: int):
     """OProjPlan.resident_ctas_per_sm, which the plan's refusal of a grid that could never finish rests on: the
     driver's occupancy calculator, given the staged build at B64 and its own shared memory, fits exactly that many
