@@ -287,6 +287,8 @@ class KdaOProjKernel:
             trace_stamp(self.trace, launches, cta, 1, tidx)
             if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
                 cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
+            if const_expr(plan.w_l2):  # the first group now, from L2, in flight while o is staged
+                load_group(plan, w, slots, row0, lane, Int32(0))
             stage(plan, o, staged, 0, plan.batch, plan.fill_loads, tidx)
             cute.arch.sync_threads()
             cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
@@ -296,8 +298,6 @@ class KdaOProjKernel:
                 load_group(plan, w_rows, slots, local, lane, Int32(0))
                 multiply(plan, w_rows, attn_out, staged, slots, row0, lane, 0, plan.batch, w_row0=local)
             else:
-                if const_expr(plan.w_l2):  # the first group, from L2 now that nothing lands beside the previous kernel
-                    load_group(plan, w, slots, row0, lane, Int32(0))
                 multiply(plan, w, attn_out, staged, slots, row0, lane, 0, plan.batch)  # attn_out[:, the warp's rows]
 
         # The grid-wide point: this CTA's share of attn_out is stored; it says so on the arrival word.
@@ -319,9 +319,8 @@ class KdaOProjKernel:
     def _warm(self, w: cute.Tensor, cta: Int32, warp: Int32, lane: Int32):
         """A warm plan (kda_o_proj_choice.toml warm_batches) or a w_l2 one: the copy engine prefetches into L2 the
         runs of W this CTA loads only after its wait (OProjPlan.late_runs: all of K for w_l2), while the previous
-        kernel runs and HBM has room. One
-        `cp.async.bulk.prefetch.L2` per row and run, issued by a lane of the warp that reads it: no register, no
-        shared memory, and nothing the issuing lane waits for."""
+        kernel runs and HBM has room. One `cp.async.bulk.prefetch.L2` per row and run, issued by a lane of the warp
+        that reads it: no register, no shared memory, and nothing the issuing lane waits for."""
         plan = self.plan
         if const_expr(plan.l2_prefetched):
             if const_expr(plan.tensor_cores):  # run s is warp s's K slice, for every row of the CTA's m-tile
