@@ -570,23 +570,28 @@ class K3KernelBuilds:
                         plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], one_pass=one_pass)
                         if all(b.plan != plan for b in builds):
                             builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
+            # Each variant below is built beside the plain stream, whatever else the choice file serves at the batch
+            # (two of them in one plan are refused).
+            plain = {"w_smem": False, "w_l2": False}
             # L2 warmed with the late weight runs (kda_o_proj_choice.toml warm_batches), where the stream has any.
             for batch in warm["batches"]:
                 for kind in variant_kinds["warm"]:
-                    if OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], warm=False).warmable:
-                        plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], warm=True)
+                    if OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], warm=False, **plain).warmable:
+                        plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], warm=True, **plain)
                         if all(b.plan != plan for b in builds):
                             builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
             # W staged whole in shared memory (kda_o_proj_choice.toml w_smem_batches), with the served stream.
             for batch in staged["batches"]:
                 for kind in variant_kinds["w_smem"]:
-                    plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], w_smem=True)
+                    plan = OProjPlan.for_shape(
+                        hidden, k, batch, kind, spec["sm_count"], capped=False, warm=False, w_smem=True, w_l2=False
+                    )
                     if all(b.plan != plan for b in builds):
                         builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
             # W prefetched whole into L2 and none in registers before the wait (w_l2_batches; CUDA cores only).
             for batch in in_l2["batches"]:
                 for kind in variant_kinds["w_l2"]:
-                    plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], w_l2=True)
+                    plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], w_smem=False, w_l2=True)
                     if all(b.plan != plan for b in builds):
                         builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
         return builds

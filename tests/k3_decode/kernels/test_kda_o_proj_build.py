@@ -288,6 +288,25 @@ def test_a_warm_plan_is_served_only_where_something_is_late(tmp_path, monkeypatc
         OProjPlan.for_shape(*tp8, 64, ADD8, warm=True)
 
 
+def test_the_build_table_holds_every_variant_beside_the_plain_stream_whatever_is_served(tmp_path, monkeypatch):
+    """Serving a variant (here W to L2 alone at B1-B4, W staged at B16-B64, warmth everywhere) changes the served
+    builds, never whether the table can be made: each variant's builds take the plain stream for everything else,
+    since two of them in one plan are refused. With W to L2 alone served, the served B1 build is the w_l2 one and the
+    warm build beside it is still made."""
+    from k3_decode.kernels import kda_o_proj_plan
+
+    path = tmp_path / "kda_o_proj_choice.toml"
+    path.write_text(
+        "cap_batches = []\none_pass = []\nwarm_batches = [[1, 64]]\nw_smem_batches = [[16, 64]]\n"
+        "w_l2_batches = [[1, 4]]\n"
+    )
+    monkeypatch.setattr(kda_o_proj_plan, "CHOICE", path)
+    names = {b.name for b in K3_KERNEL_BUILDS.kda_o_proj_builds()}
+    assert "kda_o_proj/tp8/b1/n1-add-norm/w-l2" in names and "kda_o_proj/tp8/b1/n1-add-norm" not in names
+    assert "kda_o_proj/tp8/b1/n1-add-norm/warm" in names and "kda_o_proj/tp8/b32/n1-add-norm/warm" in names
+    assert "kda_o_proj/tp8/b32/n1-add-norm/w-smem" in names
+
+
 @pytest.mark.parametrize("tp", [8, 16])
 def test_one_pass_reads_w_once_with_every_batch_tile(tp):
     """Above 32 rows the two-pass stream takes two passes of four batch tiles, each reading the CTA's W; one_pass takes
