@@ -133,19 +133,21 @@ def w_smem_verdicts(rounds: list[tuple[Path, Path]]) -> dict[int, bool]:
     """Per measured batch: whether staging W saved layer time at every TP size whose o_proj ran fused there (where
     it ran stock, as at TP8 B64 on layer 6, staging changed nothing the layer launched), after checking that each
     run staged W exactly where its name says."""
+    fused: set[tuple[int, int]] = set()  # the (TP, batch) cells whose o_proj ran fused, staged in the variant
     for base, variant in rounds:
         for path, staged in ((base, False), (variant, True)):
             for key, cell in bench.cells_by_key(load(path)).items():
                 if o_proj_path(cell) == "specialized":
                     assert cell["o_proj_variant"]["w_smem"] is staged, (path.name, key)
-    per_round = savings(rounds)
-    cells = {}
-    for _, variant in rounds:
-        cells.update(bench.cells_by_key(load(variant)))
+                    fused |= {key} if staged else set()
+    saved: dict[tuple[int, int], float] = {}
+    for per_round in savings(rounds):  # one TP size a round: no cell is measured twice
+        assert not saved.keys() & per_round.keys(), sorted(saved.keys() & per_round.keys())
+        saved |= per_round
     verdicts: dict[int, bool] = {}
-    for batch in sorted({b for _, b in cells}):
-        keys = [k for k, c in cells.items() if k[1] == batch and o_proj_path(c) == "specialized"]
-        verdicts[batch] = bool(keys) and all(saved[k] > 0 for saved in per_round for k in keys if k in saved)
+    for batch in sorted({b for _, b in saved}):
+        keys = [key for key in fused if key[1] == batch]
+        verdicts[batch] = bool(keys) and all(saved[key] > 0 for key in keys)
     return verdicts
 
 
