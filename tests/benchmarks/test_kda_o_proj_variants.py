@@ -23,8 +23,12 @@ H200 = RESULTS.parent / "kda-layer-variants-h200"
 WARM_ROUNDS = [(H200 / "warm-base-1.json", H200 / "warm-1.json")]
 # On the H200, layer 6 at B1, B4, B8 and B64 with w_smem_batches = [[1, 64]] against none, one round of 60 per TP.
 W_SMEM_ROUNDS = [(H200 / f"w-smem-base-tp{tp}.json", H200 / f"w-smem-tp{tp}.json") for tp in (8, 16)]
-# W sent to L2 alone before the wait (w_l2_batches) against the plain stream: no round yet.
-W_L2_ROUNDS = sorted(RESULTS.parent.glob("kda-layer-variants-h*/w-l2-*.json"))
+# On the H200, layer 6 at B1, B2 and B4 with W sent to L2 alone before the wait (w_l2_batches = [[1, 4]]) against
+# the plain stream, both TP sizes: a round of 60, and the phase-traced round of 20 at B1-B2.
+W_L2_ROUNDS = [
+    (H200 / "w-l2-base-1.json", H200 / "w-l2-1.json"),
+    (H200 / "w-l2-trace-base.json", H200 / "w-l2-trace.json"),
+]
 ONE_BLOCK = 1
 
 
@@ -129,25 +133,22 @@ def test_no_warm_batch_is_served_because_warming_lost_at_every_measured_cell():
     assert all(us < 0 for us in saved.values())
 
 
-def w_smem_verdicts(rounds: list[tuple[Path, Path]]) -> dict[int, bool]:
-    """Per measured batch: whether staging W saved layer time at every TP size whose o_proj ran fused there (where
-    it ran stock, as at TP8 B64 on layer 6, staging changed nothing the layer launched), after checking that each
-    run staged W exactly where its name says."""
-    fused: set[tuple[int, int]] = set()  # the (TP, batch) cells whose o_proj ran fused, staged in the variant
+def flag_verdicts(rounds: list[tuple[Path, Path]], flag: str) -> dict[int, bool]:
+    """Per measured batch: whether the o_proj variant `flag` names (o_proj_variant[flag]) saved layer time in every
+    round at every TP size whose o_proj ran fused there (where it ran stock, as at TP8 B64 on layer 6, the variant
+    changed nothing the layer launched), after checking that each run ran the variant exactly where its name says."""
+    fused: set[tuple[int, int]] = set()  # the (TP, batch) cells whose o_proj ran fused with the variant
     for base, variant in rounds:
-        for path, staged in ((base, False), (variant, True)):
+        for path, on in ((base, False), (variant, True)):
             for key, cell in bench.cells_by_key(load(path)).items():
                 if o_proj_path(cell) == "specialized":
-                    assert cell["o_proj_variant"]["w_smem"] is staged, (path.name, key)
-                    fused |= {key} if staged else set()
-    saved: dict[tuple[int, int], float] = {}
-    for per_round in savings(rounds):  # one TP size a round: no cell is measured twice
-        assert not saved.keys() & per_round.keys(), sorted(saved.keys() & per_round.keys())
-        saved |= per_round
+                    assert cell["o_proj_variant"][flag] is on, (path.name, key)
+                    fused |= {key} if on else set()
+    per_round = savings(rounds)
     verdicts: dict[int, bool] = {}
-    for batch in sorted({b for _, b in saved}):
+    for batch in sorted({b for saved in per_round for _, b in saved}):
         keys = [key for key in fused if key[1] == batch]
-        verdicts[batch] = bool(keys) and all(saved[key] > 0 for key in keys)
+        verdicts[batch] = bool(keys) and all(saved[key] > 0 for saved in per_round for key in keys if key in saved)
     return verdicts
 
 
@@ -160,7 +161,7 @@ def test_w_is_staged_nowhere_because_it_lost_or_changed_nothing_at_every_measure
             "w_smem_batches = [[1, 64]]\n"
         )
         assert load(base)["env"]["gpu"] == load(variant)["env"]["gpu"] == "NVIDIA H200"
-    verdicts = w_smem_verdicts(W_SMEM_ROUNDS)
+    verdicts = flag_verdicts(W_SMEM_ROUNDS, "w_smem")
     assert set(verdicts) == {1, 4, 8, 64}
     assert not any(verdicts.values())
     for batch, won in verdicts.items():
@@ -168,37 +169,56 @@ def test_w_is_staged_nowhere_because_it_lost_or_changed_nothing_at_every_measure
     assert choice().w_smem_batches == ()
 
 
-def test_a_round_where_staging_won_at_b1_at_both_tp_sizes_would_serve_it(tmp_path):
-    """Broken case: copies of both rounds whose B1 losses are inverted into gains; B1's verdict flips, and the
-    served file (staging nothing) no longer matches it."""
-    flipped = []
-    for base, variant in W_SMEM_ROUNDS:
+def b1_inverted(rounds: list[tuple[Path, Path]], tmp_path: Path) -> list[tuple[Path, Path]]:
+    """Copies of the rounds' variant files whose B1 speedups are mirrored about their base's (a loss becomes an equal
+    gain), each beside its own base."""
+    out = []
+    for base, variant in rounds:
         doc, base_cells = load(variant), bench.cells_by_key(load(base))
         for run in doc["runs"]:
             for cell in run["cells"]:
                 if cell["batch"] == 1:
                     s_base = base_cells[(cell["tp"], 1)]["layer_speedup"]["speedup"]
                     cell["layer_speedup"]["speedup"] = s_base**2 / cell["layer_speedup"]["speedup"]
-        better = tmp_path / variant.name
-        better.write_text(json.dumps(doc))
-        flipped.append((base, better))
-    verdicts = w_smem_verdicts(flipped)
+        mirrored = tmp_path / variant.name
+        mirrored.write_text(json.dumps(doc))
+        out.append((base, mirrored))
+    return out
+
+
+def test_a_round_where_staging_won_at_b1_at_both_tp_sizes_would_serve_it(tmp_path):
+    """Broken case: copies of both rounds whose B1 losses are inverted into gains; B1's verdict flips, and the
+    served file (staging nothing) no longer matches it."""
+    verdicts = flag_verdicts(b1_inverted(W_SMEM_ROUNDS, tmp_path), "w_smem")
     assert verdicts[1] is True and verdicts[4] is False
     assert w_smem_at(1) != verdicts[1]
 
 
-def w_l2_served_without_rounds(path=None) -> list[int]:
-    """The batches the choice file sends W to L2 alone at although no committed layer round measured it there."""
-    served = [b for b in range(1, 5) if w_l2_at(b, path)]
-    return served if not W_L2_ROUNDS else []
-
-
-def test_w_goes_to_l2_alone_nowhere_until_a_layer_round_has_measured_it(tmp_path):
-    """w_l2_batches is built and checked in CI, not measured on a GPU yet: the served file sends W to L2 alone
-    nowhere until committed rounds (kda-layer-variants-*/w-l2-*.json) exist to bind a verdict to, as the others are
-    bound above. Broken case: a file that serves it at B1-B2 now is refused."""
-    assert w_l2_served_without_rounds() == []
+def test_w_goes_to_l2_alone_nowhere_because_it_lost_at_every_measured_batch():
+    """On the H200 (fe6c705's kernels) sending W to L2 alone before the wait lost layer time at B1 and B4 at both TP
+    sizes (TP16 B1 -2.2 us, outside the intervals) and at TP8 B2; TP16 B2 saved 0.08 us in the round of 60 (inside
+    the intervals) and lost 1.06 in the traced round. The served file sends W to L2 nowhere."""
+    for base, variant in W_L2_ROUNDS:
+        assert load(variant)["variant"]["choice_files"]["kda_o_proj_choice.toml"].endswith("w_l2_batches = [[1, 4]]\n")
+        assert load(base)["variant"] == {"name": "plain", "choice_files": {}}
+        assert load(base)["env"]["gpu"] == load(variant)["env"]["gpu"] == "NVIDIA H200"
+    verdicts = flag_verdicts(W_L2_ROUNDS, "w_l2")
+    assert verdicts == {1: False, 2: False, 4: False}
+    for batch, won in verdicts.items():
+        assert w_l2_at(batch) == won, f"B{batch}"
     assert choice().w_l2_batches == ()
-    in_l2 = tmp_path / "kda_o_proj_choice.toml"
-    in_l2.write_text("cap_batches = []\none_pass = []\nw_l2_batches = [[1, 2]]\n")
-    assert w_l2_served_without_rounds(in_l2) == ([] if W_L2_ROUNDS else [1, 2])
+
+
+def test_rounds_where_w_in_l2_won_at_b1_would_serve_it(tmp_path):
+    """Broken case: both rounds with their B1 losses mirrored into gains; B1's verdict flips while B2 and B4 keep
+    theirs, and the served file no longer matches it."""
+    verdicts = flag_verdicts(b1_inverted(W_L2_ROUNDS, tmp_path), "w_l2")
+    assert verdicts == {1: True, 2: False, 4: False}
+    assert w_l2_at(1) != verdicts[1]
+
+
+def test_a_base_that_sent_w_to_l2_is_not_a_base():
+    """The verdicts compare the variant with the plain stream: a round whose base ran it is refused, naming it."""
+    _, variant = W_L2_ROUNDS[0]
+    with pytest.raises(AssertionError, match=r"w-l2-1\.json"):
+        flag_verdicts([(variant, variant)], "w_l2")
