@@ -204,3 +204,90 @@ def test_a_graph_that_replays_nothing_is_refused_not_timed(monkeypatch: pytest.M
     else:
         with pytest.raises(RuntimeError, match="m1k4 left its output unwritten"):
             mss._graph("m1k4", fn, 3, out)
+
+
+# --- the committed H200 run (fe6c705) against what the tree serves ------------------------------------------------
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results/mma-stream-shapes-h200.json"
+# Per shape, the streams the tree builds for it (the one pass at one-block layers, the two passes of the eight-block
+# kinds) where providers.toml lets the CuTe kernel take the shape's rows; and where it keeps the op stock above 32
+# rows, the op, provider and TP size that say so.
+BUILT = {"o_proj-tp8-b64": ("m1k4", "m1k4-two-pass"), "o_proj-tp16-b64": ("m1k4", "m1k4-two-pass")}
+STOCK_ABOVE = {
+    "o_proj-tp8-b64": ("o_proj", "cute-kda-o-proj", 8),
+    "in_proj-tp16-b64": ("in_proj", "cute-kda-in-proj", 16),
+}
+SAME_BITS_MARGIN = 0.95  # a tiling with a built stream's bits and passes must be 5 % faster to count as a lead
+# The leads the committed run found (docs/kda-layer-h200.md, "The stream's tilings, timed"), for the eight-block
+# kinds' two passes, with the same bits: taller CTAs (32 rows, two a SM) at TP8 B64, not built; W staged in shared
+# memory (w_smem, built) at TP16 B64, where four CTAs an SM still fit. Neither served nor measured in a layer yet.
+LEADS = [
+    "o_proj-tp8-b64 m2k4-two-pass: 0.90 of m1k4-two-pass's time with its bits",
+    "o_proj-tp16-b64 m1k4-two-pass-w-smem: 0.91 of m1k4-two-pass's time with its bits",
+]
+
+
+def stream_findings(results: dict) -> list[str]:
+    """What the run says against the tree, one line each: a timed plan that is not the variants file's plan now, a
+    tiling outside one BF16 rounding, a tiling with a built stream's bits and passes at most 95 % of its time (a lead
+    the build has not taken), or a CuTe tiling faster than cuBLAS where providers.toml keeps the op stock."""
+    from k3_decode.kernels.providers import max_rows
+
+    now = {s.name: {v.name: mss.plan_record(v.plan) for v in s.variants} for s in mss.load_shapes()}
+    out = []
+    for shape in results["shapes"]:
+        name, cells = shape["shape"]["name"], shape["variants"]
+        cute = {v: c for v, c in cells.items() if v != mss.CUBLAS}
+        for v, c in cells.items():
+            if v in cute and c["plan"] != now[name].get(v):
+                out.append(f"{name} {v}: timed a plan the variants file no longer holds; rerun the benchmark")
+            if not c["within_one_bf16_rounding"]:
+                out.append(f"{name} {v}: outside one BF16 rounding of the exact product")
+        for built in BUILT.get(name, ()):
+            ref = cute[built]
+            for v, c in cute.items():
+                ratio = c["us"]["median"] / ref["us"]["median"]
+                same = (
+                    c["bits_equal_baseline"] == ref["bits_equal_baseline"]
+                    and c["plan"].get("passes") == ref["plan"]["passes"]
+                )
+                if v != built and same and ratio <= SAME_BITS_MARGIN:
+                    out.append(f"{name} {v}: {ratio:.2f} of {built}'s time with its bits")
+        if name in STOCK_ABOVE:
+            op, provider, tp = STOCK_ABOVE[name]
+            rows, _ = max_rows(op, provider, tp)
+            faster = [v for v, c in cute.items() if c["ratio_to_cublas"] < 1.0]
+            if rows < shape["shape"]["batch"] and faster:
+                out.append(f"{name}: {faster} beat cuBLAS where providers.toml keeps {op} stock above {rows} rows")
+    return out
+
+
+def test_the_committed_stream_timings_agree_with_the_tiling_built_and_the_rows_served():
+    """On the H200 at fe6c705 no tiling with the one pass's bits beat it (taller CTAs, x rings, W staged: 0.99-2.9
+    of its time), taller CTAs beat the eight-block kinds' two passes at TP8 B64 (the one lead), and cuBLAS beat every
+    tiling at o_proj TP8 B64 (8.65 us against 12.4-25.0) and the TP16 projection at 64 rows (17.5 against
+    25.7-37.1), where providers.toml keeps both stock at one-block layers."""
+    results = json.loads(RESULTS.read_text())
+    assert results["env"]["gpu"] == "NVIDIA H200" and results["rounds"] == 20
+    assert {s["shape"]["name"] for s in results["shapes"]} == {s.name for s in mss.load_shapes()}
+    assert all(not s["not_compiled"] for s in results["shapes"])
+    assert stream_findings(results) == LEADS
+
+
+@pytest.mark.parametrize(
+    ("shape", "variant", "field", "value", "finding"),
+    [
+        ("o_proj-tp16-b64", "m2k4", "us", {"median": 6.0}, "o_proj-tp16-b64 m2k4: 0.74 of m1k4's time"),
+        ("in_proj-tp16-b64", "one-pass", "ratio_to_cublas", 0.9, "beat cuBLAS where providers.toml keeps in_proj"),
+        ("o_proj-tp8-b64", "m4k4", "within_one_bf16_rounding", False, "m4k4: outside one BF16 rounding"),
+        ("o_proj-tp8-b64", "m4k4", "plan", {"ctas": 1}, "m4k4: timed a plan the variants file no longer holds"),
+    ],
+)
+def test_a_doctored_stream_run_is_caught(shape: str, variant: str, field: str, value: object, finding: str):
+    """Broken cases: a faster tiling with the built bits, a tiling faster than cuBLAS where the op stays stock, a
+    wrong product, and a timing of a plan the variants file no longer holds each add exactly one finding."""
+    results = json.loads(RESULTS.read_text())
+    (target,) = [s for s in results["shapes"] if s["shape"]["name"] == shape]
+    target["variants"][variant][field] = value
+    (found,) = [f for f in stream_findings(results) if f not in LEADS]
+    assert finding in found
