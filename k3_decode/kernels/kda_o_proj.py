@@ -102,7 +102,7 @@ after it (`_warm`). A w_smem plan (w_smem_batches; measured slower on the H200 a
 copy the CTA's rows of W whole into shared memory before the wait instead (kda_in_proj_mma.stage_rows), and either
 stream fills its slots from there in the same order. 48 KB a CTA at TP8 leaves three CTAs an SM at B4 and from B32,
 so that grid runs in more than one wave, which the argument above allows (OProjPlan.resident_clusters >
-epilogue_clusters, which the plan checks). A w_l2 plan (w_l2_batches, B1-B4 only; built, not measured yet, not
+epilogue_clusters, which the plan checks). A w_l2 plan (w_l2_batches, B1-B4 only; measured on the H200 and slower, not
 served) has the copy engine prefetch the CTA's rows of W whole into L2 before the wait and loads none into registers
 until after it: in the layer's phase traces the KDA step's cluster exchanges, running beside o_proj's first weight
 loads, took 1.6-1.8 us instead of 0.2-0.5 (docs/kda-layer-h200.md); a prefetch lands nothing in the SM.
