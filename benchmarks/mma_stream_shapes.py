@@ -97,9 +97,12 @@ def _variant(where: str, rows: int, k: int, batch: int, spec: dict[str, Any]) ->
     w_smem = spec.get("w_smem", False)
     if not isinstance(w_smem, bool):
         raise VariantsError(f"{where} variant {name!r}: w_smem must be true or false, got {w_smem!r}")
+    w_ring = spec.get("w_ring", 0)
+    if not isinstance(w_ring, int) or isinstance(w_ring, bool):
+        raise VariantsError(f"{where} variant {name!r}: w_ring must be a number of k steps (0: off), got {w_ring!r}")
     plan = InProjMmaPlan(
         rows, k, batch, v["rows_per_cta"], v["m_tiles"], v["k_splits"], v["w_loads"], v["x_ahead"], v["n_tiles"],
-        v["x_stages"], w_smem, ctas_per_sm=v["ctas_per_sm"],
+        v["x_stages"], w_smem, w_ring, ctas_per_sm=v["ctas_per_sm"],
     )  # fmt: skip
     problems = []
     if rows % TILE_M or k % STEP:
@@ -114,6 +117,9 @@ def _variant(where: str, rows: int, k: int, batch: int, spec: dict[str, Any]) ->
         problems.append(f"{plan.ctas_per_sm} CTAs of {plan.smem_bytes} bytes of shared memory do not fit an SM")
     if min(plan.w_loads_in_flight, plan.x_steps_ahead, plan.max_n_tiles) < 1 or plan.x_stages == 1 or plan.x_stages < 0:
         problems.append("w_loads, x_ahead and n_tiles must be positive and x_stages 0 or at least 2")
+    ring_problem = plan.w_ring_problem() if not problems else None
+    if ring_problem:
+        problems.append(ring_problem)
     if problems:
         raise VariantsError(f"{where} variant {name!r}: {'; '.join(problems)} — fix the entry")
     return Variant(str(name), plan, str(spec.get("why", "")))
@@ -135,6 +141,8 @@ def plan_record(plan: InProjMmaPlan) -> dict[str, Any]:
         "w_smem": plan.w_smem,
         "smem_bytes": plan.smem_bytes,
         "ctas_per_sm": plan.ctas_per_sm,
+        # only where on, so the records of runs before the ring still match their plans
+        **({"w_ring": plan.w_ring} if plan.w_ring else {}),
     }
 
 

@@ -42,6 +42,13 @@ Why this design (the plan's numbers: kda_in_proj_mma_plan.py):
   (so the 8 rows a load instruction reads sit in 8 bank groups), all completing one transaction barrier; after it
   every thread waits on the barrier and the slots are filled from shared memory by the same loads in the same
   order: the same bits, with all of W in flight at once instead of `depth` steps a lane.
+- W through a ring in shared memory (plan.w_ring: benchmarks/mma_stream_shapes.py only; not served, not yet timed).
+  Every register tiling held one k step of W in flight a lane and streamed at 1.85 TB/s against cuBLAS's 2.67
+  (benchmarks/results/mma-stream-shapes-h200.json). Each warp keeps `w_ring` k steps of its 16 rows and K slice in
+  flight as bulk copies (lanes 0-15 a row each, 128 bytes), one transaction barrier a stage (start_ring, before the
+  wait); a slot is filled from its stage once the stage's barrier has flipped, and right after the warp's MMAs of a
+  step its stage takes the step `w_ring` ahead (refill_stage: a proxy fence, the warp meets, lane 0 re-arms). The
+  warp is its own producer and consumer, so no CTA barrier; the same loads into the same slots, so the same bits.
 
 Measured on one H200 at 28f8360 (tests/k3_decode/kernels/test_kda_in_proj_gpu.py, CUDA-graph replays, W from HBM):
 83-87% of the copy bandwidth at TP8 B1-B8 (24.3-25.6 us; cuBLAS 25.1-26.5, the CUDA-core build 35.4 at B8) and
@@ -57,7 +64,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from k3_decode.kernels.kda_in_proj import compile_args as compile_args  # the same arguments: x, W, out, counter
-from k3_decode.kernels.kda_in_proj_mma_plan import STEP, TILE_N, VECTOR, WARP, InProjMmaPlan, MmaStream
+from k3_decode.kernels.kda_in_proj_mma_plan import STEP, TILE_M, TILE_N, VECTOR, WARP, InProjMmaPlan, MmaStream
 from k3_decode.kernels.primitives import bulk_copy, launch_resident, load8, trace_stamp
 
 
@@ -97,6 +104,8 @@ class KdaInProjKernelMma:
         # Before the wait: W does not depend on the previous kernel.
         if const_expr(plan.w_smem):
             w_rows, w_bar = stage_w(plan, w, smem, cta * plan.rows_per_cta, tidx, warp)
+        elif const_expr(plan.w_ring > 0):
+            w_ring = start_ring(plan, w, smem, cta * plan.rows_per_cta, lanes, warp)
         else:
             load_w(plan, w, slots, lanes, Int32(0))
         cute.arch.griddepcontrol_wait()
@@ -108,6 +117,9 @@ class KdaInProjKernelMma:
             cute.arch.mbarrier_wait(w_bar, 0)  # the CTA's rows of W have landed
             load_w(plan, w_rows, slots, lanes, Int32(0))
             stream_passes(plan, x, w_rows, out, partials, slots, xslots, lanes, warp, ring)
+        elif const_expr(plan.w_ring > 0):
+            load_w(plan, w_ring, slots, lanes, Int32(0))  # waits for each step's stage
+            stream_passes(plan, x, w_ring, out, partials, slots, xslots, lanes, warp, ring)
         else:
             stream_passes(plan, x, w, out, partials, slots, xslots, lanes, warp, ring)
         if const_expr(self.trace):
@@ -193,6 +205,65 @@ def stage_rows(
             if row < here:
                 bulk_copy(staged.iterator + row * stride, w.iterator + (first + row) * k, k * 2, bar)
     return staged, bar
+
+
+class WRing(NamedTuple):
+    """A w_ring plan's W: every warp's `w_ring` stages of 16 rows x one k step in shared memory, [(warp * w_ring +
+    stage) * 16 + row, column] with rows padded by 16 bytes, a transaction barrier per stage, and where they are
+    filled from: W in global memory and the CTA's first row."""
+
+    stages: cute.Tensor
+    bars: Any
+    src: cute.Tensor
+    first: Int32
+    warp: Int32
+
+
+@cute.jit
+def start_ring(plan: MmaStream, w: cute.Tensor, smem: Any, first: Int32, lanes: LaneRows, warp: Int32) -> WRing:
+    """Allocate the ring, initialize the warp's barriers and issue its first `w_ring` steps (before
+    griddepcontrol.wait: W does not depend on the previous kernel). Warp-local: no CTA barrier."""
+    bars = smem.allocate_array(Int64, plan.warps * plan.w_ring, byte_alignment=8)
+    layout = cute.make_layout((plan.warps * plan.w_ring * TILE_M, STEP + VECTOR), stride=(STEP + VECTOR, 1))
+    stages = smem.allocate_tensor(BFloat16, layout, byte_alignment=128)
+    if lanes.lane == 0:
+        for i in cutlass.range_constexpr(plan.w_ring):
+            cute.arch.mbarrier_init(bars + (warp * plan.w_ring + i), 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.fence_proxy("async.shared", space="cta")  # the bulk copies complete these barriers
+    cute.arch.sync_warp()  # the warp's lanes see its barriers initialized before they wait on them
+    w_ring = WRing(stages, bars, w, first, warp)
+    for i in cutlass.range_constexpr(plan.w_ring):
+        fill_stage(plan, w_ring, lanes, Int32(i))
+    return w_ring
+
+
+@cute.jit
+def fill_stage(plan: MmaStream, w_ring: WRing, lanes: LaneRows, step: Int32):
+    """k step `step` of the warp's 16 rows and K slice into its stage step % w_ring: lane r < 16 copies row r of the
+    m-tile (the CTA's last row where r lies past them, so every stage takes 16 x 128 bytes), lane 0 arming the
+    stage's barrier with those bytes."""
+    stage = w_ring.warp * plan.w_ring + step % plan.w_ring
+    bar = w_ring.bars + stage
+    if lanes.lane == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, TILE_M * STEP * 2)
+    if lanes.lane < TILE_M:
+        local = lanes.lane * plan.m_tiles + lanes.m
+        row = w_ring.first + cutlass.min(local, lanes.here - 1)
+        col = lanes.split * (plan.split_steps * STEP) + step * STEP
+        dst = w_ring.stages.iterator + (stage * TILE_M + lanes.lane) * (STEP + VECTOR)
+        bulk_copy(dst, w_ring.src.iterator + row * plan.k + col, STEP * 2, bar)
+
+
+@cute.jit
+def refill_stage(plan: MmaStream, w_ring: WRing, lanes: LaneRows, step: Int32):
+    """After the warp's MMAs of k step `step`: its stage takes step + w_ring, where the slice has one. Every lane's
+    reads of the stage are done (its MMAs consumed them); the proxy fence orders them before the copy engine's
+    writes, and the warp meets before lane 0 re-arms the barrier."""
+    if step + plan.w_ring < plan.split_steps:
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        fill_stage(plan, w_ring, lanes, step + plan.w_ring)
 
 
 def allocate_x_ring(plan: MmaStream, smem: Any) -> cute.Tensor | None:
@@ -302,6 +373,8 @@ def stream_pass(
             step = grp * plan.depth + j
             xs = xslots[j % plan.x_depth]
             mma_step(mma, acc, slots[j], xs, 0, 4)
+            if const_expr(plan.w_ring > 0):
+                refill_stage(plan, w, lanes, step)  # w is the WRing: the stage just consumed streams on
             if grp + 1 < plan.groups:  # refill the slot just used: W runs `depth` steps ahead
                 load_w(plan, w, [slots[j]], lanes, step + plan.depth)
             if step + plan.x_depth < plan.split_steps:
@@ -425,13 +498,22 @@ def _ring_vector(plan: MmaStream, lanes: LaneRows, stage: Int32, tile: int, v: i
 def load_w(plan: MmaStream, w: cute.Tensor, slots: list, lanes: LaneRows, step: Int32):
     """k steps step, step + 1, ... of the lane's two rows into the given slots (one step each). For a w_smem plan `w`
     is the CTA's rows in shared memory (stage_w), indexed by the rows' place in the CTA."""
-    for j in cutlass.range_constexpr(len(slots)):
-        for h in cutlass.range_constexpr(2):
-            row = lanes.rows[h]
-            if const_expr(plan.w_smem):
-                row = cutlass.min(lanes.local[h], lanes.here - 1)
-            for v in cutlass.range_constexpr(2):
-                load8(w[row, None], lanes.vec0 + (step + j) * (STEP // VECTOR) + 4 * v, slots[j][h][v])
+    if const_expr(plan.w_ring > 0):  # w is the WRing: each step from its stage, once its copies have landed
+        for j in cutlass.range_constexpr(len(slots)):
+            s = step + j
+            stage = w.warp * plan.w_ring + s % plan.w_ring
+            cute.arch.mbarrier_wait(w.bars + stage, (s // plan.w_ring) % 2)
+            for h in cutlass.range_constexpr(2):
+                for v in cutlass.range_constexpr(2):
+                    load8(w.stages[stage * TILE_M + lanes.g + 8 * h, None], lanes.t + 4 * v, slots[j][h][v])
+    else:
+        for j in cutlass.range_constexpr(len(slots)):
+            for h in cutlass.range_constexpr(2):
+                row = lanes.rows[h]
+                if const_expr(plan.w_smem):
+                    row = cutlass.min(lanes.local[h], lanes.here - 1)
+                for v in cutlass.range_constexpr(2):
+                    load8(w[row, None], lanes.vec0 + (step + j) * (STEP // VECTOR) + 4 * v, slots[j][h][v])
 
 
 @cute.jit

@@ -61,6 +61,13 @@ class MmaStream:
     # for it), the slots then filled from there: o_proj's w_smem_batches and benchmarks/mma_stream_shapes.toml; not
     # served anywhere yet
     w_smem: bool = False
+    # W through a ring in shared memory (0: off): each warp keeps this many k steps of its 16 rows and K slice in
+    # flight as bulk copies (one a row and step, 128 bytes, by lanes 0-15), each stage on its own transaction
+    # barrier, refilled with the step `w_ring` ahead as soon as the warp's MMAs have consumed it; the register slots
+    # (`depth` steps) are filled from the ring in the same order, so the same bits. Why: every register tiling of
+    # benchmarks/mma_stream_shapes.toml held one k step of W in flight a lane (32 KB an SM) and streamed at 1.85
+    # TB/s against cuBLAS's 2.67; the ring holds `w_ring` steps without holding registers. One pass, x in registers.
+    w_ring: int = 0
 
     @property
     def steps(self) -> int:
@@ -134,10 +141,43 @@ class MmaStream:
         return self.rows_per_cta * self.w_row_stride * 2 + 128 if self.w_smem else 0
 
     @property
+    def w_ring_stage_bytes(self) -> int:
+        """One stage of a warp's ring: its m-tile's 16 rows of one k step, each padded by 16 bytes (a load instruction
+        reads 8 rows at one column, which then fall in 8 bank groups)."""
+        return TILE_M * (STEP + VECTOR) * 2
+
+    @property
+    def w_ring_bytes(self) -> int:
+        """Every warp's ring and a transaction barrier (8 bytes) per stage, 128 bytes of alignment beside them; else
+        nothing."""
+        if not self.w_ring:
+            return 0
+        return self.warps * self.w_ring * (self.w_ring_stage_bytes + 8) + 128
+
+    def w_ring_problem(self) -> str | None:
+        """Why this stream cannot take its W through a ring (w_ring), or None."""
+        if self.w_ring < 0:
+            return f"w_ring must be 0 (off) or a number of k steps, got {self.w_ring}"
+        if not self.w_ring:
+            return None
+        if self.w_smem:
+            return "w_ring and w_smem both stage W in shared memory; pick one"
+        if len(self.passes) != 1 or self.x_stages:
+            return f"w_ring needs one pass with x in registers (passes {self.passes}, x_stages {self.x_stages})"
+        if not self.depth <= self.w_ring <= self.split_steps:
+            return f"w_ring {self.w_ring} must lie within {self.depth} (the slots) and {self.split_steps} (the slice)"
+        return None
+
+    @property
     def smem_bytes(self) -> int:
         """The slices' partial sums, one FP32 tile per warp and batch tile, for the fixed-order sum, the x ring,
-        and W where it is staged whole (w_smem)."""
-        return self.warps * self.partial_floats * WARP * 4 + self.x_ring_vectors * 16 + self.w_smem_bytes
+        and W where it is staged whole (w_smem) or through a ring (w_ring)."""
+        return (
+            self.warps * self.partial_floats * WARP * 4
+            + self.x_ring_vectors * 16
+            + self.w_smem_bytes
+            + self.w_ring_bytes
+        )
 
     @property
     def weight_bytes(self) -> int:

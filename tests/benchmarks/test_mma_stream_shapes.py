@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from benchmarks import mma_stream_shapes as mss
 from k3_decode.kernels.attn_res_plan import AttnResKind
 from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan, MmaStream
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
+from tests.k3_decode.kernels.helpers import needs_cutedsl
 
 ONE_BLOCK = AttnResKind(1, "add", False, True)
 EIGHT_BLOCKS = AttnResKind(8, "add", False, True)
@@ -61,6 +63,18 @@ def test_w_in_shared_memory_counts_its_rows_and_barrier_in_the_ctas_shared_memor
     assert timed.smem_bytes * timed.ctas_per_sm <= mss.SMEM_PER_SM < timed.smem_bytes * (timed.ctas_per_sm + 1)
 
 
+def test_the_ring_counts_its_stages_and_their_barriers_in_the_ctas_shared_memory():
+    """A stage is the warp's 16 rows of one k step padded by 16 bytes a row, beside its 8-byte barrier; the launch
+    asks for smem_bytes, so falling short of what the kernel allocates would corrupt the neighbouring CTA's data."""
+    for shape, plain, ring, steps in (("o_proj-tp8-b64", "m1k4", "m1k4-wring3", 3), ("in_proj-tp16-b64", "one-pass",
+                                      "one-pass-wring4", 4)):  # fmt: skip
+        timed, base = _variant(mss.load_shapes(), shape, ring), _variant(mss.load_shapes(), shape, plain)
+        assert timed.w_ring == steps and not base.w_ring
+        assert timed.smem_bytes - base.smem_bytes == timed.warps * steps * (16 * (64 + 8) * 2 + 8) + 128
+        # the same K split, passes and slots: the same MMAs in the same order, so the same bits
+        assert (timed.k_splits, timed.passes, timed.depth) == (base.k_splits, base.passes, base.depth)
+
+
 def test_taller_ctas_keep_the_k_split_so_a_rows_sum_is_the_same():
     """Every o_proj tiling but the one named for it splits K four ways, as the built stream does."""
     for s in mss.load_shapes():
@@ -92,6 +106,22 @@ GOOD = (
         (("m_tiles = 2\n", ""), "needs integer rows_per_cta"),
         (("ctas_per_sm = 2\n", "ctas_per_sm = 4\nw_smem = true\n"), "shared memory do not fit an SM"),
         (("ctas_per_sm = 2\n", "ctas_per_sm = 2\nw_smem = 1\n"), "w_smem must be true or false"),
+        (("ctas_per_sm = 2\n", "ctas_per_sm = 1\nw_ring = 7\n"), r"w_ring 7 must lie within 1 \(the slots\) and 6"),
+        (("ctas_per_sm = 2\n", "ctas_per_sm = 2\nw_ring = -1\n"), "w_ring must be 0 "),
+        (("ctas_per_sm = 2\n", "ctas_per_sm = 2\nw_ring = true\n"), "w_ring must be a number of k steps"),
+        (("ctas_per_sm = 2\n", "ctas_per_sm = 1\nw_ring = 3\nw_smem = true\n"), "w_ring and w_smem both"),
+        (
+            (
+                "n_tiles = 8\nx_stages = 0\nctas_per_sm = 2\n",
+                "n_tiles = 4\nx_stages = 0\nctas_per_sm = 2\nw_ring = 3\n",
+            ),
+            "w_ring needs one pass with x in registers",
+        ),
+        (
+            ("x_stages = 0\nctas_per_sm = 2\n", "x_stages = 2\nctas_per_sm = 1\nw_ring = 3\n"),
+            "w_ring needs one pass with x in registers",
+        ),
+        (("ctas_per_sm = 2\n", "ctas_per_sm = 3\nw_ring = 6\n"), "shared memory do not fit an SM"),
     ],
 )
 def test_a_tiling_the_stream_cannot_run_is_refused_naming_it(tmp_path: Path, change: tuple[str, str], message: str):
@@ -291,3 +321,57 @@ def test_a_doctored_stream_run_is_caught(shape: str, variant: str, field: str, v
     target["variants"][variant][field] = value
     (found,) = [f for f in stream_findings(results) if f not in LEADS]
     assert finding in found
+
+
+# --- the ring's builds at sm_90a (CuTe DSL on the CPU) -------------------------------------------------------------
+
+
+def ring_code_problems(plan: InProjMmaPlan, ptx: str, stack_bytes: int) -> list[str]:
+    """What a w_ring build's code must hold: the warp's first `w_ring` steps as bulk copies (unrolled) and one more
+    in the loop where the ring is shorter than the slice (the refill), the proxy fence before that refill, a parity
+    wait on the stage barriers, the slots filled by 16-byte shared loads, and no local frame (a spill would go
+    through local memory in the loop)."""
+    refills = plan.w_ring < plan.split_steps
+    want = {
+        "cp.async.bulk.shared::cluster.global": plan.w_ring + refills,
+        "fence.proxy.async.shared::cta": 1 + refills,
+    }
+    out = [f"{n} {ins}, not {count}" for ins, count in want.items() if (n := ptx.count(ins)) != count]
+    if "mbarrier.try_wait.parity" not in ptx:
+        out.append("no parity wait on a stage's barrier")
+    if len(re.findall(r"ld\.shared\.v4", ptx)) < 4:
+        out.append("the slots are not filled from shared memory")
+    if stack_bytes:
+        out.append(f"a {stack_bytes}-byte local frame")
+    return out
+
+
+def _compiled(plan: InProjMmaPlan) -> tuple[str, int]:
+    from harness.kernels_cmd import cubin_resources
+    from k3_decode.kernels.builds import KdaInProjMmaBuild
+
+    art = KdaInProjMmaBuild(8, plan).compile("sm_90a")
+    (res,) = cubin_resources(art.cubin).values()
+    return art.ptx, res.stack_bytes
+
+
+RINGS = [(s.name, v.name) for s in mss.load_shapes() for v in s.variants if v.plan.w_ring]
+
+
+@needs_cutedsl
+@pytest.mark.parametrize(("shape", "name"), RINGS)
+def test_every_ring_tiling_builds_with_its_copies_fence_and_waits_and_no_frame(shape: str, name: str):
+    plan = _variant(mss.load_shapes(), shape, name)
+    ptx, stack = _compiled(plan)
+    assert ring_code_problems(plan, ptx, stack) == []
+
+
+@needs_cutedsl
+def test_the_plain_stream_judged_as_a_ring_fails_every_rule():
+    """Broken case: the one pass without the ring, judged by the ring's rules, lacks its copies, fence, waits and
+    shared loads."""
+    ring = _variant(mss.load_shapes(), "o_proj-tp8-b64", "m1k4-wring3")
+    ptx, stack = _compiled(_variant(mss.load_shapes(), "o_proj-tp8-b64", "m1k4"))
+    problems = ring_code_problems(ring, ptx, stack)
+    assert len(problems) == 4, problems
+    assert problems[0].startswith("0 cp.async.bulk")
