@@ -140,7 +140,7 @@ class AttnResKernel:
         rank, row, _ = cute.arch.block_idx()  # grid x = the CTA's rank in its row's cluster
         vec = rank * plan.threads + tidx  # this thread's 8 columns
 
-        areas = self.allocate_exchange(cutlass.utils.SmemAllocator(), tidx)
+        areas = self.allocate_exchange(cutlass.memory.SmemAllocator(), tidx)
         cute.arch.cluster_arrive_relaxed()
 
         # Weights first: they do not depend on the previous kernel.

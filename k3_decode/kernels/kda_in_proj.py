@@ -131,7 +131,7 @@ class KdaInProjKernel:
         row0 = (cta * (plan.threads // WARP) + warp) * plan.rows_per_warp
         trace_stamp(self.trace, launches, cta, 0, tidx)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         xs = smem.allocate_tensor(
             BFloat16, cute.make_layout((plan.chunk_rows, plan.k), stride=(plan.k, 1)), byte_alignment=16
         )

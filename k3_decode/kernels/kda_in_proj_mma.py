@@ -96,7 +96,7 @@ class KdaInProjKernelMma:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lanes = lane_rows(plan, cta * plan.rows_per_cta, warp)
         trace_stamp(self.trace, launches, cta, 0, tidx)
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         partials = allocate_partials(plan, smem)
         ring = allocate_x_ring(plan, smem)
         slots, xslots = stream_slots(plan)

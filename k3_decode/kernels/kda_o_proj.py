@@ -238,7 +238,7 @@ class KdaOProjKernel:
         row0 = (cta * plan.warps + warp) * plan.rows_per_warp
         trace_stamp(self.trace, launches, cta, 0, tidx)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         # One exchange area per epilogue row: a row's pushes never land in an area a slower peer still reads.
         areas = [self.attn.allocate_exchange(smem, tidx) for _ in range(plan.epilogue_rows)]
         if const_expr(plan.tensor_cores):

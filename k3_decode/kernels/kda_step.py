@@ -318,7 +318,7 @@ class KdaStepKernel:
         on, cta = self.trace, rank + plan.cluster * (head + plan.heads * b)  # cta: the grid's linear CTA index
         trace_stamp(on, launches, cta, 0, tidx)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         bars, state_s, fb_s, cw_s, x_s, taps_s, decay_s, qk_s, v_s = self._allocate(smem, 1, TAPS)
         norm_s = smem.allocate_tensor(Float32, cute.make_layout(plan.slots), 128)
         fa_at, gate_at = _section_offsets(plan)
@@ -748,7 +748,7 @@ class KdaStepKernel:
         place = self._place()  # the decode kernel's conv lanes: warp 0 the head's q and k, warp 1 the CTA's v
         tidx, rank, head, b, lane, warp, first, col, fb_rows, is_qk, is_conv, cl, chan = place
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         bars, state_s, fb_s, cw_s, x_s, taps_s, decay_s, qk_s, v_s = self._allocate(smem, q, cols)
         o_s = smem.allocate_tensor(Float32, cute.make_layout(q * rows), 128)
         norm_s = smem.allocate_tensor(Float32, cute.make_layout(q * plan.slots), 128)

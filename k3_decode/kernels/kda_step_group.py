@@ -86,7 +86,7 @@ class KdaStepGroupKernel(KdaStepKernel):
         tidx, rank, head, group, lane, _, _, col, fb_rows, is_qk, is_conv, cl, _ = place
         b0 = group * n
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         bars, fb_s, cw_s, areas = self._allocate_group(smem)
         fa_at, gate_at = _section_offsets(plan)
         exchange = (HEAD_DIM * 4, plan.slots * 4)
