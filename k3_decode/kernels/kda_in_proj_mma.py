@@ -47,7 +47,8 @@ Why this design (the plan's numbers: kda_in_proj_mma_plan.py):
   (benchmarks/results/mma-stream-shapes-h200.json). Each warp keeps `w_ring` k steps of its 16 rows and K slice in
   flight as bulk copies (lanes 0-15 a row each, 128 bytes), one transaction barrier a stage (start_ring, before the
   wait); a slot is filled from its stage once the stage's barrier has flipped, and right after the warp's MMAs of a
-  step its stage takes the step `w_ring` ahead (refill_stage: a proxy fence, the warp meets, lane 0 re-arms). The
+  step its stage takes the step `w_ring` ahead (refill_stage: a proxy fence, the warp meets, lane 0 re-arms), across
+  passes too (a stage's place and barrier phase follow the step's index over all passes). The
   warp is its own producer and consumer, so no CTA barrier; the same loads into the same slots, so the same bits.
 
 Measured on one H200 at 28f8360 (tests/k3_decode/kernels/test_kda_in_proj_gpu.py, CUDA-graph replays, W from HBM):
@@ -239,31 +240,35 @@ def start_ring(plan: MmaStream, w: cute.Tensor, smem: Any, first: Int32, lanes: 
 
 
 @cute.jit
-def fill_stage(plan: MmaStream, w_ring: WRing, lanes: LaneRows, step: Int32):
-    """k step `step` of the warp's 16 rows and K slice into its stage step % w_ring: lane r < 16 copies row r of the
-    m-tile (the CTA's last row where r lies past them, so every stage takes 16 x 128 bytes), lane 0 arming the
-    stage's barrier with those bytes."""
-    stage = w_ring.warp * plan.w_ring + step % plan.w_ring
+def fill_stage(plan: MmaStream, w_ring: WRing, lanes: LaneRows, seq: Int32):
+    """The warp's `seq`-th k step over all passes (step seq % split_steps of its K slice, every pass streaming the
+    slice again) into its stage seq % w_ring: lane r < 16 copies row r of the m-tile (the CTA's last row where r
+    lies past them, so every stage takes 16 x 128 bytes), lane 0 arming the stage's barrier with those bytes."""
+    stage = w_ring.warp * plan.w_ring + seq % plan.w_ring
     bar = w_ring.bars + stage
     if lanes.lane == 0:
         cute.arch.mbarrier_arrive_and_expect_tx(bar, TILE_M * STEP * 2)
     if lanes.lane < TILE_M:
         local = lanes.lane * plan.m_tiles + lanes.m
         row = w_ring.first + cutlass.min(local, lanes.here - 1)
+        step = seq
+        if const_expr(len(plan.passes) > 1):  # one pass needs no modulo (it spilled 8 bytes at TP8 B64)
+            step = seq % plan.split_steps
         col = lanes.split * (plan.split_steps * STEP) + step * STEP
         dst = w_ring.stages.iterator + (stage * TILE_M + lanes.lane) * (STEP + VECTOR)
         bulk_copy(dst, w_ring.src.iterator + row * plan.k + col, STEP * 2, bar)
 
 
 @cute.jit
-def refill_stage(plan: MmaStream, w_ring: WRing, lanes: LaneRows, step: Int32):
-    """After the warp's MMAs of k step `step`: its stage takes step + w_ring, where the slice has one. Every lane's
-    reads of the stage are done (its MMAs consumed them); the proxy fence orders them before the copy engine's
-    writes, and the warp meets before lane 0 re-arms the barrier."""
-    if step + plan.w_ring < plan.split_steps:
+def refill_stage(plan: MmaStream, w_ring: WRing, lanes: LaneRows, seq: Int32):
+    """After the warp's MMAs of its `seq`-th k step: its stage takes the step w_ring ahead, where the passes have
+    one (the next pass's first steps stream while this one ends). Every lane's reads of the stage are done (its MMAs
+    consumed them); the proxy fence orders them before the copy engine's writes, and the warp meets before lane 0
+    re-arms the barrier."""
+    if seq + plan.w_ring < len(plan.passes) * plan.split_steps:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
-        fill_stage(plan, w_ring, lanes, step + plan.w_ring)
+        fill_stage(plan, w_ring, lanes, seq + plan.w_ring)
 
 
 def allocate_x_ring(plan: MmaStream, smem: Any) -> cute.Tensor | None:
@@ -310,11 +315,11 @@ def stream_passes(
     for p, count in enumerate(plan.passes):
         if const_expr(p > 0):
             cute.arch.sync_threads()  # the previous pass's partials are read
-            load_w(plan, w, slots, lanes, Int32(0))
+            load_w(plan, w, slots, lanes, Int32(0), p * plan.split_steps)
         if const_expr(plan.x_stages > 0):
             stream_pass_staged(plan, x, w, out, partials, slots, xslots[0], ring, lanes, warp, start, count, p == 0)
         else:
-            stream_pass(plan, x, w, out, partials, slots, xslots, lanes, warp, start, count, p == 0)
+            stream_pass(plan, x, w, out, partials, slots, xslots, lanes, warp, start, count, p == 0, p)
         start += count
 
 
@@ -358,6 +363,7 @@ def stream_pass(
     start: cutlass.Constexpr[int],
     count: cutlass.Constexpr[int],
     is_first: cutlass.Constexpr[bool],
+    pass_index: cutlass.Constexpr[int] = 0,
 ):
     """out[start .. start + count - 1, the CTA's rows] = x @ W^T, with group 0 of W already in the slots. After
     the griddepcontrol.wait: x is the previous kernel's output."""
@@ -374,9 +380,10 @@ def stream_pass(
             xs = xslots[j % plan.x_depth]
             mma_step(mma, acc, slots[j], xs, 0, 4)
             if const_expr(plan.w_ring > 0):
-                refill_stage(plan, w, lanes, step)  # w is the WRing: the stage just consumed streams on
+                # w is the WRing: the stage just consumed streams on
+                refill_stage(plan, w, lanes, pass_index * plan.split_steps + step)
             if grp + 1 < plan.groups:  # refill the slot just used: W runs `depth` steps ahead
-                load_w(plan, w, [slots[j]], lanes, step + plan.depth)
+                load_w(plan, w, [slots[j]], lanes, step + plan.depth, pass_index * plan.split_steps)
             if step + plan.x_depth < plan.split_steps:
                 load_x(plan, x, xs, xrows, lanes.vec0, step + plan.x_depth)
 
@@ -495,12 +502,15 @@ def _ring_vector(plan: MmaStream, lanes: LaneRows, stage: Int32, tile: int, v: i
 
 
 @cute.jit
-def load_w(plan: MmaStream, w: cute.Tensor, slots: list, lanes: LaneRows, step: Int32):
+def load_w(
+    plan: MmaStream, w: cute.Tensor, slots: list, lanes: LaneRows, step: Int32, seq0: cutlass.Constexpr[int] = 0
+):
     """k steps step, step + 1, ... of the lane's two rows into the given slots (one step each). For a w_smem plan `w`
-    is the CTA's rows in shared memory (stage_w), indexed by the rows' place in the CTA."""
+    is the CTA's rows in shared memory (stage_w), indexed by the rows' place in the CTA; for a w_ring plan the
+    WRing, `seq0` the pass's first k step over all passes (its stages and barrier phases run on across passes)."""
     if const_expr(plan.w_ring > 0):  # w is the WRing: each step from its stage, once its copies have landed
         for j in cutlass.range_constexpr(len(slots)):
-            s = step + j
+            s = seq0 + step + j
             stage = w.warp * plan.w_ring + s % plan.w_ring
             cute.arch.mbarrier_wait(w.bars + stage, (s // plan.w_ring) % 2)
             for h in cutlass.range_constexpr(2):

@@ -66,7 +66,8 @@ class MmaStream:
     # barrier, refilled with the step `w_ring` ahead as soon as the warp's MMAs have consumed it; the register slots
     # (`depth` steps) are filled from the ring in the same order, so the same bits. Why: every register tiling of
     # benchmarks/mma_stream_shapes.toml held one k step of W in flight a lane (32 KB an SM) and streamed at 1.85
-    # TB/s against cuBLAS's 2.67; the ring holds `w_ring` steps without holding registers. One pass, x in registers.
+    # TB/s against cuBLAS's 2.67; the ring holds `w_ring` steps without holding registers. x in registers; with
+    # several passes the ring streams on across them (each pass reads the slice again).
     w_ring: int = 0
 
     @property
@@ -162,8 +163,8 @@ class MmaStream:
             return None
         if self.w_smem:
             return "w_ring and w_smem both stage W in shared memory; pick one"
-        if len(self.passes) != 1 or self.x_stages:
-            return f"w_ring needs one pass with x in registers (passes {self.passes}, x_stages {self.x_stages})"
+        if self.x_stages:
+            return f"w_ring needs x in registers, not staged (x_stages {self.x_stages})"
         if not self.depth <= self.w_ring <= self.split_steps:
             return f"w_ring {self.w_ring} must lie within {self.depth} (the slots) and {self.split_steps} (the slice)"
         return None
