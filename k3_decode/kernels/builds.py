@@ -553,47 +553,45 @@ class K3KernelBuilds:
             if any(kind not in kinds for kind in variant_kinds[key]):
                 raise ValueError(f"builds.toml kda_o_proj.{key}.kinds must be among kinds, got {table['kinds']}")
         builds: list[KdaOProjBuild] = []
+
+        def add(tp: int, plan: OProjPlan) -> None:  # a variant that is the plain plan at this shape is built once
+            if all(b.plan != plan for b in builds):
+                builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
+
         for tp in spec["tp"]:
             try:
                 hidden, k = dims.shard(tp).kda_o_proj
             except ShardError as exc:
                 raise ValueError(f"builds.toml kda_o_proj.tp: {exc}") from None
+
+            def plan_at(batch: int, kind: AttnResKind, **choices: bool | None) -> OProjPlan:
+                return OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], **choices)  # noqa: B023
+
             for batch in spec["batches"]:
                 for kind in kinds:
-                    plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"])
-                    builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
+                    builds.append(KdaOProjBuild(tp, plan_at(batch, kind), dims.num_attn_res_blocks))
             # Both streams above 32 rows (one pass and two) where builds.toml asks, whichever kda_o_proj_choice.toml
             # serves, so CI holds the registers and frame of the one a rule may serve next.
             for batch in both["batches"]:
                 for kind in variant_kinds["both_streams"]:
                     for one_pass in (False, True):
-                        plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], one_pass=one_pass)
-                        if all(b.plan != plan for b in builds):
-                            builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
+                        add(tp, plan_at(batch, kind, one_pass=one_pass))
             # Each variant below is built beside the plain stream, whatever else the choice file serves at the batch
             # (two of them in one plan are refused).
             plain = {"w_smem": False, "w_l2": False}
             # L2 warmed with the late weight runs (kda_o_proj_choice.toml warm_batches), where the stream has any.
             for batch in warm["batches"]:
                 for kind in variant_kinds["warm"]:
-                    if OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], warm=False, **plain).warmable:
-                        plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], warm=True, **plain)
-                        if all(b.plan != plan for b in builds):
-                            builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
+                    if plan_at(batch, kind, warm=False, **plain).warmable:
+                        add(tp, plan_at(batch, kind, warm=True, **plain))
             # W staged whole in shared memory (kda_o_proj_choice.toml w_smem_batches), with the served stream.
             for batch in staged["batches"]:
                 for kind in variant_kinds["w_smem"]:
-                    plan = OProjPlan.for_shape(
-                        hidden, k, batch, kind, spec["sm_count"], capped=False, warm=False, w_smem=True, w_l2=False
-                    )
-                    if all(b.plan != plan for b in builds):
-                        builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
+                    add(tp, plan_at(batch, kind, capped=False, warm=False, w_smem=True, w_l2=False))
             # W prefetched whole into L2 and none in registers before the wait (w_l2_batches; CUDA cores only).
             for batch in in_l2["batches"]:
                 for kind in variant_kinds["w_l2"]:
-                    plan = OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], w_smem=False, w_l2=True)
-                    if all(b.plan != plan for b in builds):
-                        builds.append(KdaOProjBuild(tp, plan, dims.num_attn_res_blocks))
+                    add(tp, plan_at(batch, kind, w_smem=False, w_l2=True))
         return builds
 
     def _projection_builds(self, section: str, shape: Callable[[Any], tuple[int, int]]) -> list[KdaInProjBuild]:
