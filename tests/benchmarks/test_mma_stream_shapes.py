@@ -229,9 +229,9 @@ def test_a_graph_that_replays_nothing_is_refused_not_timed(monkeypatch: pytest.M
             mss._graph("m1k4", fn, 3, out)
 
 
-# --- the committed H200 run (fe6c705) against what the tree serves ------------------------------------------------
+# --- the committed runs (H200 at fe6c705, H100 at d609cb5) against what the tree serves ---------------------------
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results/mma-stream-shapes-h200.json"
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks/results"
 # Per shape, the streams the tree builds for it (the one pass at one-block layers, the two passes of the eight-block
 # kinds) where providers.toml lets the CuTe kernel take the shape's rows; and where it keeps the op stock above 32
 # rows, the op, provider and TP size that say so.
@@ -241,13 +241,26 @@ STOCK_ABOVE = {
     "in_proj-tp16-b64": ("in_proj", "cute-kda-in-proj", 16),
 }
 SAME_BITS_MARGIN = 0.95  # a tiling with a built stream's bits and passes must be 5 % faster to count as a lead
-# The leads the committed run found (docs/kda-layer-h200.md, "The stream's tilings, timed"), for the eight-block
+# The leads each committed run found (docs/kda-layer-h200.md, "The stream's tilings, timed"), for the eight-block
 # kinds' two passes, with the same bits: taller CTAs (32 rows, two a SM) at TP8 B64, not built; W staged in shared
-# memory (w_smem, built) at TP16 B64, where four CTAs an SM still fit. Neither served nor measured in a layer yet.
-LEADS = [
-    "o_proj-tp8-b64 m2k4-two-pass: 0.90 of m1k4-two-pass's time with its bits",
-    "o_proj-tp16-b64 m1k4-two-pass-w-smem: 0.91 of m1k4-two-pass's time with its bits",
-]
+# memory (w_smem, built) at TP16 B64, where four CTAs an SM still fit. The staged one saved no layer time on the late
+# stack (test_kda_o_proj_variants.py), so neither is served. The H100 run adds the W rings: none is a lead.
+RUNS = {
+    "mma-stream-shapes-h200.json": (
+        "NVIDIA H200",
+        [
+            "o_proj-tp8-b64 m2k4-two-pass: 0.90 of m1k4-two-pass's time with its bits",
+            "o_proj-tp16-b64 m1k4-two-pass-w-smem: 0.91 of m1k4-two-pass's time with its bits",
+        ],
+    ),
+    "mma-stream-shapes-h100.json": (
+        "NVIDIA H100 80GB HBM3",
+        [
+            "o_proj-tp8-b64 m2k4-two-pass: 0.92 of m1k4-two-pass's time with its bits",
+            "o_proj-tp16-b64 m1k4-two-pass-w-smem: 0.91 of m1k4-two-pass's time with its bits",
+        ],
+    ),
+}
 
 
 def stream_findings(results: dict) -> list[str]:
@@ -285,22 +298,42 @@ def stream_findings(results: dict) -> list[str]:
     return out
 
 
-def test_the_committed_stream_timings_agree_with_the_tiling_built_and_the_rows_served():
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_the_committed_stream_timings_agree_with_the_tiling_built_and_the_rows_served(name: str):
     """On the H200 at fe6c705 no tiling with the one pass's bits beat it (taller CTAs, x rings, W staged: 0.99-2.9
-    of its time), taller CTAs beat the eight-block kinds' two passes at TP8 B64 (the one lead), and cuBLAS beat every
-    tiling at o_proj TP8 B64 (8.65 us against 12.4-25.0) and the TP16 projection at 64 rows (17.5 against
-    25.7-37.1), where providers.toml keeps both stock at one-block layers."""
-    results = json.loads(RESULTS.read_text())
-    assert results["env"]["gpu"] == "NVIDIA H200" and results["rounds"] == 20
+    of its time), and cuBLAS beat every tiling at o_proj TP8 B64 (8.65 us against 12.4-25.0) and the TP16
+    projection at 64 rows (17.5 against 25.7-37.1), where providers.toml keeps both stock at one-block layers. On
+    the H100 at d609cb5 the same, and the W rings took 1.04-1.51 of their plain twins' time (o_proj TP8 B64 one
+    pass: 14.7-19.3 us against 12.8; cuBLAS 10.5). Both runs found the same two leads for the two passes."""
+    gpu, leads = RUNS[name]
+    results = json.loads((RESULTS_DIR / name).read_text())
+    assert results["env"]["gpu"] == gpu and results["rounds"] == 20
     assert {s["shape"]["name"] for s in results["shapes"]} == {s.name for s in mss.load_shapes()}
     assert all(not s["not_compiled"] for s in results["shapes"])
-    assert stream_findings(results) == LEADS
+    assert stream_findings(results) == leads
+
+
+def test_every_ring_took_longer_than_its_plain_twin_on_the_h100():
+    """The ring is not served, nor built into o_proj: on the H100 each ring tiling's p10 lies above its twin's p90."""
+    results = json.loads((RESULTS_DIR / "mma-stream-shapes-h100.json").read_text())
+    plans = {(s.name, v.name): v.plan for s in mss.load_shapes() for v in s.variants}
+    rings = 0
+    for shape in results["shapes"]:
+        name, cells = shape["shape"]["name"], shape["variants"]
+        for v, c in cells.items():
+            if c["plan"] and c["plan"].get("w_ring"):
+                twin = dataclasses.replace(plans[(name, v)], w_ring=0)
+                (plain,) = [u for u in cells if u != mss.CUBLAS and plans[(name, u)] == twin]
+                assert c["us"]["p10"] > cells[plain]["us"]["p90"], (name, v, plain)
+                rings += 1
+    assert rings == len(RINGS) == 8
 
 
 @pytest.mark.parametrize(
     ("shape", "variant", "field", "value", "finding"),
     [
-        ("o_proj-tp16-b64", "m2k4", "us", {"median": 6.0}, "o_proj-tp16-b64 m2k4: 0.74 of m1k4's time"),
+        ("o_proj-tp16-b64", "m2k4", "us", {"median": 6.0}, "o_proj-tp16-b64 m2k4: 0.72 of m1k4's time"),
+        ("o_proj-tp8-b64", "m1k4-wring3", "us", {"median": 11.0}, "m1k4-wring3: 0.86 of m1k4's time"),
         ("in_proj-tp16-b64", "one-pass", "ratio_to_cublas", 0.9, "beat cuBLAS where providers.toml keeps in_proj"),
         ("o_proj-tp8-b64", "m4k4", "within_one_bf16_rounding", False, "m4k4: outside one BF16 rounding"),
         ("o_proj-tp8-b64", "m4k4", "plan", {"ctas": 1}, "m4k4: timed a plan the variants file no longer holds"),
@@ -309,10 +342,11 @@ def test_the_committed_stream_timings_agree_with_the_tiling_built_and_the_rows_s
 def test_a_doctored_stream_run_is_caught(shape: str, variant: str, field: str, value: object, finding: str):
     """Broken cases: a faster tiling with the built bits, a tiling faster than cuBLAS where the op stays stock, a
     wrong product, and a timing of a plan the variants file no longer holds each add exactly one finding."""
-    results = json.loads(RESULTS.read_text())
+    name = "mma-stream-shapes-h100.json"
+    results = json.loads((RESULTS_DIR / name).read_text())
     (target,) = [s for s in results["shapes"] if s["shape"]["name"] == shape]
     target["variants"][variant][field] = value
-    (found,) = [f for f in stream_findings(results) if f not in LEADS]
+    (found,) = [f for f in stream_findings(results) if f not in RUNS[name][1]]
     assert finding in found
 
 
