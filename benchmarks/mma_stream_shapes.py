@@ -33,6 +33,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from k3_decode.kernels.kda_in_proj_mma_plan import STEP, TILE_M, InProjMmaPlan  # noqa: E402
+from k3_decode.kernels.wgmma_stream_plan import WgmmaStreamPlan  # noqa: E402
 
 VARIANTS = Path(__file__).with_name("mma_stream_shapes.toml")
 SMEM_PER_SM = 227 * 1024  # what CTAs of one SM may take on an H100/H200 (228 KiB less the driver's 1 KiB per SM)
@@ -40,6 +41,8 @@ THREADS_PER_SM = 2048
 MAX_THREADS = 1024
 CUBLAS = "cublas"
 VARIANT_KEYS = ("rows_per_cta", "m_tiles", "k_splits", "w_loads", "x_ahead", "n_tiles", "x_stages", "ctas_per_sm")
+WGMMA = "wgmma"  # a variant of the TMA + warpgroup-MMA stream (wgmma_stream.py) instead of the mma.sync one
+WGMMA_KEYS = ("m_rows", "k_tile", "stages", "k_splits")
 
 
 class VariantsError(ValueError):
@@ -49,7 +52,7 @@ class VariantsError(ValueError):
 @dataclass(frozen=True)
 class Variant:
     name: str
-    plan: InProjMmaPlan
+    plan: InProjMmaPlan | WgmmaStreamPlan
     why: str
 
 
@@ -90,6 +93,12 @@ def load_shapes(path: Path = VARIANTS) -> list[Shape]:
 
 def _variant(where: str, rows: int, k: int, batch: int, spec: dict[str, Any]) -> Variant:
     name = spec.get("name", "?")
+    kind = spec.get("kind", "mma_sync")
+    if kind == WGMMA:
+        return _wgmma_variant(where, rows, k, batch, spec)
+    if kind != "mma_sync":
+        raise VariantsError(f"{where} variant {name!r}: kind must be 'mma_sync' (the default) or {WGMMA!r}, "
+                            f"got {kind!r}")  # fmt: skip
     try:
         v = {key: int(spec[key]) for key in VARIANT_KEYS}
     except (KeyError, TypeError, ValueError) as exc:
@@ -125,7 +134,38 @@ def _variant(where: str, rows: int, k: int, batch: int, spec: dict[str, Any]) ->
     return Variant(str(name), plan, str(spec.get("why", "")))
 
 
-def plan_record(plan: InProjMmaPlan) -> dict[str, Any]:
+def _wgmma_variant(where: str, rows: int, k: int, batch: int, spec: dict[str, Any]) -> Variant:
+    name = spec.get("name", "?")
+    try:
+        v = {key: int(spec[key]) for key in WGMMA_KEYS}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise VariantsError(f"{where} variant {name!r}: a {WGMMA} variant needs integer {', '.join(WGMMA_KEYS)} "
+                            f"({exc})") from None  # fmt: skip
+    plan = WgmmaStreamPlan(rows, k, batch, **v)
+    problem = plan.problem()
+    if problem is None and wgmma_ctas_per_sm(plan) < 1:
+        problem = f"a CTA of {plan.threads} threads and {plan.smem_bytes} bytes of shared memory does not fit an SM"
+    if problem:
+        raise VariantsError(f"{where} variant {name!r}: {problem} — fix the entry")
+    return Variant(str(name), plan, str(spec.get("why", "")))
+
+
+def wgmma_ctas_per_sm(plan: WgmmaStreamPlan) -> int:
+    return min(SMEM_PER_SM // plan.smem_bytes, THREADS_PER_SM // plan.threads)
+
+
+def plan_record(plan: InProjMmaPlan | WgmmaStreamPlan) -> dict[str, Any]:
+    if isinstance(plan, WgmmaStreamPlan):
+        return {
+            "kind": WGMMA,
+            "ctas": plan.ctas,
+            "threads": plan.threads,
+            **{key: getattr(plan, key) for key in WGMMA_KEYS},
+            "n": plan.n,
+            "passes": [plan.n],
+            "smem_bytes": plan.smem_bytes,
+            "ctas_per_sm": wgmma_ctas_per_sm(plan),
+        }
     return {
         "ctas": plan.ctas,
         "threads": plan.threads,
@@ -185,7 +225,7 @@ def measure_shape(shape: Shape, rounds: int, device: Any) -> dict[str, Any]:
     """Every tiling of `shape` and cuBLAS: agreement with an FP32 product, then interleaved timing rounds."""
     import torch
 
-    from k3_decode.kernels import kda_in_proj_op
+    from k3_decode.kernels import kda_in_proj_op, wgmma_stream
 
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     w_bytes = shape.rows * shape.k * 2
@@ -204,7 +244,8 @@ def measure_shape(shape: Shape, rounds: int, device: Any) -> dict[str, Any]:
     not_compiled: dict[str, str] = {}
     for v in shape.variants:
         try:
-            compiled = kda_in_proj_op._compiled(v.plan)
+            wgmma = isinstance(v.plan, WgmmaStreamPlan)
+            compiled = wgmma_stream.compiled(v.plan) if wgmma else kda_in_proj_op._compiled(v.plan)
         except Exception as exc:  # a tiling the compiler refuses is a result; the baseline must build
             if v.name == shape.baseline:
                 raise
@@ -212,9 +253,14 @@ def measure_shape(shape: Shape, rounds: int, device: Any) -> dict[str, Any]:
             continue
         out = torch.empty(shape.batch, shape.rows, dtype=torch.bfloat16, device=device)
         # The stream is read at each call: under capture it is the capturing stream, not the one before it.
-        fns[v.name] = lambda i, c=compiled, out=out, ws=weights: kda_in_proj_op.launch(
-            c, x, ws[i % copies], out, counter, torch.cuda.current_stream(device).cuda_stream
-        )
+        if wgmma:
+            fns[v.name] = lambda i, c=compiled, out=out, ws=weights: wgmma_stream.launch(
+                c, x, ws[i % copies], out, torch.cuda.current_stream(device).cuda_stream
+            )
+        else:
+            fns[v.name] = lambda i, c=compiled, out=out, ws=weights: kda_in_proj_op.launch(
+                c, x, ws[i % copies], out, counter, torch.cuda.current_stream(device).cuda_stream
+            )
         fns[v.name](0)
         torch.cuda.synchronize()
         outs[v.name], buffers[v.name] = out.clone(), out

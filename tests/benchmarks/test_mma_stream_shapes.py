@@ -79,7 +79,8 @@ def test_taller_ctas_keep_the_k_split_so_a_rows_sum_is_the_same():
     """Every o_proj tiling but the one named for it splits K four ways, as the built stream does."""
     for s in mss.load_shapes():
         if s.name.startswith("o_proj"):
-            assert {v.name for v in s.variants if v.plan.k_splits != 4} <= {"m4k2-ring4-w8"}
+            mma_sync = [v for v in s.variants if isinstance(v.plan, InProjMmaPlan)]
+            assert {v.name for v in mma_sync if v.plan.k_splits != 4} <= {"m4k2-ring4-w8"}
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -122,6 +123,33 @@ def test_a_tiling_the_stream_cannot_run_is_refused_naming_it(tmp_path: Path, cha
     with pytest.raises(mss.VariantsError, match=message) as exc:
         mss.load_shapes(_write(tmp_path, SHAPE + GOOD.replace(*change)))
     assert "variant 'a'" in str(exc.value) or "variant 'a'" in str(exc.value).replace('"', "'")
+
+
+WGMMA = '[[shape.variant]]\nname = "w"\nkind = "wgmma"\nm_rows = 64\nk_tile = 64\nstages = 4\nk_splits = 2\n'
+
+
+def test_a_wgmma_variant_loads_with_its_plan_and_record(tmp_path: Path):
+    (shape,) = mss.load_shapes(_write(tmp_path, SHAPE + GOOD + WGMMA))
+    plan = shape.variants[1].plan
+    assert (plan.m_rows, plan.k_tile, plan.stages, plan.k_splits, plan.ctas) == (64, 64, 4, 2, 224)
+    record = mss.plan_record(plan)
+    assert record["kind"] == "wgmma" and record["passes"] == [64] and record["ctas_per_sm"] == 2  # 82,944 bytes each
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("k_splits = 2", "k_splits = 5"), "must be a positive multiple of k_tile"),
+        (("m_rows = 64", "m_rows = 96"), "m_rows must be 64 or 128"),
+        (("stages = 4", "stages = 14"), "bytes of shared memory"),
+        (("stages = 4\n", ""), "needs integer m_rows, k_tile, stages, k_splits"),
+        (('kind = "wgmma"', 'kind = "wmma"'), "kind must be 'mma_sync'"),
+    ],
+)
+def test_a_wgmma_variant_the_stream_cannot_run_is_refused(tmp_path: Path, change: tuple[str, str], message: str):
+    with pytest.raises(mss.VariantsError, match=message) as exc:
+        mss.load_shapes(_write(tmp_path, SHAPE + GOOD + WGMMA.replace(*change)))
+    assert "variant 'w'" in str(exc.value)
 
 
 def test_a_baseline_that_is_no_variant_is_refused(tmp_path: Path):
@@ -384,7 +412,7 @@ def _compiled(plan: InProjMmaPlan) -> tuple[str, int]:
     return art.ptx, res.stack_bytes
 
 
-RINGS = [(s.name, v.name) for s in mss.load_shapes() for v in s.variants if v.plan.w_ring]
+RINGS = [(s.name, v.name) for s in mss.load_shapes() for v in s.variants if getattr(v.plan, "w_ring", 0)]
 
 
 @needs_cutedsl

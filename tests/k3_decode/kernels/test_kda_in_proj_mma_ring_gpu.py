@@ -14,6 +14,7 @@ import torch
 
 from benchmarks import mma_stream_shapes as mss
 from k3_decode.kernels import kda_in_proj_op
+from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from tests.k3_decode.kernels.test_kda_in_proj_gpu import operands
 
 pytestmark = [
@@ -21,7 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-RINGS = [(s, v) for s in mss.load_shapes() for v in s.variants if v.plan.w_ring]
+RINGS = [(s, v) for s in mss.load_shapes() for v in s.variants if isinstance(v.plan, InProjMmaPlan) and v.plan.w_ring]
 
 
 def _run(plan, x, w, out) -> torch.Tensor:

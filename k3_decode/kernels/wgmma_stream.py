@@ -1,0 +1,296 @@
+"""A Hopper weight stream for skinny GEMMs: out[B, R] = x[B, K] @ W[R, K]^T with TMA tiles and warpgroup MMA.
+
+BF16 in and out, FP32 accumulation, all three tensors row-major and contiguous, B <= 64.
+
+Why. Our tensor-core stream (kda_in_proj_mma.py: mma.sync m16n8k16, W loaded by each lane into registers with
+16-byte global loads, K split over 4 warps) moves W at ~1.8 TB/s at most on an H100, where cuBLAS reaches
+2.2-2.67 TB/s on the same shapes; rings of per-row 128-byte bulk copies did not close the gap. This kernel tests
+the standard Hopper design instead: whole swizzled tiles by TMA into a multistage shared-memory ring, consumed in
+place by wgmma, so no thread ever touches a byte of W and the copy engine keeps `stages` tiles in flight per CTA.
+
+Design ("swap-AB": W's rows are the MMA's M, the small batch its N):
+- One CTA per (tile of `m_rows` W rows, K slice). Its producer warp issues, per k tile, one TMA copy of the W tile
+  [m_rows, k_tile] and one of the x tile [N, k_tile] (N = B rounded up to 8), both K-major with the 128-byte swizzle
+  wgmma reads without bank conflicts, into a `stages`-deep ring guarded by full/empty mbarriers (CuTe DSL's
+  PipelineTmaAsync). TMA fills rows past R (the last M tile) and past B with zeros, so no load is masked.
+- One consumer warpgroup per 64 W rows issues wgmma m64nNk16 with both operands in shared memory, keeps one group
+  of MMAs in flight and releases a stage as soon as the MMAs that read it are done.
+- K split over `k_splits` CTAs (for shapes with few M tiles, 3216 rows -> 51 tiles on 132 SMs): those CTAs form a
+  thread-block cluster along K; every CTA but rank 0 stores its FP32 partial tile into rank 0's shared memory
+  (distributed shared memory), one cluster barrier (release/acquire) orders the stores before rank 0 reads them,
+  and rank 0 adds them in rank order, so the result does not depend on timing.
+- The epilogue writes the accumulator transposed (acc[r, b] -> out[b, r]) as BF16, element by element, masked to
+  b < B and r < R. The output is ~4% of the bytes moved at B = 64, so it is not staged for wide stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.utils import hopper_helpers as sm90
+
+from k3_decode.kernels import cutedsl
+from k3_decode.kernels.wgmma_stream_plan import (
+    ALIGN,
+    MMA_K,
+    MMA_M,
+    WARP,
+    WARPGROUP,
+    WgmmaStreamPlan,
+    plan_for,
+)
+
+
+def _storage(p: WgmmaStreamPlan, w_elements: int, x_elements: int) -> Any:
+    """The CTA's shared memory: ring barriers, the W and x rings (1024-byte aligned for the 128-byte swizzle) and, in a
+    K-split cluster, rank 0's buffer for the other ranks' partials."""
+
+    fields: dict[str, Any] = {
+        "barriers": cute.struct.MemRange[cutlass.Int64, p.stages * 2],
+        "w": cute.struct.Align[cute.struct.MemRange[BFloat16, w_elements], 1024],
+        "x": cute.struct.Align[cute.struct.MemRange[BFloat16, x_elements], 1024],
+    }
+    if p.k_splits > 1:
+        fields["partials"] = cute.struct.Align[cute.struct.MemRange[Float32, p.partial_bytes // 4], 16]
+    # Built from a dict: this module's annotations are strings (postponed evaluation), which cute.struct cannot read.
+    return cute.struct(type("WgmmaStreamStorage", (), {"__annotations__": fields}))
+
+
+class WgmmaStream:
+    """out = x @ W^T for one plan. Arguments of the compiled function: x [B, K], W [R, K], out [B, R] (BF16, row-major,
+    contiguous, 16-byte aligned, on one device) and the CUDA stream."""
+
+    def __init__(self, plan: WgmmaStreamPlan) -> None:
+        why = plan.problem()
+        if why is not None:
+            raise ValueError(f"WgmmaStreamPlan{dataclasses.astuple(plan)}: {why}")
+        self.plan = plan
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, stream: Any):
+        p = self.plan
+        tiled_mma = sm90.make_trivial_tiled_mma(
+            BFloat16,
+            BFloat16,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            Float32,
+            (p.consumer_groups, 1, 1),
+            tiler_mn=(MMA_M, p.n),
+        )
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+        w_ring = cute.tile_to_shape(atom, (p.m_rows, p.k_tile, p.stages), order=(0, 1, 2))
+        x_ring = cute.tile_to_shape(atom, (p.n, p.k_tile, p.stages), order=(0, 1, 2))
+        copy = cpasync.CopyBulkTensorTileG2SOp()
+        tma_w, w_tiles = cpasync.make_tiled_tma_atom(
+            copy, w, cute.slice_(w_ring, (None, None, 0)), (p.m_rows, p.k_tile)
+        )
+        tma_x, x_tiles = cpasync.make_tiled_tma_atom(copy, x, cute.slice_(x_ring, (None, None, 0)), (p.n, p.k_tile))
+
+        self.storage = _storage(p, cute.cosize(w_ring), cute.cosize(x_ring))
+        assert self.storage.size_in_bytes() == p.smem_bytes, (self.storage.size_in_bytes(), p.smem_bytes)
+        cluster = [p.k_splits, 1, 1] if const_expr(p.k_splits > 1) else None
+        self.kernel(tma_w, w_tiles, tma_x, x_tiles, out, tiled_mma, w_ring, x_ring).launch(
+            grid=[p.k_splits, p.m_tiles, 1],
+            block=[p.threads, 1, 1],
+            cluster=cluster,
+            smem=p.smem_bytes,
+            min_blocks_per_mp=1,
+            preferred_smem_carveout=100,  # also keeps CuTe DSL from asking a driver for the SM's shared memory
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_w: cute.CopyAtom,
+        w_tiles: cute.Tensor,
+        tma_x: cute.CopyAtom,
+        x_tiles: cute.Tensor,
+        out: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        w_ring: cute.ComposedLayout,
+        x_ring: cute.ComposedLayout,
+    ):
+        p = self.plan
+        tidx, _, _ = cute.arch.thread_idx()
+        split, m_tile, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        producer = warp == p.consumer_threads // WARP  # the warp after the consumer warpgroups: wgmma needs whole ones
+
+        if producer:
+            cpasync.prefetch_descriptor(tma_w)
+            cpasync.prefetch_descriptor(tma_x)
+
+        storage = SmemAllocator().allocate(self.storage)
+        # Each CTA's ring is its own (no multicast), so the pipeline is built for a cluster of one even when the CTA
+        # is in a K-split cluster: its barriers are only ever signalled locally.
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=p.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, p.consumer_threads // WARP),
+            tx_count=p.stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        # Barrier inits must be visible to the async proxy (TMA) and to every thread before first use; in a cluster
+        # also every peer must have started before one writes its shared memory at the end.
+        if const_expr(p.k_splits > 1):
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(p.k_splits, 1), is_relaxed=True)
+            pipeline.pipeline_init_wait(cluster_shape_mn=(p.k_splits, 1))
+        else:
+            pipeline.pipeline_init_arrive()
+            pipeline.pipeline_init_wait()
+
+        sw = storage.w.get_tensor(w_ring.outer, swizzle=w_ring.inner)
+        sx = storage.x.get_tensor(x_ring.outer, swizzle=x_ring.inner)
+        acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((p.m_rows, p.n)), Float32)
+        assert cute.size(acc) == p.acc_values, "the partials' layout assumes wgmma's m64nN accumulator fragment"
+
+        if producer:
+            gw = cute.local_tile(w_tiles, (p.m_rows, p.k_tile), (m_tile, None))  # (m_rows, k_tile, K / k_tile)
+            gx = cute.local_tile(x_tiles, (p.n, p.k_tile), (0, None))
+            tws, twg = cpasync.tma_partition(
+                tma_w, 0, cute.make_layout(1), cute.group_modes(sw, 0, 2), cute.group_modes(gw, 0, 2)
+            )
+            txs, txg = cpasync.tma_partition(
+                tma_x, 0, cute.make_layout(1), cute.group_modes(sx, 0, 2), cute.group_modes(gx, 0, 2)
+            )
+            first = split * p.k_tiles
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, p.stages)
+            for kt in cutlass.range(p.k_tiles, unroll=1):
+                ring.producer_acquire(state)  # waits for the slot to be empty, then arms it for stage_bytes
+                bar = ring.producer_get_barrier(state)
+                cute.copy(tma_w, twg[(None, first + kt)], tws[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_x, txg[(None, first + kt)], txs[(None, state.index)], tma_bar_ptr=bar)
+                ring.producer_commit(state)
+                state.advance()
+        else:
+            group = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+            thr = tiled_mma.get_slice(group * WARPGROUP)  # wgmma operands are per warpgroup
+            tsw = tiled_mma.make_fragment_A(thr.partition_A(sw))
+            tsx = tiled_mma.make_fragment_B(thr.partition_B(sx))
+            acc.fill(0.0)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, p.stages)
+            done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, p.stages)
+            for kt in cutlass.range(p.k_tiles, unroll=1):
+                ring.consumer_wait(read)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(p.k_tile // MMA_K):
+                    cute.gemm(tiled_mma, acc, tsw[(None, None, kb, read.index)], tsx[(None, None, kb, read.index)], acc)
+                warpgroup.commit_group()
+                # One group stays in flight; the one before it has finished reading its stage, which goes back.
+                warpgroup.wait_group(1)
+                if kt > 0:
+                    ring.consumer_release(done)
+                    done.advance()
+                read.advance()
+            warpgroup.wait_group(0)
+
+        is_consumer = tidx < p.consumer_threads
+        if const_expr(p.k_splits > 1):
+            rank = cute.arch.block_idx_in_cluster()
+            # Partials are kept as each thread holds them (value i of consumer thread t): every rank's threads hold
+            # the same (row, batch) elements, so rank 0's thread t adds exactly its own elements. Groups of 4 values
+            # are contiguous so each thread moves 16 bytes at a time, and consecutive threads' groups are adjacent.
+            groups4 = p.acc_values // 4
+            slot_layout = cute.make_layout(
+                (4, groups4, p.consumer_threads, p.k_splits - 1),
+                stride=(1, 4 * p.consumer_threads, 4, 4 * p.consumer_threads * groups4),
+            )
+            local = storage.partials.data_ptr()
+            if is_consumer and rank != 0:
+                remote = cute.make_tensor(cute.arch.map_dsmem_ptr(local, 0), slot_layout)
+                for g in cutlass.range_constexpr(groups4):
+                    chunk = cute.make_rmem_tensor((4,), Float32)
+                    for v in cutlass.range_constexpr(4):
+                        chunk[v] = acc[g * 4 + v]
+                    cute.autovec_copy(chunk, remote[(None, g, tidx, rank - 1)])
+            # Release/acquire at cluster scope: the peers' stores above are visible to rank 0 after the wait.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            if is_consumer and rank == 0:
+                partials = cute.make_tensor(local, slot_layout)
+                for slot in cutlass.range_constexpr(p.k_splits - 1):
+                    for g in cutlass.range_constexpr(groups4):
+                        chunk = cute.make_rmem_tensor((4,), Float32)
+                        cute.autovec_copy(partials[(None, g, tidx, slot)], chunk)
+                        for v in cutlass.range_constexpr(4):
+                            acc[g * 4 + v] = acc[g * 4 + v] + chunk[v]
+                self.store(acc, out, tiled_mma, tidx, m_tile)
+        elif is_consumer:
+            self.store(acc, out, tiled_mma, tidx, m_tile)
+
+    @cute.jit
+    def store(self, acc: cute.Tensor, out: cute.Tensor, tiled_mma: cute.TiledMma, tidx: Int32, m_tile: Int32):
+        """out[b, r] = acc[r, b] in BF16 for the elements this thread holds, masked to b < B and r < R."""
+        p = self.plan
+        coords = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((p.m_rows, p.n)))
+        row0 = m_tile * p.m_rows
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, b = coords[i]
+            row = row0 + r
+            if b < p.batch and row < p.rows:
+                out[b, row] = acc[i].to(BFloat16)
+
+
+def compile_args(plan: WgmmaStreamPlan) -> tuple[Any, ...]:
+    """Fake arguments of one compile: x [B, K], W [R, K], out [B, R], all BF16, row-major, 16-byte aligned, and a
+    stream."""
+    return (
+        cutedsl.fake_tensor(BFloat16, (plan.batch, plan.k)),
+        cutedsl.fake_tensor(BFloat16, (plan.rows, plan.k)),
+        cutedsl.fake_tensor(BFloat16, (plan.batch, plan.rows)),
+        cutedsl.fake_stream(),
+    )
+
+
+@cache
+def compiled(plan: WgmmaStreamPlan) -> Any:
+    return cute.compile(WgmmaStream(plan), *compile_args(plan))
+
+
+def launch(compiled_fn: Any, x: Any, w: Any, out: Any, stream: int) -> None:
+    """Call a compiled kernel on the CUDA stream with handle `stream`. No checks: see `linear`."""
+    import cuda.bindings.driver as cuda
+    from cutlass.cute.runtime import from_dlpack
+
+    compiled_fn(*(from_dlpack(t, assumed_align=ALIGN) for t in (x, w, out)), cuda.CUstream(stream))
+
+
+def linear(x: Any, w: Any, out: Any = None) -> Any:
+    """out[B, R] = x[B, K] @ w[R, K]^T in BF16 with FP32 accumulation, on x's device and current stream."""
+    import torch
+
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise ValueError(f"x and w must be bfloat16, got {x.dtype} and {w.dtype}: convert them with .bfloat16()")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x must be [B, K] and w [R, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if not x.is_cuda or w.device != x.device:
+        raise ValueError(f"x and w must be on one CUDA device, got {x.device} and {w.device}: move them with .to()")
+    batch, rows = x.shape[0], w.shape[0]
+    if out is None:
+        out = torch.empty(batch, rows, dtype=torch.bfloat16, device=x.device)
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (batch, rows) or out.device != x.device:
+        raise ValueError(f"out must be bfloat16 [{batch}, {rows}] on {x.device}, got {out.dtype} {tuple(out.shape)}")
+    for name, t in (("x", x), ("w", w), ("out", out)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous: pass {name}.contiguous()")
+        if t.data_ptr() % ALIGN:
+            raise ValueError(f"{name} must start on a {ALIGN}-byte boundary: pass a fresh copy ({name}.clone())")
+    plan = plan_for(rows, x.shape[1], batch, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    why = plan.problem()
+    if why is not None:
+        raise ValueError(f"no wgmma stream for x {tuple(x.shape)} and w {tuple(w.shape)}: {why}")
+    launch(compiled(plan), x, w, out, torch.cuda.current_stream(x.device).cuda_stream)
+    return out
