@@ -78,6 +78,7 @@ from k3_decode.executor.config import StackConfigError  # noqa: E402
 from k3_decode.executor.inputs import entry_blocks  # noqa: E402
 from k3_decode.executor.roofline import StepShape, layer_bytes, roofline_seconds  # noqa: E402
 from k3_decode.kernels import (  # noqa: E402
+    kda_in_proj_choice,
     kda_in_proj_op,
     kda_o_proj_op,
     kda_o_proj_plan,
@@ -728,6 +729,9 @@ def run_tp(
                 cell["kda_step_plan"] = kda_step_plan_tag(dims, tp, batch, sms)
             if cell["paths"].get("specialized", {}).get("o_proj") == "specialized":
                 cell["o_proj_variant"] = o_proj_variant(dims, layer, batch)
+            if cell["paths"].get("specialized", {}).get("in_proj") == "specialized":
+                # which build kda_in_proj_choice.toml served (files before the wgmma stream have none)
+                cell["in_proj_kernel"] = kda_in_proj_op.kernel_for_rows(batch, dims.shard(tp).kda_in_proj_rows)
             if phases is not None:
                 cell["phase_trace"] = phases
             cell["cell_s"] = time.perf_counter() - t_cell
@@ -1082,6 +1086,7 @@ CHOICE_FILES = {
     "kda_step_choice.toml": (kda_step_plan, kda_step_plan.variant_rules),
     "kda_o_proj_choice.toml": (kda_o_proj_plan, kda_o_proj_plan.choice),
     "providers.toml": (providers, providers.limits),  # the rows each provider serves
+    "kda_in_proj_choice.toml": (kda_in_proj_choice, kda_in_proj_choice.choice),
 }
 
 

@@ -255,7 +255,7 @@ def measure_shape(shape: Shape, rounds: int, device: Any) -> dict[str, Any]:
         # The stream is read at each call: under capture it is the capturing stream, not the one before it.
         if wgmma:
             fns[v.name] = lambda i, c=compiled, out=out, ws=weights: wgmma_stream.launch(
-                c, x, ws[i % copies], out, torch.cuda.current_stream(device).cuda_stream
+                c, x, ws[i % copies], out, counter, torch.cuda.current_stream(device).cuda_stream
             )
         else:
             fns[v.name] = lambda i, c=compiled, out=out, ws=weights: kda_in_proj_op.launch(

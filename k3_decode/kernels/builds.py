@@ -17,6 +17,7 @@ from harness.kernels_cmd import KernelArtifacts
 from k3_decode.config import ShardError, load_dims
 from k3_decode.kernels import cutedsl
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
+from k3_decode.kernels.kda_in_proj_choice import wgmma_plan
 from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
@@ -27,6 +28,7 @@ from k3_decode.kernels.kda_step_plan import (
     KdaStepPlan,
     KdaVerifyPlan,
 )
+from k3_decode.kernels.wgmma_stream_plan import WgmmaStreamPlan
 
 PACKAGE = "k3_decode.kernels"
 
@@ -195,6 +197,50 @@ class KdaInProjMmaBuild:
         from k3_decode.kernels.kda_in_proj_mma import KdaInProjKernelMma, compile_args  # imports CuTe DSL
 
         return cutedsl.compile_artifacts(KdaInProjKernelMma(self.plan), compile_args(self.plan), arch)
+
+
+@dataclass(frozen=True)
+class KdaInProjWgmmaBuild:
+    """The KDA input projection as the TMA + wgmma stream (wgmma_stream.py) at one rank's rows and one batch, tiled as
+    kda_in_proj_choice.toml's [wgmma_tiling] says for those rows."""
+
+    tp: int
+    plan: WgmmaStreamPlan
+    op: str = "kda_in_proj_wgmma"
+    choice = "wgmma"  # kda_in_proj_op.KERNELS
+    kernel = "kda_in_proj_wgmma"
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}/tp{self.tp}/b{self.plan.batch}"
+
+    @property
+    def tags(self) -> dict[str, Any]:
+        """Facts the expectations select on, and the instruction counts the plan implies for the code: the ring's
+        first k tiles are unrolled (W before the dependency wait, x after it), then one rolled loop body copies both
+        and runs a k tile's wgmmas."""
+        p = self.plan
+        columns = p.k_tile // 64  # TMA copies of one tile: one per 128-byte swizzle column
+        return {
+            "tp": self.tp,
+            "batch": p.batch,
+            "rows": p.rows,
+            "ctas": p.ctas,
+            "threads": p.threads,
+            "k_splits": p.k_splits,
+            "stages": p.stages,
+            "weight_bytes": p.weight_bytes,
+            "w_copies_ahead": p.ahead * columns,
+            "tile_copies": (2 + 2 * p.ahead) * columns,
+            "wgmmas": p.k_tile // 16,
+            "out_stores": p.acc_values,
+            "cluster_stores": p.acc_values // 4 if p.k_splits > 1 else 0,
+        }
+
+    def compile(self, arch: str) -> KernelArtifacts:
+        from k3_decode.kernels.wgmma_stream import KdaInProjKernelWgmma, compile_args  # imports CuTe DSL
+
+        return cutedsl.compile_artifacts(KdaInProjKernelWgmma(self.plan), compile_args(self.plan), arch)
 
 
 @dataclass(frozen=True)
@@ -468,11 +514,20 @@ class K3KernelBuilds:
 
     def builds(
         self, arch: str
-    ) -> list[AttnResBuild | KdaInProjBuild | KdaInProjMmaBuild | KdaOProjBuild | KdaStepBuild | KdaStepVerifyBuild]:
+    ) -> list[
+        AttnResBuild
+        | KdaInProjBuild
+        | KdaInProjMmaBuild
+        | KdaInProjWgmmaBuild
+        | KdaOProjBuild
+        | KdaStepBuild
+        | KdaStepVerifyBuild
+    ]:
         return [
             *self.attn_res_builds(),
             *self.kda_in_proj_builds(),
             *self.kda_in_proj_mma_builds(),
+            *self.kda_in_proj_wgmma_builds(),
             *self.kda_o_proj_builds(),
             *self.kda_step_builds(),
             *self.kda_step_verify_builds(),
@@ -529,6 +584,20 @@ class K3KernelBuilds:
             for batch in spec["batches"]:
                 plan = InProjMmaPlan.for_shape(shard.kda_in_proj_rows, shard.hidden, batch, spec["sm_count"])
                 builds.append(KdaInProjMmaBuild(tp, plan))
+        return builds
+
+    def kda_in_proj_wgmma_builds(self) -> list[KdaInProjWgmmaBuild]:
+        """The TMA + wgmma input projection at the rows and batches of builds.toml's [kda_in_proj_wgmma]."""
+        dims = load_dims(self.table["model"])
+        spec = self.table["kda_in_proj_wgmma"]
+        builds = []
+        for tp in spec["tp"]:
+            try:
+                shard = dims.shard(tp)
+            except ShardError as exc:
+                raise ValueError(f"builds.toml kda_in_proj_wgmma.tp: {exc}") from None
+            for batch in spec["batches"]:
+                builds.append(KdaInProjWgmmaBuild(tp, wgmma_plan(shard.kda_in_proj_rows, shard.hidden, batch)))
         return builds
 
     def kda_o_proj_builds(self) -> list[KdaOProjBuild]:

@@ -1,5 +1,6 @@
-"""The CuTe DSL KDA input projection called on torch tensors: the CUDA-core weight stream (kda_in_proj.py) or the
-tensor-core one (kda_in_proj_mma.py), whichever kda_in_proj_choice.toml picks for the weight and batch.
+"""The CuTe DSL KDA input projection called on torch tensors: the CUDA-core weight stream (kda_in_proj.py), the
+tensor-core one (kda_in_proj_mma.py) or the TMA + wgmma one (wgmma_stream.py), whichever kda_in_proj_choice.toml
+picks for the weight and batch.
 
 The provider of its op (providers.py) calls it; so does its GPU test, which it passed on an H200 before it became one.
 
@@ -10,9 +11,7 @@ weight [R, K] in BF16, out [B, R] BF16 = x @ weight^T with FP32 accumulation. Th
 
 from __future__ import annotations
 
-import tomllib
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,32 +19,26 @@ from torch import Tensor
 
 from k3_decode.kernels import phase_trace
 from k3_decode.kernels.counters import count, device_counter, leading
+from k3_decode.kernels.kda_in_proj_choice import kernel_for_rows, wgmma_plan
 from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
+from k3_decode.kernels.wgmma_stream_plan import WgmmaStreamPlan
 
 _COUNTERS: dict[int, Tensor] = {}
 DTYPE = torch.bfloat16
 ALIGN = 16  # bytes: x and the weight are read in 16-byte vectors
-KERNELS = ("cuda_core", "tensor_core")
-CHOICE = Path(__file__).with_name("kda_in_proj_choice.toml")
+KERNELS = ("cuda_core", "tensor_core", "wgmma")
+Plan = InProjPlan | InProjMmaPlan | WgmmaStreamPlan
 
 
 @cache
-def _cuda_core_max_batch() -> dict[str, int]:
-    return {str(k): int(v) for k, v in tomllib.loads(CHOICE.read_text())["cuda_core_max_batch"].items()}
-
-
-def kernel_for_rows(batch: int, weight_rows: int) -> str:
-    """The build that serves `batch` rows of x against a weight of `weight_rows` rows (kda_in_proj_choice.toml):
-    the CUDA-core stream while its FMAs hide under the weight stream, tensor cores above."""
-    limits = _cuda_core_max_batch()
-    return "cuda_core" if batch <= limits.get(str(weight_rows), limits["default"]) else "tensor_core"
-
-
-@cache
-def _compiled(plan: InProjPlan | InProjMmaPlan, trace: bool = False) -> Any:
+def _compiled(plan: Plan, trace: bool = False) -> Any:
     import cutlass.cute as cute
 
+    if isinstance(plan, WgmmaStreamPlan):  # no phase stamps: traced runs see its launch count alone
+        from k3_decode.kernels import wgmma_stream
+
+        return cute.compile(wgmma_stream.KdaInProjKernelWgmma(plan), *wgmma_stream.compile_args(plan))
     if isinstance(plan, InProjMmaPlan):
         from k3_decode.kernels import kda_in_proj_mma as module
 
@@ -64,7 +57,7 @@ def _check_tensor(name: str, t: Tensor, device: torch.device) -> None:
         raise ValueError(f"KDA in_proj {name} must be contiguous and {ALIGN}-byte aligned; pass .contiguous()")
 
 
-def plan_for(x: Tensor, weight: Tensor, kernel: str | None = None) -> InProjPlan | InProjMmaPlan:
+def plan_for(x: Tensor, weight: Tensor, kernel: str | None = None) -> Plan:
     """The plan that runs x @ weight^T on x's device with `kernel` (one of KERNELS; None: the one for the batch);
     raises for what the kernel cannot take."""
     if kernel is not None and kernel not in KERNELS:
@@ -75,8 +68,13 @@ def plan_for(x: Tensor, weight: Tensor, kernel: str | None = None) -> InProjPlan
         raise ValueError(f"KDA in_proj: x {tuple(x.shape)} and weight {tuple(weight.shape)} need [B, K] x [R, K]")
     _check_tensor("x", x, x.device)
     _check_tensor("weight", weight, x.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     chosen = kernel or kernel_for_rows(x.shape[0], weight.shape[0])
+    if chosen == "wgmma":
+        plan = wgmma_plan(weight.shape[0], weight.shape[1], x.shape[0])
+        if (why := plan.problem()) is not None:
+            raise ValueError(f"KDA in_proj: the wgmma stream cannot take x {tuple(x.shape)}: {why}; use another kernel")
+        return plan
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     plan_type = InProjMmaPlan if chosen == "tensor_core" else InProjPlan
     return plan_type.for_shape(weight.shape[0], weight.shape[1], x.shape[0], sms)
 
@@ -89,7 +87,8 @@ def linear(x: Tensor, weight: Tensor, out: Tensor | None = None, kernel: str | N
     elif tuple(out.shape) != (x.shape[0], weight.shape[0]):
         raise ValueError(f"KDA in_proj out {tuple(out.shape)} must be [B, R] = {(x.shape[0], weight.shape[0])}")
     _check_tensor("out", out, x.device)
-    trace = phase_trace.enabled()
+    wgmma = isinstance(plan, WgmmaStreamPlan)
+    trace = phase_trace.enabled() and not wgmma
     counter = leading(launch_counter(x.device), phase_trace.words_for(plan.ctas, trace))
     launch(_compiled(plan, trace), x, weight, out, counter, torch.cuda.current_stream(x.device).cuda_stream)
     return out

@@ -45,7 +45,6 @@ from k3_decode.kernels.wgmma_stream_plan import (
     WARP,
     WARPGROUP,
     WgmmaStreamPlan,
-    plan_for,
 )
 
 
@@ -75,7 +74,7 @@ class WgmmaStream:
         self.plan = plan
 
     @cute.jit
-    def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, stream: Any):
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, launches: cute.Tensor, stream: Any):
         p = self.plan
         tiled_mma = sm90.make_trivial_tiled_mma(
             BFloat16,
@@ -98,7 +97,7 @@ class WgmmaStream:
         self.storage = _storage(p, cute.cosize(w_ring), cute.cosize(x_ring))
         assert self.storage.size_in_bytes() == p.smem_bytes, (self.storage.size_in_bytes(), p.smem_bytes)
         cluster = [p.k_splits, 1, 1] if const_expr(p.k_splits > 1) else None
-        self.kernel(tma_w, w_tiles, tma_x, x_tiles, out, tiled_mma, w_ring, x_ring).launch(
+        self.kernel(tma_w, w_tiles, tma_x, x_tiles, out, launches, tiled_mma, w_ring, x_ring).launch(
             grid=[p.k_splits, p.m_tiles, 1],
             block=[p.threads, 1, 1],
             cluster=cluster,
@@ -106,6 +105,7 @@ class WgmmaStream:
             min_blocks_per_mp=1,
             preferred_smem_carveout=100,  # also keeps CuTe DSL from asking a driver for the SM's shared memory
             stream=stream,
+            use_pdl=True,
         )
 
     @cute.kernel
@@ -116,6 +116,7 @@ class WgmmaStream:
         tma_x: cute.CopyAtom,
         x_tiles: cute.Tensor,
         out: cute.Tensor,
+        launches: cute.Tensor,
         tiled_mma: cute.TiledMma,
         w_ring: cute.ComposedLayout,
         x_ring: cute.ComposedLayout,
@@ -167,7 +168,20 @@ class WgmmaStream:
             )
             first = split * p.k_tiles
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, p.stages)
-            for kt in cutlass.range(p.k_tiles, unroll=1):
+            # W does not depend on the previous kernel: the ring's first stages of it go out before the dependency
+            # wait, each stage armed for both copies' bytes; x, that kernel's output, only after it.
+            for kt in cutlass.range_constexpr(p.ahead):
+                ring.producer_acquire(state)
+                bar = ring.producer_get_barrier(state)
+                cute.copy(tma_w, twg[(None, first + kt)], tws[(None, state.index)], tma_bar_ptr=bar)
+                state.advance()
+            cute.arch.griddepcontrol_wait()
+            early = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, p.stages)
+            for kt in cutlass.range_constexpr(p.ahead):
+                bar = ring.producer_get_barrier(early)
+                cute.copy(tma_x, txg[(None, first + kt)], txs[(None, early.index)], tma_bar_ptr=bar)
+                early.advance()
+            for kt in cutlass.range(p.ahead, p.k_tiles, unroll=1):
                 ring.producer_acquire(state)  # waits for the slot to be empty, then arms it for stage_bytes
                 bar = ring.producer_get_barrier(state)
                 cute.copy(tma_w, twg[(None, first + kt)], tws[(None, state.index)], tma_bar_ptr=bar)
@@ -175,6 +189,7 @@ class WgmmaStream:
                 ring.producer_commit(state)
                 state.advance()
         else:
+            cute.arch.griddepcontrol_wait()  # out may still be read by a kernel before the previous one
             group = cute.arch.make_warp_uniform(tidx // WARPGROUP)
             thr = tiled_mma.get_slice(group * WARPGROUP)  # wgmma operands are per warpgroup
             tsw = tiled_mma.make_fragment_A(thr.partition_A(sw))
@@ -197,6 +212,9 @@ class WgmmaStream:
                 read.advance()
             warpgroup.wait_group(0)
 
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel's own wait still covers all of this grid
+        if tidx + split + m_tile == 0:  # one thread of the whole grid (all three non-negative)
+            cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
         is_consumer = tidx < p.consumer_threads
         if const_expr(p.k_splits > 1):
             rank = cute.arch.block_idx_in_cluster()
@@ -245,12 +263,13 @@ class WgmmaStream:
 
 
 def compile_args(plan: WgmmaStreamPlan) -> tuple[Any, ...]:
-    """Fake arguments of one compile: x [B, K], W [R, K], out [B, R], all BF16, row-major, 16-byte aligned, and a
-    stream."""
+    """Fake arguments of one compile: x [B, K], W [R, K], out [B, R], all BF16, row-major, 16-byte aligned, the Int32
+    launch counter and a stream."""
     return (
         cutedsl.fake_tensor(BFloat16, (plan.batch, plan.k)),
         cutedsl.fake_tensor(BFloat16, (plan.rows, plan.k)),
         cutedsl.fake_tensor(BFloat16, (plan.batch, plan.rows)),
+        cutedsl.fake_tensor(Int32, (1,)),
         cutedsl.fake_stream(),
     )
 
@@ -260,37 +279,15 @@ def compiled(plan: WgmmaStreamPlan) -> Any:
     return cute.compile(WgmmaStream(plan), *compile_args(plan))
 
 
-def launch(compiled_fn: Any, x: Any, w: Any, out: Any, stream: int) -> None:
-    """Call a compiled kernel on the CUDA stream with handle `stream`. No checks: see `linear`."""
+class KdaInProjKernelWgmma(WgmmaStream):
+    """The stream as the KDA input projection's build: its kernel name holds `KdaInProjKernel`, which the projection's
+    provider declares, so the profiler gives its kernels to the op `in_proj`."""
+
+
+def launch(compiled_fn: Any, x: Any, w: Any, out: Any, launches: Any, stream: int) -> None:
+    """Call a compiled kernel on the CUDA stream with handle `stream`; `launches` is an Int32 device counter each
+    launch adds one to. No checks: kda_in_proj_op.linear checks what it passes."""
     import cuda.bindings.driver as cuda
     from cutlass.cute.runtime import from_dlpack
 
-    compiled_fn(*(from_dlpack(t, assumed_align=ALIGN) for t in (x, w, out)), cuda.CUstream(stream))
-
-
-def linear(x: Any, w: Any, out: Any = None) -> Any:
-    """out[B, R] = x[B, K] @ w[R, K]^T in BF16 with FP32 accumulation, on x's device and current stream."""
-    import torch
-
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        raise ValueError(f"x and w must be bfloat16, got {x.dtype} and {w.dtype}: convert them with .bfloat16()")
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"x must be [B, K] and w [R, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    if not x.is_cuda or w.device != x.device:
-        raise ValueError(f"x and w must be on one CUDA device, got {x.device} and {w.device}: move them with .to()")
-    batch, rows = x.shape[0], w.shape[0]
-    if out is None:
-        out = torch.empty(batch, rows, dtype=torch.bfloat16, device=x.device)
-    if out.dtype != torch.bfloat16 or tuple(out.shape) != (batch, rows) or out.device != x.device:
-        raise ValueError(f"out must be bfloat16 [{batch}, {rows}] on {x.device}, got {out.dtype} {tuple(out.shape)}")
-    for name, t in (("x", x), ("w", w), ("out", out)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous: pass {name}.contiguous()")
-        if t.data_ptr() % ALIGN:
-            raise ValueError(f"{name} must start on a {ALIGN}-byte boundary: pass a fresh copy ({name}.clone())")
-    plan = plan_for(rows, x.shape[1], batch, torch.cuda.get_device_properties(x.device).multi_processor_count)
-    why = plan.problem()
-    if why is not None:
-        raise ValueError(f"no wgmma stream for x {tuple(x.shape)} and w {tuple(w.shape)}: {why}")
-    launch(compiled(plan), x, w, out, torch.cuda.current_stream(x.device).cuda_stream)
-    return out
+    compiled_fn(*(from_dlpack(t, assumed_align=ALIGN) for t in (x, w, out, launches)), cuda.CUstream(stream))

@@ -62,6 +62,11 @@ class WgmmaStreamPlan:
         return self.k // (self.k_tile * self.k_splits)
 
     @property
+    def ahead(self) -> int:
+        """k tiles of W issued before the dependency wait: as many as the ring holds."""
+        return min(self.stages, self.k_tiles)
+
+    @property
     def stage_bytes(self) -> int:
         """Bytes one stage's two TMA copies deliver (the full barrier's transaction count)."""
         return (self.m_rows + self.n) * self.k_tile * 2
@@ -103,15 +108,3 @@ class WgmmaStreamPlan:
         if self.smem_bytes > MAX_SMEM:
             return f"needs {self.smem_bytes} bytes of shared memory, over the {MAX_SMEM} a CTA may have: fewer stages"
         return None
-
-
-def plan_for(rows: int, k: int, batch: int, sms: int) -> WgmmaStreamPlan:
-    """The plan `linear` runs on a GPU of `sms` SMs: 64-row tiles in a ring of 4, and K split over a cluster of 4 or 2
-    CTAs while the M tiles alone would leave over half the SMs idle (3216 rows: 51 tiles -> 4 x 51 = 204 CTAs)."""
-    plan = WgmmaStreamPlan(rows, k, batch)
-    if plan.m_tiles * 2 <= sms:
-        for splits in (4, 2):
-            split = dataclasses.replace(plan, k_splits=splits)
-            if split.problem() is None:
-                return split
-    return plan

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from k3_decode.kernels import kda_in_proj_op
-from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaInProjBuild, KdaInProjMmaBuild
+from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaInProjBuild, KdaInProjMmaBuild, KdaInProjWgmmaBuild
 from k3_decode.kernels.providers import max_rows
 
 pytestmark = [
@@ -40,7 +40,8 @@ pytestmark = [
 ]
 
 DEV = "cuda"
-BUILDS = [b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, KdaInProjBuild | KdaInProjMmaBuild)]
+PROJECTIONS = KdaInProjBuild | KdaInProjMmaBuild | KdaInProjWgmmaBuild
+BUILDS = [b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, PROJECTIONS)]
 SHAPES = [(b.choice, b.tp, b.plan.rows, b.plan.k, b.plan.batch) for b in BUILDS]  # what CI compiles
 SPARE = 3  # rows after x and W, and elements after out, that the kernel must neither read into a result nor write
 BIT_EQUAL_FLOOR = 0.98
@@ -103,7 +104,8 @@ def test_kernel_matches_linear_within_one_bf16_rounding(kernel: str, tp: int, ro
 @pytest.mark.parametrize("kernel", kda_in_proj_op.KERNELS)
 def test_runs_are_deterministic_and_replay_in_a_cuda_graph(kernel: str):
     """Same inputs, same bits: eagerly twice and from a captured graph (a PDL launch inside a graph)."""
-    build = next(b for b in BUILDS if b.choice == kernel and b.tp == 16 and b.plan.batch == 8)
+    batch = 16 if kernel == "wgmma" else 8  # the wgmma stream is built from 16 rows on
+    build = next(b for b in BUILDS if b.choice == kernel and b.tp == 16 and b.plan.batch == batch)
     x, w, out, _ = operands(build.plan.rows, build.plan.k, build.plan.batch, seed=5)
     first = kda_in_proj_op.linear(x, w, kernel=kernel).clone()
     second = kda_in_proj_op.linear(x, w, kernel=kernel).clone()
@@ -148,8 +150,10 @@ def test_inputs_the_kernel_cannot_take_are_refused():
         kda_in_proj_op.linear(x, w, torch.empty(2, 3200, dtype=torch.bfloat16, device=DEV))
     with pytest.raises(ValueError, match="multiple of 16"):
         kda_in_proj_op.linear(x, w[:3208], kernel="tensor_core")
-    with pytest.raises(ValueError, match="is not one of cuda_core, tensor_core"):
-        kda_in_proj_op.linear(x, w, kernel="wgmma")
+    with pytest.raises(ValueError, match="is not one of cuda_core, tensor_core, wgmma"):
+        kda_in_proj_op.linear(x, w, kernel="wmma")
+    with pytest.raises(ValueError, match=r"the wgmma stream cannot take x .* batch must be 1\.\.64"):
+        kda_in_proj_op.linear(torch.zeros(65, 7168, dtype=torch.bfloat16, device=DEV), w, kernel="wgmma")
 
 
 # --- bandwidth (measured, printed, nothing written) ---------------------------------------------------------------

@@ -213,18 +213,18 @@ def test_a_violated_expectation_fails_the_build(tmp_path):
 
 
 def test_the_op_picks_the_build_from_its_data(tmp_path, monkeypatch):
-    from k3_decode.kernels import kda_in_proj_op
+    from k3_decode.kernels import kda_in_proj_choice, kda_in_proj_op
 
     pick = kda_in_proj_op.kernel_for_rows
     assert [pick(b, 6288) for b in (1, 4, 5, 64)] == ["cuda_core", "cuda_core", "tensor_core", "tensor_core"]
     assert pick(1, 3216) == "tensor_core" and pick(4, 1024) == "cuda_core" and pick(5, 1024) == "tensor_core"
     # The choice is the data file's: a changed table changes it.
     table = tmp_path / "choice.toml"
-    table.write_text("[cuda_core_max_batch]\n3216 = 2\ndefault = 0\n")
-    monkeypatch.setattr(kda_in_proj_op, "CHOICE", table)
-    kda_in_proj_op._cuda_core_max_batch.cache_clear()
-    try:
-        assert pick(2, 3216) == "cuda_core" and pick(3, 3216) == "tensor_core" and pick(1, 6288) == "tensor_core"
-    finally:
-        monkeypatch.undo()
-        kda_in_proj_op._cuda_core_max_batch.cache_clear()
+    tiling = "[wgmma_tiling]\ndefault = { k_tile = 64, stages = 4, k_splits = 1 }\n"
+    limits = "[cuda_core_max_batch]\n3216 = 2\ndefault = 0\n[wgmma_min_batch]\n6288 = 16\ndefault = 0\n"
+    table.write_text(limits + tiling)
+    monkeypatch.setattr(kda_in_proj_choice, "CHOICE", table)
+    assert pick(2, 3216) == "cuda_core" and pick(3, 3216) == "tensor_core" and pick(1, 6288) == "tensor_core"
+    # the wgmma stream from its first batch, to the 64 rows one wgmma N covers
+    assert [pick(b, 6288) for b in (15, 16, 64, 65)] == ["tensor_core", "wgmma", "wgmma", "tensor_core"]
+    assert pick(64, 3216) == "tensor_core"

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("cutlass", reason="CuTe DSL is not installed: pip install 'k3gate[cutedsl]'")
 
-from k3_decode.kernels.wgmma_stream_plan import MAX_SMEM, WgmmaStreamPlan, plan_for
+from k3_decode.kernels.wgmma_stream_plan import MAX_SMEM, WgmmaStreamPlan
 
 REGISTERS_PER_SM = 65536
 MAX_REGISTERS = (
@@ -59,6 +59,7 @@ def expected_ptx(plan: WgmmaStreamPlan) -> dict[str, int]:
     mmas = plan.k_tile // 16  # one k tile per loop body, of 16 columns a wgmma
     groups = plan.acc_values // 4
     split = plan.k_splits > 1
+    columns = (2 + 2 * plan.ahead) * plan.k_tile // 64
     return {
         rf"wgmma\.mma_async\.sync\.aligned\.m64n{plan.n}k16\.f32\.bf16\.bf16": mmas,
         r"wgmma\.fence\.sync\.aligned": 1,
@@ -66,9 +67,10 @@ def expected_ptx(plan: WgmmaStreamPlan) -> dict[str, int]:
         r"wgmma\.wait_group\.sync\.aligned\s+1;": 1,  # one group in flight in the loop
         r"wgmma\.wait_group\.sync\.aligned\s+0;": 1,  # none after it
         # W and x, one copy per 128-byte swizzle column of the k tile
-        r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes": 2 * plan.k_tile // 64,
-        r"mbarrier\.arrive\.expect_tx\.shared\.b64": 1,  # the producer arms a stage for both copies' bytes
-        r"mbarrier\.try_wait\.parity\.shared\.b64": 2,  # consumers wait full, the producer waits empty
+        # (the ring's first k tiles unrolled: W before the wait, x after it; then both in the loop)
+        r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes": columns,
+        r"mbarrier\.arrive\.expect_tx\.shared\.b64": 1 + plan.ahead,  # a stage armed for both copies' bytes
+        r"mbarrier\.try_wait\.parity\.shared\.b64": 2 + plan.ahead,  # consumers wait full, the producer empty
         r"mbarrier\.arrive\.shared\.b64": 1,  # a consumer warp frees a stage
         r"st\.global\.b16": plan.acc_values,  # the transposed, masked stores: one per accumulator
         r"mapa\.shared::cluster": int(split),
@@ -77,7 +79,22 @@ def expected_ptx(plan: WgmmaStreamPlan) -> dict[str, int]:
         r"barrier\.cluster\.arrive\.relaxed;": int(split),  # after the barrier inits
         r"barrier\.cluster\.arrive;": int(split),  # release: the partials are in place
         r"barrier\.cluster\.wait;": 2 if split else 0,
+        r"griddepcontrol\.wait;": 2,  # the producer after its W prologue, the consumers before their first wait
+        r"griddepcontrol\.launch_dependents;": 1,
+        r"atom\.global\.add": 1,  # the launch counter, one thread of the grid
+        # nothing else touches global memory but TMA
+        r"^\s*(?:@!?%p\d+\s+)?(?:atom|red|ld\.global|st\.global\.(?!b16))": 1,
     }
+
+
+def ahead_problems(ptx: str, plan: WgmmaStreamPlan) -> list[str]:
+    """Programmatic dependent launch: before the first dependency wait exactly the W prologue is in flight (one TMA
+    copy per swizzle column of each of the ring's first k tiles), and nothing of x: x is the previous kernel's
+    output, and a copy of it issued before the wait could read it half-written."""
+    head = ptx.split("griddepcontrol.wait;")[0]
+    copies = count(r"cp\.async\.bulk\.tensor", head)
+    want = plan.ahead * plan.k_tile // 64
+    return [] if copies == want else [f"{copies} TMA copies before the wait, want the W prologue's {want}"]
 
 
 def ptx_problems(ptx: str, plan: WgmmaStreamPlan) -> list[str]:
@@ -139,12 +156,6 @@ def test_the_kernel_refuses_a_plan_with_a_problem():
         WgmmaStream(WgmmaStreamPlan(7168, 1536, 65))
 
 
-def test_linear_splits_k_only_where_the_m_tiles_leave_sms_idle():
-    assert plan_for(3216, 7168, 64, 132).k_splits == 4  # 51 tiles -> 204 CTAs
-    assert plan_for(7168, 1536, 64, 132).k_splits == 1  # 112 tiles
-    assert plan_for(3216, 64, 8, 132).k_splits == 1  # one k tile cannot be split
-
-
 # --- the builds (CuTe DSL, no GPU) ---------------------------------------------------------------------------------
 
 
@@ -167,7 +178,8 @@ def test_build_holds_the_designs_instructions(plan):
     assert ptx_problems(art.ptx, plan) == []
     # The SASS agrees: Hopper's tensor-core and TMA instructions, not a fallback.
     assert count(rf"HGMMA\.64x{plan.n}x16\.F32\.BF16", art.sass) == plan.k_tile // 16
-    assert count(r"UTMALDG\.2D", art.sass) == 2 * plan.k_tile // 64
+    assert count(r"UTMALDG\.2D", art.sass) == (2 + 2 * plan.ahead) * plan.k_tile // 64
+    assert ahead_problems(art.ptx, plan) == []
     assert count(r"\bHMMA\b", art.sass) == 0
 
 
@@ -193,14 +205,53 @@ def test_the_instruction_check_fails_when_the_cluster_reduction_is_missing():
         assert missing in failed, failed
 
 
-def test_linear_refuses_bad_operands_before_compiling():
-    torch = pytest.importorskip("torch")
-    from k3_decode.kernels.wgmma_stream import linear
+def test_the_prologue_check_fails_when_x_is_copied_before_the_wait():
+    """Broken case: the same code with its first dependency wait gone, as if x's first copies went out before it."""
+    plan = PLANS[2]
+    ptx = build(plan).ptx.replace("griddepcontrol.wait;", "", 1)
+    (problem,) = ahead_problems(ptx, plan)
+    assert f"want the W prologue's {plan.ahead}" in problem
 
-    x, w = torch.zeros(4, 128, dtype=torch.bfloat16), torch.zeros(256, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="must be bfloat16"):
-        linear(x.float(), w)
-    with pytest.raises(ValueError, match=r"x must be \[B, K\]"):
-        linear(x, w[:, :64])
-    with pytest.raises(ValueError, match="one CUDA device"):
-        linear(x, w)
+
+def _judged(build, artifacts) -> list[str]:
+    """The names of the checks `artifacts` fail against expectations.toml's rules for the wgmma projection."""
+    import tempfile
+    from pathlib import Path
+
+    from harness.kernels_cmd import judge, parse_expectations
+    from k3_decode.kernels.builds import K3_KERNEL_BUILDS
+
+    expect = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
+    result = judge(build, "sm_90a", artifacts, "", expect["kda_in_proj_wgmma"], Path(tempfile.mkdtemp()))
+    return sorted(c.name for c in result.checks if not c.passed)
+
+
+def test_the_served_tiling_builds_pass_their_expectations():
+    from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaInProjWgmmaBuild
+
+    builds = [b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, KdaInProjWgmmaBuild)]
+    assert {(b.tp, b.plan.batch) for b in builds} == {(tp, b) for tp in (8, 16) for b in (16, 32, 64)}
+    for b in builds:
+        assert _judged(b, b.compile("sm_90a")) == [], b.name
+
+
+def test_the_expectations_fail_the_mma_sync_stream_in_its_place():
+    """Broken case: the tensor-core (mma.sync) projection's code judged as the wgmma build fails the rules on the
+    warpgroup MMAs, the tile copies (all and before the wait), the waits, the fallback and the registers."""
+    from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaInProjMmaBuild, KdaInProjWgmmaBuild
+
+    wgmma = next(b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, KdaInProjWgmmaBuild))
+    mma = next(
+        b
+        for b in K3_KERNEL_BUILDS.builds("sm_90a")
+        if isinstance(b, KdaInProjMmaBuild) and (b.tp, b.plan.batch) == (wgmma.tp, wgmma.plan.batch)
+    )
+    failed = [name.replace("\\", "") for name in _judged(wgmma, mma.compile("sm_90a"))]
+    assert failed == [
+        "ptx 'cp.async.bulk.tensor.2d.shared::cta.global'",
+        "ptx 'cp.async.bulk.tensor.2d.shared::cta.global' before 'griddepcontrol.wait;'",
+        "ptx 'griddepcontrol.wait;'",
+        "registers",
+        "sass 'bHGMMA.64xd+x16.F32.BF16b'",
+        "sass 'bHMMAb|bLDLb|bSTLb'",
+    ], failed
