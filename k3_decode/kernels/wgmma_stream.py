@@ -176,6 +176,9 @@ class WgmmaStream:
                 cute.copy(tma_w, twg[(None, first + kt)], tws[(None, state.index)], tma_bar_ptr=bar)
                 state.advance()
             cute.arch.griddepcontrol_wait()
+            # The next kernel may launch now (its own wait still covers all of this grid), so its prologue, such as
+            # its weight copies, overlaps this stream instead of starting after it.
+            cute.arch.griddepcontrol_launch_dependents()
             early = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, p.stages)
             for kt in cutlass.range_constexpr(p.ahead):
                 bar = ring.producer_get_barrier(early)
@@ -190,6 +193,7 @@ class WgmmaStream:
                 state.advance()
         else:
             cute.arch.griddepcontrol_wait()  # out may still be read by a kernel before the previous one
+            cute.arch.griddepcontrol_launch_dependents()
             group = cute.arch.make_warp_uniform(tidx // WARPGROUP)
             thr = tiled_mma.get_slice(group * WARPGROUP)  # wgmma operands are per warpgroup
             tsw = tiled_mma.make_fragment_A(thr.partition_A(sw))
@@ -212,7 +216,6 @@ class WgmmaStream:
                 read.advance()
             warpgroup.wait_group(0)
 
-        cute.arch.griddepcontrol_launch_dependents()  # the next kernel's own wait still covers all of this grid
         if tidx + split + m_tile == 0:  # one thread of the whole grid (all three non-negative)
             cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
         is_consumer = tidx < p.consumer_threads

@@ -80,7 +80,7 @@ def expected_ptx(plan: WgmmaStreamPlan) -> dict[str, int]:
         r"barrier\.cluster\.arrive;": int(split),  # release: the partials are in place
         r"barrier\.cluster\.wait;": 2 if split else 0,
         r"griddepcontrol\.wait;": 2,  # the producer after its W prologue, the consumers before their first wait
-        r"griddepcontrol\.launch_dependents;": 1,
+        r"griddepcontrol\.launch_dependents;": 2,  # right after each branch's wait
         r"atom\.global\.add": 1,  # the launch counter, one thread of the grid
         # nothing else touches global memory but TMA
         r"^\s*(?:@!?%p\d+\s+)?(?:atom|red|ld\.global|st\.global\.(?!b16))": 1,
@@ -250,6 +250,7 @@ def test_the_expectations_fail_the_mma_sync_stream_in_its_place():
     assert failed == [
         "ptx 'cp.async.bulk.tensor.2d.shared::cta.global'",
         "ptx 'cp.async.bulk.tensor.2d.shared::cta.global' before 'griddepcontrol.wait;'",
+        "ptx 'griddepcontrol.launch_dependents;'",
         "ptx 'griddepcontrol.wait;'",
         "registers",
         "sass 'bHGMMA.64xd+x16.F32.BF16b'",
