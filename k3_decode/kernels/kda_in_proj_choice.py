@@ -17,24 +17,38 @@ TILING_KEYS = ("k_tile", "stages", "k_splits")
 
 def choice(path: Path | None = None) -> dict[str, Any]:
     """The choice file (CHOICE unless `path`), checked: each table has a default, every limit is a count of rows, every
-    tiling names its k_tile, stages and k_splits. Raises ValueError, one line, naming the entry."""
+    wgmma entry a list of [first, last] batch ranges within the 64 rows one wgmma N covers, every tiling names its
+    k_tile, stages and k_splits. Raises ValueError, one line, naming the entry."""
     return _choice_at(path or CHOICE)
+
+
+def _entry_ok(name: str, value: Any) -> bool:
+    if name == "wgmma_tiling":
+        return isinstance(value, dict) and all(isinstance(value.get(k), int) for k in TILING_KEYS)
+    if name == "wgmma_batches":
+        return isinstance(value, list) and all(
+            isinstance(r, list) and len(r) == 2 and all(isinstance(b, int) for b in r) and 1 <= r[0] <= r[1] <= WGMMA_MAX_BATCH
+            for r in value
+        )
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+WANT = {
+    "cuda_core_max_batch": "rows >= 0",
+    "wgmma_batches": "a list of [first, last] batch ranges within 1..64",
+    "wgmma_tiling": f"{{ {', '.join(f'{k} = N' for k in TILING_KEYS)} }}",
+}
 
 
 @cache
 def _choice_at(path: Path) -> dict[str, Any]:
     table = tomllib.loads(path.read_text())
-    for name in ("cuda_core_max_batch", "wgmma_min_batch", "wgmma_tiling"):
+    for name, want in WANT.items():
         entries = table.get(name)
         if not isinstance(entries, dict) or "default" not in entries:
             raise ValueError(f"{path.name}: [{name}] needs a default entry")
         for rows, value in entries.items():
-            if name == "wgmma_tiling":
-                ok = isinstance(value, dict) and all(isinstance(value.get(k), int) for k in TILING_KEYS)
-            else:
-                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-            if not ok:
-                want = f"{{ {', '.join(f'{k} = N' for k in TILING_KEYS)} }}" if name == "wgmma_tiling" else "rows >= 0"
+            if not _entry_ok(name, value):
                 raise ValueError(f"{path.name}: [{name}] {rows} = {value!r}; write {want}")
     return table
 
@@ -46,10 +60,9 @@ def _by_rows(table: str, weight_rows: int) -> Any:
 
 def kernel_for_rows(batch: int, weight_rows: int) -> str:
     """The build that serves `batch` rows of x against a weight of `weight_rows` rows (kda_in_proj_choice.toml):
-    the TMA + wgmma stream from its first batch where one is set, else the CUDA-core stream while its FMAs hide under
-    the weight stream, tensor cores above."""
-    first = int(_by_rows("wgmma_min_batch", weight_rows))
-    if 0 < first <= batch <= WGMMA_MAX_BATCH:
+    the TMA + wgmma stream in the batch ranges where it saved layer time, else the CUDA-core stream while its FMAs
+    hide under the weight stream, tensor cores above."""
+    if any(first <= batch <= last for first, last in _by_rows("wgmma_batches", weight_rows)):
         return "wgmma"
     return "cuda_core" if batch <= int(_by_rows("cuda_core_max_batch", weight_rows)) else "tensor_core"
 

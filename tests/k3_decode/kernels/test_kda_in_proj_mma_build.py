@@ -221,7 +221,7 @@ def test_the_op_picks_the_build_from_its_data(tmp_path, monkeypatch):
     # The choice is the data file's: a changed table changes it.
     table = tmp_path / "choice.toml"
     tiling = "[wgmma_tiling]\ndefault = { k_tile = 64, stages = 4, k_splits = 1 }\n"
-    limits = "[cuda_core_max_batch]\n3216 = 2\ndefault = 0\n[wgmma_min_batch]\n6288 = 16\ndefault = 0\n"
+    limits = "[cuda_core_max_batch]\n3216 = 2\ndefault = 0\n[wgmma_batches]\n6288 = [[16, 64]]\ndefault = []\n"
     table.write_text(limits + tiling)
     monkeypatch.setattr(kda_in_proj_choice, "CHOICE", table)
     assert pick(2, 3216) == "cuda_core" and pick(3, 3216) == "tensor_core" and pick(1, 6288) == "tensor_core"
