@@ -27,7 +27,10 @@ def _entry_ok(name: str, value: Any) -> bool:
         return isinstance(value, dict) and all(isinstance(value.get(k), int) for k in TILING_KEYS)
     if name == "wgmma_batches":
         return isinstance(value, list) and all(
-            isinstance(r, list) and len(r) == 2 and all(isinstance(b, int) for b in r) and 1 <= r[0] <= r[1] <= WGMMA_MAX_BATCH
+            isinstance(r, list)
+            and len(r) == 2
+            and all(isinstance(b, int) for b in r)
+            and 1 <= r[0] <= r[1] <= WGMMA_MAX_BATCH
             for r in value
         )
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -203,8 +203,10 @@ def copy_bandwidth() -> float:
 
 @pytest.mark.parametrize("tp", [8, 16])
 def test_bandwidth_fraction_of_copy(tp: int):
-    """Times both builds and cuBLAS at every batch built; asserts that kernel_for_rows picks the faster build and
-    that providers.toml lets the provider serve only batches where its build is not slower than cuBLAS."""
+    """Times every build and cuBLAS at every batch built; asserts that kernel_for_rows picks the faster of the CUDA-core
+    and tensor-core builds (the wgmma one, where served, must beat both; where not, layer time left it out: at TP16
+    B32 it is faster per call and slower in the layer) and that providers.toml lets the provider serve only batches
+    where its build is not slower than cuBLAS."""
     copy = copy_bandwidth()
     l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
     missed = []
@@ -234,6 +236,8 @@ def test_bandwidth_fraction_of_copy(tp: int):
             missed.append(f"B{batch}: kernel_for_rows picks {chosen}, which is not built at this batch")
             continue
         for other in builds:
+            if other == "wgmma" and chosen != "wgmma":
+                continue  # its batches are chosen by layer time (tests/benchmarks/test_kda_in_proj_variants.py)
             if timed[chosen] > timed[other] * NOISE:
                 missed.append(
                     f"B{batch}: kernel_for_rows picks {chosen} ({timed[chosen] * 1e6:.1f} us) over "

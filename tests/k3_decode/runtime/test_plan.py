@@ -319,7 +319,7 @@ def test_the_shipped_limits_name_the_provider_tp_and_measurement():
 
     rows, why = max_rows("in_proj", "cute-kda-in-proj", 8)
     assert rows == 8 and why.startswith("rows cute-kda-in-proj serves at TP8 (cuBLAS is faster above")
-    assert max_rows("in_proj", "cute-kda-in-proj", 16)[0] == 32  # its one 32-row pass stages x in shared memory
+    assert max_rows("in_proj", "cute-kda-in-proj", 16)[0] == 64  # the wgmma stream takes B33-B64 there
     assert max_rows("in_proj", "cute-kda-in-proj", 1) is None and max_rows("attn_res", "cute-attn-res", 8) is None
     # o_proj serves more rows where the AttnRes after attention mixes 2 or more bank blocks; blocks do not change
     # an op without a [mixing] limit.
