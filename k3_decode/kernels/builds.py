@@ -573,31 +573,30 @@ class K3KernelBuilds:
 
     def kda_in_proj_mma_builds(self) -> list[KdaInProjMmaBuild]:
         """The tensor-core input projection at the rows and batches of builds.toml's [kda_in_proj_mma]."""
-        dims = load_dims(self.table["model"])
-        spec = self.table["kda_in_proj_mma"]
-        builds = []
-        for tp in spec["tp"]:
-            try:
-                shard = dims.shard(tp)
-            except ShardError as exc:
-                raise ValueError(f"builds.toml kda_in_proj_mma.tp: {exc}") from None
-            for batch in spec["batches"]:
-                plan = InProjMmaPlan.for_shape(shard.kda_in_proj_rows, shard.hidden, batch, spec["sm_count"])
-                builds.append(KdaInProjMmaBuild(tp, plan))
-        return builds
+        sms = self.table["kda_in_proj_mma"]["sm_count"]
+        return self._rank_projections(
+            "kda_in_proj_mma",
+            lambda tp, rows, k, batch: KdaInProjMmaBuild(tp, InProjMmaPlan.for_shape(rows, k, batch, sms)),
+        )
 
     def kda_in_proj_wgmma_builds(self) -> list[KdaInProjWgmmaBuild]:
-        """The TMA + wgmma input projection at the rows and batches of builds.toml's [kda_in_proj_wgmma]."""
+        """The TMA + wgmma input projection at the rows and batches of builds.toml's [kda_in_proj_wgmma], tiled as
+        kda_in_proj_choice.toml says."""
+        return self._rank_projections(
+            "kda_in_proj_wgmma", lambda tp, rows, k, batch: KdaInProjWgmmaBuild(tp, wgmma_plan(rows, k, batch))
+        )
+
+    def _rank_projections(self, section: str, make: Callable[[int, int, int, int], Any]) -> list[Any]:
+        """make(tp, rows, k, batch) at each rank's projection shape for the TP sizes and batches of `section`."""
         dims = load_dims(self.table["model"])
-        spec = self.table["kda_in_proj_wgmma"]
+        spec = self.table[section]
         builds = []
         for tp in spec["tp"]:
             try:
                 shard = dims.shard(tp)
             except ShardError as exc:
-                raise ValueError(f"builds.toml kda_in_proj_wgmma.tp: {exc}") from None
-            for batch in spec["batches"]:
-                builds.append(KdaInProjWgmmaBuild(tp, wgmma_plan(shard.kda_in_proj_rows, shard.hidden, batch)))
+                raise ValueError(f"builds.toml {section}.tp: {exc}") from None
+            builds += [make(tp, shard.kda_in_proj_rows, shard.hidden, batch) for batch in spec["batches"]]
         return builds
 
     def kda_o_proj_builds(self) -> list[KdaOProjBuild]:

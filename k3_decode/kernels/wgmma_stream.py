@@ -19,6 +19,10 @@ Design ("swap-AB": W's rows are the MMA's M, the small batch its N):
   thread-block cluster along K; every CTA but rank 0 stores its FP32 partial tile into rank 0's shared memory
   (distributed shared memory), one cluster barrier (release/acquire) orders the stores before rank 0 reads them,
   and rank 0 adds them in rank order, so the result does not depend on timing.
+- Programmatic dependent launch: W does not depend on the previous kernel, so the producer issues the ring's first
+  stages of W before `griddepcontrol.wait` and their x after it; every thread lets the next kernel launch right after
+  its wait (its own wait still covers this whole grid), so that kernel's prologue overlaps this stream. One thread of
+  the grid adds one to the launch counter (counters.py) after its wait.
 - The epilogue writes the accumulator transposed (acc[r, b] -> out[b, r]) as BF16, element by element, masked to
   b < B and r < R. The output is ~4% of the bytes moved at B = 64, so it is not staged for wide stores.
 """

@@ -190,30 +190,21 @@ def test_w_is_staged_nowhere_on_the_late_stack_because_the_streams_lead_saved_no
 
 def test_a_late_round_where_staging_won_would_serve_it(tmp_path):
     """Broken case: the late round with B64's loss mirrored into a gain flips B64's verdict."""
-    ((base, variant),) = W_SMEM_LATE_ROUNDS
-    doc, base_cells = load(variant), bench.cells_by_key(load(base))
-    for run in doc["runs"]:
-        for cell in run["cells"]:
-            if cell["batch"] == 64:
-                s_base = base_cells[(cell["tp"], 64)]["layer_speedup"]["speedup"]
-                cell["layer_speedup"]["speedup"] = s_base**2 / cell["layer_speedup"]["speedup"]
-    won = tmp_path / variant.name
-    won.write_text(json.dumps(doc))
-    verdicts = flag_verdicts([(base, won)], "w_smem", LATE_LAYER)
+    verdicts = flag_verdicts(inverted(W_SMEM_LATE_ROUNDS, tmp_path, batch=64), "w_smem", LATE_LAYER)
     assert verdicts == {48: False, 64: True}
     assert w_smem_at(64) != verdicts[64]
 
 
-def b1_inverted(rounds: list[tuple[Path, Path]], tmp_path: Path) -> list[tuple[Path, Path]]:
-    """Copies of the rounds' variant files whose B1 speedups are mirrored about their base's (a loss becomes an equal
-    gain), each beside its own base."""
+def inverted(rounds: list[tuple[Path, Path]], tmp_path: Path, batch: int = 1) -> list[tuple[Path, Path]]:
+    """Copies of the rounds' variant files whose speedups at `batch` are mirrored about their base's (a loss becomes
+    an equal gain), each beside its own base."""
     out = []
     for base, variant in rounds:
         doc, base_cells = load(variant), bench.cells_by_key(load(base))
         for run in doc["runs"]:
             for cell in run["cells"]:
-                if cell["batch"] == 1:
-                    s_base = base_cells[(cell["tp"], 1)]["layer_speedup"]["speedup"]
+                if cell["batch"] == batch:
+                    s_base = base_cells[(cell["tp"], batch)]["layer_speedup"]["speedup"]
                     cell["layer_speedup"]["speedup"] = s_base**2 / cell["layer_speedup"]["speedup"]
         mirrored = tmp_path / variant.name
         mirrored.write_text(json.dumps(doc))
@@ -224,7 +215,7 @@ def b1_inverted(rounds: list[tuple[Path, Path]], tmp_path: Path) -> list[tuple[P
 def test_a_round_where_staging_won_at_b1_at_both_tp_sizes_would_serve_it(tmp_path):
     """Broken case: copies of both rounds whose B1 losses are inverted into gains; B1's verdict flips, and the
     served file (staging nothing) no longer matches it."""
-    verdicts = flag_verdicts(b1_inverted(W_SMEM_ROUNDS, tmp_path), "w_smem")
+    verdicts = flag_verdicts(inverted(W_SMEM_ROUNDS, tmp_path), "w_smem")
     assert verdicts[1] is True and verdicts[4] is False
     assert w_smem_at(1) != verdicts[1]
 
@@ -247,7 +238,7 @@ def test_w_goes_to_l2_alone_nowhere_because_it_lost_at_every_measured_batch():
 def test_rounds_where_w_in_l2_won_at_b1_would_serve_it(tmp_path):
     """Broken case: both rounds with their B1 losses mirrored into gains; B1's verdict flips while B2 and B4 keep
     theirs, and the served file no longer matches it."""
-    verdicts = flag_verdicts(b1_inverted(W_L2_ROUNDS, tmp_path), "w_l2")
+    verdicts = flag_verdicts(inverted(W_L2_ROUNDS, tmp_path), "w_l2")
     assert verdicts == {1: True, 2: False, 4: False}
     assert w_l2_at(1) != verdicts[1]
 
