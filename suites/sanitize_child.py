@@ -159,7 +159,7 @@ def kda_o_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
 
 def kda_in_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
     """x [batches, hidden] @ W[rows, hidden]^T at the rank's packed rows for `tp`, once with each build (the
-    CUDA-core and the tensor-core kernel share the provider's kernel name), then the tensor-core build at
+    CUDA-core, tensor-core and wgmma kernels share the provider's kernel name), then the tensor-core build at
     `ring_batch` rows where given. Returns the launches made."""
     from k3_decode.config import RankShapes, load_dims
     from k3_decode.kernels import kda_in_proj_op
