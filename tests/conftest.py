@@ -19,6 +19,10 @@ from collections.abc import Callable
 
 import pytest
 
+# CuTe DSL reads its target arch when cutlass is first imported and writes SASS only for that arch, silently: a
+# test compiling in this process for sm_90a must find it set before any test module imports cutlass.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
 WORKER_GPU_KEY = "k3gate_gpu"  # the workerinput entry carrying a worker's GPU
 _GPUS = pytest.StashKey[list]()  # the controller's GPU list, for the report header
 

@@ -81,6 +81,11 @@ def compile_artifacts(fn: Any, args: tuple[Any, ...], arch: str) -> KernelArtifa
         ptx, cubin, sass = compiled.__ptx__, compiled.__cubin__, compiled.__sass__
     if not isinstance(ptx, str) or not isinstance(cubin, bytes) or not isinstance(sass, str):
         raise ToolchainError("CuTe DSL returned no PTX, cubin or SASS for the compile — check the dump options")
+    if "\n" not in sass:  # the dump's path, not its text: nothing was disassembled, and SASS checks would pass empty
+        raise ToolchainError(
+            f"CuTe DSL wrote no SASS for {arch}: it disassembles only for the arch CUTE_DSL_ARCH names when cutlass is "
+            f"first imported (here {os.environ.get('CUTE_DSL_ARCH')!r}) — set CUTE_DSL_ARCH={arch} before importing it"
+        )
     return KernelArtifacts(ptx=ptx, cubin=cubin, sass=sass)
 
 

@@ -218,10 +218,10 @@ def test_the_child_builds_inputs_the_ops_take_each_in_its_own_allocation(monkeyp
     assert all(batch == 3 and capacity == K3.num_attn_res_blocks for _, batch, capacity in calls)
     assert saves and saves[0].save_index == K3.num_attn_res_blocks - 1  # writes the bank's last block
     calls.clear()
-    assert sanitize_child.kda_in_proj_cell(cute["cute_kda_in_proj"], PLAN, cpu) == len(calls) == 3
-    assert [kernel for kernel, _ in calls] == ["cuda_core", "tensor_core", "tensor_core"]  # both builds, by name
+    assert sanitize_child.kda_in_proj_cell(cute["cute_kda_in_proj"], PLAN, cpu) == len(calls) == 4
+    assert [kernel for kernel, _ in calls] == ["cuda_core", "tensor_core", "wgmma", "tensor_core"]  # every build
     # batch 3 in each build, then the tensor-core build's 32-row pass with x staged in its ring
-    assert [(p.rows, p.k, p.batch) for _, p in calls] == [(3216, K3.hidden_size, b) for b in (3, 3, 30)]
+    assert [(p.rows, p.k, p.batch) for _, p in calls] == [(3216, K3.hidden_size, b) for b in (3, 3, 3, 30)]
     calls.clear()
     assert sanitize_child.kda_step_cell(cute["cute_kda_step"], PLAN, cpu) == len(calls) == 2
     (spec, slots, out, (conv, recurrent), cache), verify = calls
