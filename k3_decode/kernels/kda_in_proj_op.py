@@ -35,10 +35,10 @@ Plan = InProjPlan | InProjMmaPlan | WgmmaStreamPlan
 def _compiled(plan: Plan, trace: bool = False) -> Any:
     import cutlass.cute as cute
 
-    if isinstance(plan, WgmmaStreamPlan):  # no phase stamps: traced runs see its launch count alone
+    if isinstance(plan, WgmmaStreamPlan):
         from k3_decode.kernels import wgmma_stream
 
-        return cute.compile(wgmma_stream.KdaInProjKernelWgmma(plan), *wgmma_stream.compile_args(plan))
+        return cute.compile(wgmma_stream.KdaInProjKernelWgmma(plan, trace), *wgmma_stream.compile_args(plan, trace))
     if isinstance(plan, InProjMmaPlan):
         from k3_decode.kernels import kda_in_proj_mma as module
 
@@ -87,8 +87,7 @@ def linear(x: Tensor, weight: Tensor, out: Tensor | None = None, kernel: str | N
     elif tuple(out.shape) != (x.shape[0], weight.shape[0]):
         raise ValueError(f"KDA in_proj out {tuple(out.shape)} must be [B, R] = {(x.shape[0], weight.shape[0])}")
     _check_tensor("out", out, x.device)
-    wgmma = isinstance(plan, WgmmaStreamPlan)
-    trace = phase_trace.enabled() and not wgmma
+    trace = phase_trace.enabled()
     counter = leading(launch_counter(x.device), phase_trace.words_for(plan.ctas, trace))
     launch(_compiled(plan, trace), x, weight, out, counter, torch.cuda.current_stream(x.device).cuda_stream)
     return out

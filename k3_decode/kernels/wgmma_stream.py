@@ -42,6 +42,8 @@ from cutlass.memory import SmemAllocator
 from cutlass.utils import hopper_helpers as sm90
 
 from k3_decode.kernels import cutedsl
+from k3_decode.kernels.phase_trace import words_for
+from k3_decode.kernels.primitives import trace_stamp
 from k3_decode.kernels.wgmma_stream_plan import (
     ALIGN,
     MMA_K,
@@ -71,11 +73,12 @@ class WgmmaStream:
     """out = x @ W^T for one plan. Arguments of the compiled function: x [B, K], W [R, K], out [B, R] (BF16, row-major,
     contiguous, 16-byte aligned, on one device) and the CUDA stream."""
 
-    def __init__(self, plan: WgmmaStreamPlan) -> None:
+    def __init__(self, plan: WgmmaStreamPlan, trace: bool = False) -> None:
         why = plan.problem()
         if why is not None:
             raise ValueError(f"WgmmaStreamPlan{dataclasses.astuple(plan)}: {why}")
         self.plan = plan
+        self.trace = trace  # phase stamps (phase_trace.py) as the projection's other builds stamp them
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, launches: cute.Tensor, stream: Any):
@@ -128,6 +131,8 @@ class WgmmaStream:
         p = self.plan
         tidx, _, _ = cute.arch.thread_idx()
         split, m_tile, _ = cute.arch.block_idx()
+        cta = m_tile * p.k_splits + split  # the CTA's index in the trace
+        trace_stamp(self.trace, launches, cta, 0, tidx)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         producer = warp == p.consumer_threads // WARP  # the warp after the consumer warpgroups: wgmma needs whole ones
 
@@ -198,6 +203,7 @@ class WgmmaStream:
         else:
             cute.arch.griddepcontrol_wait()  # out may still be read by a kernel before the previous one
             cute.arch.griddepcontrol_launch_dependents()
+            trace_stamp(self.trace, launches, cta, 1, tidx)  # thread 0 is a consumer's
             group = cute.arch.make_warp_uniform(tidx // WARPGROUP)
             thr = tiled_mma.get_slice(group * WARPGROUP)  # wgmma operands are per warpgroup
             tsw = tiled_mma.make_fragment_A(thr.partition_A(sw))
@@ -255,6 +261,9 @@ class WgmmaStream:
                 self.store(acc, out, tiled_mma, tidx, m_tile)
         elif is_consumer:
             self.store(acc, out, tiled_mma, tidx, m_tile)
+        if const_expr(self.trace):
+            cute.arch.sync_threads()  # the end stamp after every thread's last store
+            trace_stamp(True, launches, cta, 2, tidx)
 
     @cute.jit
     def store(self, acc: cute.Tensor, out: cute.Tensor, tiled_mma: cute.TiledMma, tidx: Int32, m_tile: Int32):
@@ -269,14 +278,14 @@ class WgmmaStream:
                 out[b, row] = acc[i].to(BFloat16)
 
 
-def compile_args(plan: WgmmaStreamPlan) -> tuple[Any, ...]:
+def compile_args(plan: WgmmaStreamPlan, trace: bool = False) -> tuple[Any, ...]:
     """Fake arguments of one compile: x [B, K], W [R, K], out [B, R], all BF16, row-major, 16-byte aligned, the Int32
-    launch counter and a stream."""
+    launch counter (with the phase stamps after it in a traced build: phase_trace.py) and a stream."""
     return (
         cutedsl.fake_tensor(BFloat16, (plan.batch, plan.k)),
         cutedsl.fake_tensor(BFloat16, (plan.rows, plan.k)),
         cutedsl.fake_tensor(BFloat16, (plan.batch, plan.rows)),
-        cutedsl.fake_tensor(Int32, (1,)),
+        cutedsl.fake_tensor(Int32, (words_for(plan.ctas, trace),)),
         cutedsl.fake_stream(),
     )
 

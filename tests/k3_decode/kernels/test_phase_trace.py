@@ -17,7 +17,7 @@ from k3_decode.kernels.phase_trace import CLOCK_BASE, SM_WORD, WORDS, CtaTrace, 
 from tests.k3_decode.kernels.helpers import REPO, needs_cutedsl
 
 KERNEL_SOURCES = {
-    "kda_in_proj": ["kda_in_proj.py", "kda_in_proj_mma.py"],
+    "kda_in_proj": ["kda_in_proj.py", "kda_in_proj_mma.py", "wgmma_stream.py"],
     "kda_step": ["kda_step.py"],
     "kda_o_proj": ["kda_o_proj.py"],
 }
@@ -106,7 +106,10 @@ from k3_decode.kernels.kda_o_proj import KdaOProjKernel, compile_args as o_args
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
 from k3_decode.kernels.kda_step import KdaStepKernel, compile_args as step_args
 from k3_decode.kernels.kda_step_plan import KdaStepPlan
+from k3_decode.kernels.wgmma_stream import KdaInProjKernelWgmma, compile_args as w_args
+from k3_decode.kernels.wgmma_stream_plan import WgmmaStreamPlan
 
+wg = WgmmaStreamPlan(3216, 7168, 64, stages=8, k_splits=2)
 step = KdaStepPlan.for_shape(6, 3216, 1, 132, "int32")
 proj = InProjPlan.for_shape(3216, 7168, 1)
 mma = InProjMmaPlan.for_shape(3216, 7168, 1)
@@ -115,6 +118,7 @@ builds = {
     "kda_step": lambda t: (KdaStepKernel(step, t), step_args(step, t)),
     "kda_in_proj": lambda t: (KdaInProjKernel(proj, t), in_args(proj, t)),
     "kda_in_proj_mma": lambda t: (KdaInProjKernelMma(mma, t), in_args(mma, t)),
+    "kda_in_proj_wgmma": lambda t: (KdaInProjKernelWgmma(wg, t), w_args(wg, t)),
     "kda_o_proj": lambda t: (KdaOProjKernel(o, t), o_args(o, 8, t)),
 }
 out = {}
@@ -145,7 +149,7 @@ def test_traced_builds_stamp_every_phase_and_untraced_builds_none(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    expected = {"kda_step": 11, "kda_in_proj": 3, "kda_in_proj_mma": 3, "kda_o_proj": 6}
+    expected = {"kda_step": 11, "kda_in_proj": 3, "kda_in_proj_mma": 3, "kda_in_proj_wgmma": 3, "kda_o_proj": 6}
     for name, phases in expected.items():
         assert got[f"{name}/False"] == {"timer": 0, "clock": 0, "smid": 0}, (name, got[f"{name}/False"])
         traced = got[f"{name}/True"]
