@@ -225,7 +225,7 @@ def measure_shape(shape: Shape, rounds: int, device: Any) -> dict[str, Any]:
     """Every tiling of `shape` and cuBLAS: agreement with an FP32 product, then interleaved timing rounds."""
     import torch
 
-    from k3_decode.kernels import kda_in_proj_op, wgmma_stream
+    from k3_decode.kernels import kda_in_proj_op
 
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     w_bytes = shape.rows * shape.k * 2
@@ -244,8 +244,7 @@ def measure_shape(shape: Shape, rounds: int, device: Any) -> dict[str, Any]:
     not_compiled: dict[str, str] = {}
     for v in shape.variants:
         try:
-            wgmma = isinstance(v.plan, WgmmaStreamPlan)
-            compiled = wgmma_stream.compiled(v.plan) if wgmma else kda_in_proj_op._compiled(v.plan)
+            compiled = kda_in_proj_op._compiled(v.plan)  # any of the projection's builds, by its plan
         except Exception as exc:  # a tiling the compiler refuses is a result; the baseline must build
             if v.name == shape.baseline:
                 raise
@@ -253,14 +252,9 @@ def measure_shape(shape: Shape, rounds: int, device: Any) -> dict[str, Any]:
             continue
         out = torch.empty(shape.batch, shape.rows, dtype=torch.bfloat16, device=device)
         # The stream is read at each call: under capture it is the capturing stream, not the one before it.
-        if wgmma:
-            fns[v.name] = lambda i, c=compiled, out=out, ws=weights: wgmma_stream.launch(
-                c, x, ws[i % copies], out, counter, torch.cuda.current_stream(device).cuda_stream
-            )
-        else:
-            fns[v.name] = lambda i, c=compiled, out=out, ws=weights: kda_in_proj_op.launch(
-                c, x, ws[i % copies], out, counter, torch.cuda.current_stream(device).cuda_stream
-            )
+        fns[v.name] = lambda i, c=compiled, out=out, ws=weights: kda_in_proj_op.launch(
+            c, x, ws[i % copies], out, counter, torch.cuda.current_stream(device).cuda_stream
+        )
         fns[v.name](0)
         torch.cuda.synchronize()
         outs[v.name], buffers[v.name] = out.clone(), out

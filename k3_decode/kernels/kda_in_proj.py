@@ -84,11 +84,13 @@ from k3_decode.kernels.primitives import (
     trace_stamp,
     warp_sum,
 )
+from k3_decode.kernels.wgmma_stream_plan import WgmmaStreamPlan
 
 
-def compile_args(plan: InProjPlan | InProjMmaPlan, trace: bool = False) -> tuple[Any, ...]:
-    """Fake arguments of one compile of either build: x [B, K], W [R, K], out [B, R], all BF16, row-major, 16-byte
-    aligned, and the Int32 launch counter (with the phase stamps after it in a traced build: phase_trace.py)."""
+def compile_args(plan: InProjPlan | InProjMmaPlan | WgmmaStreamPlan, trace: bool = False) -> tuple[Any, ...]:
+    """Fake arguments of one compile of any of the projection's builds: x [B, K], W [R, K], out [B, R], all BF16,
+    row-major, 16-byte aligned, and the Int32 launch counter (with the phase stamps after it in a traced build:
+    phase_trace.py)."""
     return (
         cutedsl.fake_tensor(BFloat16, (plan.batch, plan.k)),
         cutedsl.fake_tensor(BFloat16, (plan.rows, plan.k)),

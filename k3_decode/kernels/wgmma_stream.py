@@ -30,7 +30,6 @@ Design ("swap-AB": W's rows are the MMA's M, the small batch its N):
 from __future__ import annotations
 
 import dataclasses
-from functools import cache
 from typing import Any
 
 import cutlass
@@ -41,11 +40,9 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.utils import hopper_helpers as sm90
 
-from k3_decode.kernels import cutedsl
-from k3_decode.kernels.phase_trace import words_for
+from k3_decode.kernels.kda_in_proj import compile_args as compile_args  # the same: x, W, out, counter
 from k3_decode.kernels.primitives import trace_stamp
 from k3_decode.kernels.wgmma_stream_plan import (
-    ALIGN,
     MMA_K,
     MMA_M,
     WARP,
@@ -278,32 +275,6 @@ class WgmmaStream:
                 out[b, row] = acc[i].to(BFloat16)
 
 
-def compile_args(plan: WgmmaStreamPlan, trace: bool = False) -> tuple[Any, ...]:
-    """Fake arguments of one compile: x [B, K], W [R, K], out [B, R], all BF16, row-major, 16-byte aligned, the Int32
-    launch counter (with the phase stamps after it in a traced build: phase_trace.py) and a stream."""
-    return (
-        cutedsl.fake_tensor(BFloat16, (plan.batch, plan.k)),
-        cutedsl.fake_tensor(BFloat16, (plan.rows, plan.k)),
-        cutedsl.fake_tensor(BFloat16, (plan.batch, plan.rows)),
-        cutedsl.fake_tensor(Int32, (words_for(plan.ctas, trace),)),
-        cutedsl.fake_stream(),
-    )
-
-
-@cache
-def compiled(plan: WgmmaStreamPlan) -> Any:
-    return cute.compile(WgmmaStream(plan), *compile_args(plan))
-
-
 class KdaInProjKernelWgmma(WgmmaStream):
     """The stream as the KDA input projection's build: its kernel name holds `KdaInProjKernel`, which the projection's
     provider declares, so the profiler gives its kernels to the op `in_proj`."""
-
-
-def launch(compiled_fn: Any, x: Any, w: Any, out: Any, launches: Any, stream: int) -> None:
-    """Call a compiled kernel on the CUDA stream with handle `stream`; `launches` is an Int32 device counter each
-    launch adds one to. No checks: kda_in_proj_op.linear checks what it passes."""
-    import cuda.bindings.driver as cuda
-    from cutlass.cute.runtime import from_dlpack
-
-    compiled_fn(*(from_dlpack(t, assumed_align=ALIGN) for t in (x, w, out, launches)), cuda.CUstream(stream))

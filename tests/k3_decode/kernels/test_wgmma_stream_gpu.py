@@ -42,16 +42,16 @@ def within_one_rounding(got: Tensor, x: Tensor, w: Tensor) -> Tensor:
 
 @pytest.mark.parametrize("plan", PLANS, ids=plan_id)
 def test_the_stream_is_exact_to_one_rounding_and_repeatable(plan):
-    from k3_decode.kernels import wgmma_stream
+    from k3_decode.kernels import kda_in_proj_op
 
     x, w, out, obuf = operands(plan.rows, plan.k, plan.batch, seed=plan.rows + plan.batch)
-    fn = wgmma_stream.compiled(plan)
+    fn = kda_in_proj_op._compiled(plan)
     stream = torch.cuda.current_stream().cuda_stream
     launches = torch.zeros(1, dtype=torch.int32, device="cuda")
     results = []
     for _ in range(LAUNCHES):
         out.fill_(float("nan"))
-        wgmma_stream.launch(fn, x, w, out, launches, stream)
+        kda_in_proj_op.launch(fn, x, w, out, launches, stream)
         torch.cuda.synchronize()
         results.append(out.clone())
         assert obuf[out.numel() :].isnan().all(), "written past the output"
