@@ -377,11 +377,12 @@ class KdaOProjKernel:
         cluster: Int32,
         launches: cute.Tensor,
     ):
-        """The AttnRes after attention of batch rows cluster, cluster + E, ... (E = plan.epilogue_clusters), once
-        every CTA of the grid has stored its o_proj rows."""
+        """The AttnRes after attention of batch rows c, c + E, ... (c = cluster - plan.first_epilogue_cluster, E =
+        plan.epilogue_clusters), once every CTA of the grid has stored its o_proj rows."""
         plan, attn = self.plan, self.attn
         vec = rank * plan.threads + tidx  # this thread's 8 columns of the row
-        rows = [cluster + j * plan.epilogue_clusters for j in range(plan.epilogue_rows)]
+        first = cluster - plan.first_epilogue_cluster  # the cluster's first row
+        rows = [first + j * plan.epilogue_clusters for j in range(plan.epilogue_rows)]
         # The last row of a cluster may lie past the batch (an odd batch above 32): it is loaded clamped, not used.
         loaded = [cutlass.min(row, Int32(plan.batch - 1)) for row in rows]
         # What does not depend on o_proj is loaded first, in flight while the rest of the grid finishes: the weights

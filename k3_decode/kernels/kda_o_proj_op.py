@@ -25,7 +25,8 @@ from torch import Tensor
 from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
 from k3_decode.kernels import attn_res_op, phase_trace
 from k3_decode.kernels.counters import count, device_counter, leading
-from k3_decode.kernels.kda_o_proj_plan import OProjPlan
+from k3_decode.kernels.kda_o_proj_plan import OProjPlan, wgmma_at
+from k3_decode.kernels.kda_o_proj_wgmma_plan import OProjWgmmaPlan
 from k3_decode.reference.attn_res import MixWeights
 
 _COUNTERS: dict[int, Tensor] = {}
@@ -35,11 +36,15 @@ ALIGN = 16  # bytes: every operand is moved in 16-byte vectors
 
 
 @cache
-def _compiled(plan: OProjPlan, capacity: int, trace: bool = False) -> Any:
+def _compiled(plan: OProjPlan | OProjWgmmaPlan, capacity: int, trace: bool = False) -> Any:
     import cutlass.cute as cute
 
     from k3_decode.kernels.kda_o_proj import KdaOProjKernel, compile_args
 
+    if isinstance(plan, OProjWgmmaPlan):
+        from k3_decode.kernels.kda_o_proj_wgmma import KdaOProjKernelWgmma
+
+        return cute.compile(KdaOProjKernelWgmma(plan, trace), *compile_args(plan, capacity, trace))
     return cute.compile(KdaOProjKernel(plan, trace), *compile_args(plan, capacity, trace))
 
 
@@ -50,8 +55,16 @@ def _check_tensor(name: str, t: Tensor, device: torch.device) -> None:
         raise ValueError(f"fused o_proj {name} must be contiguous and {ALIGN}-byte aligned; pass .contiguous()")
 
 
-def plan_for(o: Tensor, weight: Tensor, buffers: AttnResBuffers, site: AttnResSite, weights: MixWeights) -> OProjPlan:
-    """The plan that runs o_proj and the AttnRes `site` on o's device; raises for what the kernel cannot take."""
+def plan_for(
+    o: Tensor,
+    weight: Tensor,
+    buffers: AttnResBuffers,
+    site: AttnResSite,
+    weights: MixWeights,
+    wgmma: bool | None = None,
+) -> OProjPlan | OProjWgmmaPlan:
+    """The plan that runs o_proj and the AttnRes `site` on o's device; raises for what the kernel cannot take.
+    `wgmma`: the wgmma build (True) or the mma.sync one (False); None: what kda_o_proj_choice.toml picks."""
     if o.device.type != "cuda":
         raise ValueError(f"the CuTe DSL fused o_proj runs on a CUDA device, got {o.device}; use the stock ops")
     if o.dim() != 2 or weight.dim() != 2 or o.shape[1] != weight.shape[1]:
@@ -66,6 +79,8 @@ def plan_for(o: Tensor, weight: Tensor, buffers: AttnResBuffers, site: AttnResSi
         )
     kind = attn_res_op.kind_for(site, o, weights)  # the delta is o_proj's BF16 output
     sms = torch.cuda.get_device_properties(o.device).multi_processor_count
+    if wgmma if wgmma is not None else wgmma_at(tokens):
+        return OProjWgmmaPlan.for_shape(hidden, o.shape[1], tokens, kind, sms)
     return OProjPlan.for_shape(hidden, o.shape[1], tokens, kind, sms)
 
 
@@ -77,11 +92,12 @@ def apply(
     weights: MixWeights,
     eps: float,
     attn_out: Tensor | None = None,
+    wgmma: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """attn_out = o @ weight^T (BF16 [B, H]), then the AttnRes `site` with attn_out as delta, in place on
     `buffers`, in one launch on the current stream. Returns (attn_out, the MLP input BF16 [B, H]); `attn_out` may be
-    given (the buffer o_proj's output is written to)."""
-    plan = plan_for(o, weight, buffers, site, weights)
+    given (the buffer o_proj's output is written to); `wgmma` as plan_for's."""
+    plan = plan_for(o, weight, buffers, site, weights, wgmma)
     if attn_out is None:
         attn_out = torch.empty_like(buffers.prefix)
     attn_res_op._check(buffers, site, attn_out, weights)  # the AttnRes side: buffers, site, weights, attn_out

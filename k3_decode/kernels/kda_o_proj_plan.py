@@ -81,6 +81,7 @@ class OProjChoice:
     warm_batches: tuple[tuple[int, int], ...] = ()
     w_smem_batches: tuple[tuple[int, int], ...] = ()
     w_l2_batches: tuple[tuple[int, int], ...] = ()
+    wgmma_batches: tuple[tuple[int, int], ...] = ()
 
 
 def choice(path: Path | None = None) -> OProjChoice:
@@ -120,6 +121,11 @@ def w_l2_at(batch: int, path: Path | None = None) -> bool:
     return _within(batch, choice(path).w_l2_batches)
 
 
+def wgmma_at(batch: int, path: Path | None = None) -> bool:
+    """Whether kda_o_proj_choice.toml (or `path`) runs the wgmma build (kda_o_proj_wgmma.py) at `batch`."""
+    return _within(batch, choice(path).wgmma_batches)
+
+
 def _within(batch: int, ranges: tuple[tuple[int, int], ...]) -> bool:
     return any(first <= batch <= last for first, last in ranges)
 
@@ -137,14 +143,14 @@ def _choice(path: Path) -> OProjChoice:
     table = tomllib.loads(path.read_text())
     caps, rules = table.get("cap_batches"), table.get("one_pass")
     warm, staged = table.get("warm_batches", []), table.get("w_smem_batches", [])
-    in_l2 = table.get("w_l2_batches", [])
-    known = {"cap_batches", "one_pass", "warm_batches", "w_smem_batches", "w_l2_batches"}
+    in_l2, wgmma = table.get("w_l2_batches", []), table.get("wgmma_batches", [])
+    known = {"cap_batches", "one_pass", "warm_batches", "w_smem_batches", "w_l2_batches", "wgmma_batches"}
     if not {"cap_batches", "one_pass"} <= set(table) <= known or not all(
-        isinstance(v, list) for v in (caps, rules, warm, staged, in_l2)
+        isinstance(v, list) for v in (caps, rules, warm, staged, in_l2, wgmma)
     ):
         raise ValueError(
-            f"{path.name} holds the lists cap_batches and one_pass (and warm_batches, w_smem_batches, w_l2_batches) "
-            f"and nothing else, got {sorted(table)}"
+            f"{path.name} holds the lists cap_batches and one_pass (and warm_batches, w_smem_batches, w_l2_batches, "
+            f"wgmma_batches) and nothing else, got {sorted(table)}"
         )
     cap_batches = tuple(_span(span, 1, f"{path.name}: cap_batches[{i}]") for i, span in enumerate(caps))
     one_pass = []
@@ -166,7 +172,23 @@ def _choice(path: Path) -> OProjChoice:
                 f"{path.name}: w_l2_batches[{i}] reaches {last} rows; W goes to L2 alone only on the CUDA-core "
                 f"stream, 1..{CUDA_CORE_MAX_BATCH} rows"
             )
-    return OProjChoice(cap_batches, tuple(one_pass), warm_batches, w_smem_batches, w_l2_batches)
+    wgmma_batches = tuple(_span(span, 1, f"{path.name}: wgmma_batches[{i}]") for i, span in enumerate(wgmma))
+    return OProjChoice(cap_batches, tuple(one_pass), warm_batches, w_smem_batches, w_l2_batches, wgmma_batches)
+
+
+def preloaded_rows(kind: AttnResKind, epilogue_rows: int) -> int:
+    """Epilogue rows whose bank blocks and old prefix are loaded before the wait for the grid: as many as keep the
+    vectors held across it within PRELOADED_VECTORS beside the AttnRes weights, at least one."""
+    weights = 2 * (kind.num_blocks > 0) + kind.out_norm
+    per_row = kind.num_blocks + (kind.delta == "add")
+    fit = (PRELOADED_VECTORS - weights) // per_row if per_row else epilogue_rows
+    return max(1, min(epilogue_rows, fit))
+
+
+def exchange_bytes(attn: ClusterPlan, epilogue_rows: int) -> int:
+    """Shared memory of the AttnRes exchanges, one set per epilogue row (attn_res.py allocate_exchange: two
+    barriers, the sources area of up to 20 partials per slot, the norm area), with alignment."""
+    return (2 * 8 + (attn.slots * 20 + attn.slots) * 4 + 64) * epilogue_rows
 
 
 @dataclass(frozen=True)
@@ -337,14 +359,15 @@ class OProjPlan(WeightStream):
         return -(-self.batch // self.epilogue_rows)
 
     @property
+    def first_epilogue_cluster(self) -> int:
+        """Clusters from here on apply AttnRes: the first E of the grid (kda_o_proj.py numbers rows from it)."""
+        return 0
+
+    @property
     def preloaded_rows(self) -> int:
         """Epilogue rows whose bank blocks and old prefix are loaded before the wait for the grid: as many as keep
         the vectors held across it within PRELOADED_VECTORS beside the AttnRes weights, at least one."""
-        kind = self.kind
-        weights = 2 * (kind.num_blocks > 0) + kind.out_norm
-        per_row = kind.num_blocks + (kind.delta == "add")
-        fit = (PRELOADED_VECTORS - weights) // per_row if per_row else self.epilogue_rows
-        return max(1, min(self.epilogue_rows, fit))
+        return preloaded_rows(self.kind, self.epilogue_rows)
 
     @property
     def attn(self) -> ClusterPlan:
@@ -384,7 +407,7 @@ class OProjPlan(WeightStream):
         """The shared memory of one CTA, the driver's 1 KiB included: staged o (the CUDA-core stream) or the K slices'
         partials and, with w_smem, the CTA's rows of W (tensor cores); the AttnRes exchange's two barriers and areas
         per epilogue row; alignment."""
-        exchange = (2 * 8 + (self.attn.slots * 20 + self.attn.slots) * 4 + 64) * self.epilogue_rows
+        exchange = exchange_bytes(self.attn, self.epilogue_rows)
         if self.tensor_cores:
             stream = self.mma.smem_bytes
         else:  # W's rows unpadded: a load instruction reads 512 contiguous bytes of one row

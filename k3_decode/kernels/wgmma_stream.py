@@ -66,6 +66,27 @@ def _storage(p: WgmmaStreamPlan, w_elements: int, x_elements: int) -> Any:
     return cute.struct(type("WgmmaStreamStorage", (), {"__annotations__": fields}))
 
 
+def operands(p: WgmmaStreamPlan, w: cute.Tensor, x: cute.Tensor) -> tuple:
+    """(the tiled wgmma, the W and x rings' swizzled layouts, the TMA atom and tiled view of W, those of x) of one
+    plan, built on the host side of a launch."""
+    tiled_mma = sm90.make_trivial_tiled_mma(
+        BFloat16,
+        BFloat16,
+        OperandMajorMode.K,
+        OperandMajorMode.K,
+        Float32,
+        (p.consumer_groups, 1, 1),
+        tiler_mn=(MMA_M, p.n),
+    )
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    w_ring = cute.tile_to_shape(atom, (p.m_rows, p.k_tile, p.stages), order=(0, 1, 2))
+    x_ring = cute.tile_to_shape(atom, (p.n, p.k_tile, p.stages), order=(0, 1, 2))
+    copy = cpasync.CopyBulkTensorTileG2SOp()
+    tma_w, w_tiles = cpasync.make_tiled_tma_atom(copy, w, cute.slice_(w_ring, (None, None, 0)), (p.m_rows, p.k_tile))
+    tma_x, x_tiles = cpasync.make_tiled_tma_atom(copy, x, cute.slice_(x_ring, (None, None, 0)), (p.n, p.k_tile))
+    return tiled_mma, w_ring, x_ring, tma_w, w_tiles, tma_x, x_tiles
+
+
 class WgmmaStream:
     """out = x @ W^T for one plan. Arguments of the compiled function: x [B, K], W [R, K], out [B, R] (BF16, row-major,
     contiguous, 16-byte aligned, on one device) and the CUDA stream."""
@@ -80,24 +101,7 @@ class WgmmaStream:
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, launches: cute.Tensor, stream: Any):
         p = self.plan
-        tiled_mma = sm90.make_trivial_tiled_mma(
-            BFloat16,
-            BFloat16,
-            OperandMajorMode.K,
-            OperandMajorMode.K,
-            Float32,
-            (p.consumer_groups, 1, 1),
-            tiler_mn=(MMA_M, p.n),
-        )
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-        w_ring = cute.tile_to_shape(atom, (p.m_rows, p.k_tile, p.stages), order=(0, 1, 2))
-        x_ring = cute.tile_to_shape(atom, (p.n, p.k_tile, p.stages), order=(0, 1, 2))
-        copy = cpasync.CopyBulkTensorTileG2SOp()
-        tma_w, w_tiles = cpasync.make_tiled_tma_atom(
-            copy, w, cute.slice_(w_ring, (None, None, 0)), (p.m_rows, p.k_tile)
-        )
-        tma_x, x_tiles = cpasync.make_tiled_tma_atom(copy, x, cute.slice_(x_ring, (None, None, 0)), (p.n, p.k_tile))
-
+        tiled_mma, w_ring, x_ring, tma_w, w_tiles, tma_x, x_tiles = operands(p, w, x)
         self.storage = _storage(p, cute.cosize(w_ring), cute.cosize(x_ring))
         assert self.storage.size_in_bytes() == p.smem_bytes, (self.storage.size_in_bytes(), p.smem_bytes)
         cluster = [p.k_splits, 1, 1] if const_expr(p.k_splits > 1) else None

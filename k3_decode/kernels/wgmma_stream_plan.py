@@ -18,6 +18,11 @@ ALIGN = 16  # bytes: TMA needs 16-byte aligned global tensors and row pitches
 BARRIER_BYTES = 1024  # the mbarriers, padded to the 1024-byte alignment of the swizzled tiles after them
 
 
+def wgmma_n(batch: int) -> int:
+    """The wgmma N for `batch` rows (WgmmaStreamPlan.n)."""
+    return 8 if batch <= 8 else -(-batch // 16) * 16
+
+
 @dataclasses.dataclass(frozen=True)
 class WgmmaStreamPlan:
     """How one shape (rows R, k K, batch B) is cut: `m_rows` W rows per CTA, k tiles of `k_tile` columns in a ring of
@@ -33,8 +38,10 @@ class WgmmaStreamPlan:
 
     @property
     def n(self) -> int:
-        """The wgmma N: the batch rounded up to a multiple of 8 (TMA zero-fills the rows past B)."""
-        return -(-self.batch // 8) * 8
+        """The wgmma N: 8 to 8 rows, else the batch rounded up to a multiple of 16 (TMA zero-fills the rows past B).
+        CuTe DSL 4.8.1 aborts the process compiling an N that is an odd multiple of 8 above 8 (24, 40, 56) with these
+        swizzled operands, so those batches take the next multiple of 16."""
+        return wgmma_n(self.batch)
 
     @property
     def m_tiles(self) -> int:

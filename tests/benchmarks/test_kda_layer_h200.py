@@ -665,7 +665,9 @@ def test_a_choice_file_given_on_the_command_line_is_what_the_plans_serve(tmp_pat
     step = tmp_path / "step.toml"
     step.write_text("default = { resident_threads = 1024, warm_ahead = false }\nrules = []\n")
     o_proj = tmp_path / "o_proj.toml"
-    o_proj.write_text("cap_batches = [[16, 64]]\none_pass = [{ batches = [33, 64], max_blocks = 1 }]\n")
+    o_proj.write_text(
+        "cap_batches = [[16, 64]]\none_pass = [{ batches = [33, 64], max_blocks = 1 }]\nwgmma_batches = [[48, 64]]\n"
+    )
     rows = tmp_path / "providers.toml"
     rows.write_text('[o_proj]\nmax_rows = { "8" = 64, "16" = 16 }\nwhy = "a variant"\n')
     texts = bench.apply_choices(
@@ -684,7 +686,9 @@ def test_a_choice_file_given_on_the_command_line_is_what_the_plans_serve(tmp_pat
         "warm": False,
         "w_smem": False,
         "w_l2": False,
+        "wgmma": True,
     }
+    assert not bench.o_proj_variant(K3, 6, 32)["wgmma"]
     assert providers.max_rows("o_proj", "p", 8)[0] == 64 and providers.max_rows("in_proj", "p", 8) is None
     assert (step, o_proj, rows) == (step_plan.CHOICE, o_proj_plan.CHOICE, providers.CHOICE)
 

@@ -114,6 +114,11 @@ def arrival_low_bits() -> int:
 
 @pytest.mark.parametrize("tp, batch, kind", CASES, ids=[f"tp{t}-B{b}-{k.tag}" for t, b, k in CASES])
 def test_the_fused_launch_matches_the_oracle(tp: int, batch: int, kind: AttnResKind):
+    check_against_the_oracle(tp, batch, kind)
+
+
+def check_against_the_oracle(tp: int, batch: int, kind: AttnResKind, wgmma: bool | None = None) -> None:
+    """One launch (`wgmma`: which build, kda_o_proj_op.plan_for) against the FP64 oracle: see the module's doc."""
     hidden, k = K3.shard(tp).kda_o_proj
     seed = tp * 1000 + batch * 100 + kind.num_blocks * 2 + kind.save
     o, w, attn_out, obuf = operands(hidden, k, batch, seed)  # NaN rows after o and W, a NaN tail after attn_out
@@ -122,9 +127,9 @@ def test_the_fused_launch_matches_the_oracle(tp: int, batch: int, kind: AttnResK
     prefix_before, bank_before, tail = prefix_all.clone(), bank_all.clone(), obuf[batch * hidden :].clone()
     launches = kda_o_proj_op.launch_count()
 
-    partial, got = kda_o_proj_op.apply(o, w, buffers, site_of(kind), after_weights(), EPS, attn_out=attn_out)
+    partial, got = kda_o_proj_op.apply(o, w, buffers, site_of(kind), after_weights(), EPS, attn_out, wgmma)
     torch.cuda.synchronize()
-    what = f"fused o_proj TP{tp} B{batch} {kind.tag}"
+    what = f"fused o_proj{' (wgmma)' * bool(wgmma)} TP{tp} B{batch} {kind.tag}"
 
     # o_proj: one BF16 rounding of an FP32 sum, nearly always cuBLAS's bits, nothing written past it.
     assert partial.data_ptr() == attn_out.data_ptr() and torch.isfinite(partial).all(), what
@@ -185,9 +190,10 @@ class Chain:
     buffers: AttnResBuffers
     prefix0: Tensor
     bank0: Tensor
+    wgmma: bool | None = None  # the build (kda_o_proj_op.plan_for); None: what the choice file serves
 
     @classmethod
-    def make(cls, tp: int, batch: int, kind: AttnResKind, launches: int, seed: int) -> Chain:
+    def make(cls, tp: int, batch: int, kind: AttnResKind, launches: int, seed: int, wgmma: bool | None = None) -> Chain:
         hidden, k = K3.shard(tp).kda_o_proj
         gen = torch.Generator().manual_seed(seed)
         _, w, _, _ = operands(hidden, k, batch, seed)
@@ -195,12 +201,13 @@ class Chain:
         partials = [torch.full((batch, hidden), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in os]
         buffers, _, bank = make_buffers(batch, kind.num_blocks, gen)
         nan_unused_slots(bank, kind)
-        return cls(tp, batch, kind, w, os, partials, buffers, buffers.prefix.clone(), buffers.blocks.clone())
+        return cls(tp, batch, kind, w, os, partials, buffers, buffers.prefix.clone(), buffers.blocks.clone(), wgmma)
 
     def launch(self, i: int) -> Tensor:
         site = site_of(self.kind)
         self.buffers.num_blocks = self.kind.num_blocks
-        return kda_o_proj_op.apply(self.os[i], self.w, self.buffers, site, after_weights(), EPS, self.partials[i])[1]
+        o, w, mix = self.os[i], self.w, after_weights()
+        return kda_o_proj_op.apply(o, w, self.buffers, site, mix, EPS, self.partials[i], self.wgmma)[1]
 
     def check(self, outputs: list[Tensor], what: str) -> float:
         """Every launch against the oracle, the prefix carried from launch to launch; returns the worst rms_rel."""

@@ -1,0 +1,180 @@
+"""How the fused o_proj + AttnRes kernel's wgmma build (kda_o_proj_wgmma.py) splits its work, without CuTe DSL.
+
+The same semantics as kda_o_proj.py (attn_out = o @ W^T, then the AttnRes after attention of every row), another
+grid. The mma.sync build gives every CTA 16 rows of W, so its 448 CTAs each read all of o (at B64 TP8, 88 MB from
+L2 beside W's 22) and its stream moved W at about half of what cuBLAS reaches from 32 rows on. Here W streams as in
+wgmma_stream.py: TMA tiles of 64 rows into a shared-memory ring, wgmma m64nNk16 with W's rows as M, so 112 CTAs read
+o (22 MB at B64 TP8). Those 112 CTAs cannot also apply AttnRes to every row: at most half of 16 clusters of 7 may
+wait for the grid, which makes 8 rows a cluster at B64, one after another. So the grid has two kinds of cluster,
+both of the AttnRes kernel's size (attn_res_plan.ClusterPlan: 7 CTAs of 128 threads, one warpgroup):
+- stream clusters 0..S-1 (S = 112 / 7 = 16 at K3's 7168 rows): CTA c streams W's rows [64c, 64c + 64), stores
+  attn_out's columns of them, and arrives on the grid's arrival word;
+- epilogue clusters S..S+E-1 (E = min(B, MAX_EPILOGUE_CLUSTERS)): each arrives at once, loads what does not depend
+  on o_proj (the AttnRes weights, its rows' bank blocks and old prefix), waits for every arrival and applies AttnRes
+  to rows c - S, c - S + E, ... as kda_o_proj.py's epilogue does.
+The launch has one shared-memory size for both kinds (the stream's ring), sized so CTAS_PER_SM fit an SM: the whole
+grid (336 CTAs at B64) then fits the device at once, and only the E epilogue clusters ever wait, so the grid
+finishes whenever more than E clusters fit (the argument of kda_o_proj.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
+from k3_decode.kernels.kda_o_proj_plan import (
+    ARRIVAL_TOP,
+    H200_SMS,
+    MAX_BATCH,
+    SMEM_PER_SM,
+    exchange_bytes,
+    preloaded_rows,
+)
+from k3_decode.kernels.wgmma_stream_plan import BARRIER_BYTES, MMA_M, WARPGROUP, WgmmaStreamPlan, wgmma_n
+
+# Rows of AttnRes run by at most this many waiting clusters; above 32 rows each takes two (B64: 32 clusters of 2).
+MAX_EPILOGUE_CLUSTERS = 32
+# CTAs an SM holds at once: ptxas caps registers at 170 for three warpgroups, and the ring is sized to three a SM,
+# so 3 x 132 CTA slots hold the 336 CTAs of B64 (16 stream and 32 epilogue clusters) in one wave.
+CTAS_PER_SM = 3
+MAX_STAGES = 8  # k tiles in flight a CTA: 8 x 8 KB of W is more than an SM needs to cover HBM latency
+DRIVER_BYTES = 1024  # the driver's shared memory per CTA
+
+
+@dataclass(frozen=True)
+class OProjWgmmaPlan:
+    hidden: int  # H: o_proj's output features (W's rows), the AttnRes row width
+    k: int  # K: o_proj's input features on this rank
+    batch: int
+    kind: AttnResKind  # the AttnRes after attention this launch applies
+    sm_count: int = H200_SMS
+    k_tile: int = 64
+
+    @classmethod
+    def for_shape(cls, hidden: int, k: int, batch: int, kind: AttnResKind, sm_count: int = H200_SMS) -> OProjWgmmaPlan:
+        """The plan for one shape; raises, naming the problem, for one this build cannot take."""
+        attn = ClusterPlan.for_hidden(hidden)  # raises for a width AttnRes cannot split
+        if attn.threads != WARPGROUP:
+            raise ValueError(
+                f"the wgmma o_proj needs the AttnRes cluster's CTAs to be one warpgroup ({WARPGROUP} threads); "
+                f"hidden {hidden} gives {attn.threads}: use the mma.sync build"
+            )
+        if hidden % (MMA_M * attn.cluster):
+            raise ValueError(
+                f"the wgmma o_proj streams W in clusters of {attn.cluster} tiles of {MMA_M} rows; {hidden} rows are "
+                "not whole clusters: use the mma.sync build"
+            )
+        if not 1 <= batch <= MAX_BATCH:
+            raise ValueError(f"the wgmma o_proj serves 1..{MAX_BATCH} rows, got {batch}")
+        if kind.delta not in ("add", "restart") or kind.delta_dtype != "bfloat16":
+            raise ValueError(
+                f"the AttnRes after attention takes the BF16 o_proj output as delta (add or restart), not {kind.tag}"
+            )
+        if sm_count < 1:
+            raise ValueError(f"sm_count must be at least 1, got {sm_count}")
+        plan = cls(hidden, k, batch, kind, sm_count)
+        if plan.stages < 2:
+            raise ValueError(f"{plan.tag}: fewer than two ring stages fit {CTAS_PER_SM} CTAs an SM")
+        why = plan.stream.problem()
+        if why is not None:
+            raise ValueError(f"{plan.tag}: {why}")
+        if plan.resident_clusters <= plan.epilogue_clusters:
+            raise ValueError(
+                f"{plan.tag}: {sm_count} SMs hold {plan.resident_clusters} clusters at once, not more than the "
+                f"{plan.epilogue_clusters} that wait for the grid: the rest could never run"
+            )
+        return plan
+
+    @property
+    def attn(self) -> ClusterPlan:
+        return ClusterPlan.for_hidden(self.hidden)
+
+    @property
+    def cluster(self) -> int:
+        return self.attn.cluster
+
+    @property
+    def threads(self) -> int:
+        return self.attn.threads
+
+    @property
+    def warps(self) -> int:
+        return self.attn.warps
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes of one ring stage: a W tile of 64 rows and an o tile of wgmma's N rows, k_tile wide."""
+        return (MMA_M + wgmma_n(self.batch)) * self.k_tile * 2
+
+    @property
+    def exchange_bytes(self) -> int:
+        return exchange_bytes(self.attn, self.epilogue_rows)
+
+    @property
+    def stages(self) -> int:
+        """Ring stages: as many k tiles as fit beside the exchange areas with CTAS_PER_SM CTAs an SM, at most
+        MAX_STAGES and the k tiles there are."""
+        room = SMEM_PER_SM // CTAS_PER_SM - DRIVER_BYTES - BARRIER_BYTES - self.exchange_bytes - 128
+        return min(MAX_STAGES, self.k // self.k_tile, room // self.stage_bytes)
+
+    @property
+    def stream(self) -> WgmmaStreamPlan:
+        """The weight stream of one stream CTA (wgmma_stream_plan's cut: 64 rows, no K split)."""
+        return WgmmaStreamPlan(self.hidden, self.k, self.batch, MMA_M, self.k_tile, self.stages, 1)
+
+    @property
+    def stream_clusters(self) -> int:
+        return self.hidden // (MMA_M * self.cluster)
+
+    @property
+    def first_epilogue_cluster(self) -> int:
+        """Clusters from here on apply AttnRes (kda_o_proj.py's epilogue numbers rows from it)."""
+        return self.stream_clusters
+
+    @property
+    def epilogue_clusters(self) -> int:
+        return -(-self.batch // self.epilogue_rows)
+
+    @property
+    def epilogue_rows(self) -> int:
+        """Batch rows each epilogue cluster applies AttnRes to."""
+        return -(-self.batch // MAX_EPILOGUE_CLUSTERS)
+
+    @property
+    def preloaded_rows(self) -> int:
+        return preloaded_rows(self.kind, self.epilogue_rows)
+
+    @property
+    def clusters(self) -> int:
+        return self.stream_clusters + self.epilogue_clusters
+
+    @property
+    def ctas(self) -> int:
+        return self.clusters * self.cluster
+
+    @property
+    def ctas_per_sm(self) -> int:
+        return CTAS_PER_SM
+
+    @property
+    def smem_bytes(self) -> int:
+        """The dynamic shared memory every CTA asks for: the ring (and its barriers), then the exchange areas."""
+        return self.stream.smem_bytes + self.exchange_bytes + 128
+
+    @property
+    def resident_clusters(self) -> int:
+        per_sm = min(CTAS_PER_SM, SMEM_PER_SM // (self.smem_bytes + DRIVER_BYTES))
+        return self.sm_count * per_sm // self.cluster
+
+    @property
+    def arrival_master(self) -> int:
+        """What CTA 0 adds to the arrival word; every other CTA adds 1. All of a launch's adds total 2^31."""
+        return ARRIVAL_TOP - (self.ctas - 1)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.hidden * self.k * 2
+
+    @property
+    def tag(self) -> str:
+        return f"o-proj-wgmma/h{self.hidden}/k{self.k}/b{self.batch}/{self.kind.tag}/s{self.stages}"

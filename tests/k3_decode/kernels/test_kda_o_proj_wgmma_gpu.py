@@ -1,0 +1,194 @@
+"""GPU: the fused o_proj + AttnRes's wgmma build (k3_decode/kernels/kda_o_proj_wgmma.py).
+
+- Against the FP64 oracle as the mma.sync build is held (test_kda_o_proj_gpu.py's check: o_proj within one BF16
+  rounding of an FP32 sum and cuBLAS's bits on >= 98% of outputs, the MLP input within the AttnRes tolerance, the
+  prefix and a saved block bit-equal, nothing else written, NaN in unused bank slots never read) at TP8 and TP16,
+  B = 1 (N 8), 3, 8, 16, 17 (N 32, rows past the batch zero-filled by TMA), 22, 32, 33 (two rows an epilogue
+  cluster, the last cluster's second row past the batch), 48 and 64, the lightest and heaviest kinds, every
+  after-attention kind at TP16 B5 and the kinds that save a block at TP8 B64.
+- A row's o_proj bits do not depend on the batch (one K order, whatever wgmma's N).
+- Launches of both builds back to back on the device's one arrival word, and a CUDA graph of them replayed: each
+  launch sees its own grid's whole o_proj output, the word's low bits return to 0, the counter counts each launch.
+- Per call in CUDA-graph replays against the mma.sync build and the stock pair (cuBLAS + the Triton AttnRes),
+  printed (METRIC); asserted only where kda_o_proj_choice.toml serves the wgmma build (not slower than the faster of
+  the other two by more than SLOWER_LIMIT): serving is decided by the KDA layer benchmark.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+from k3_decode.config import K3
+from k3_decode.kernels import kda_o_proj_op
+from k3_decode.kernels.attn_res_plan import AttnResKind
+from k3_decode.kernels.kda_o_proj_plan import wgmma_at
+from k3_decode.kernels.kda_o_proj_wgmma_plan import OProjWgmmaPlan
+from k3_decode.kernels.providers import not_built_reason
+from k3_decode.stock import attn_res as stock_attn_res
+from k3_decode.stock import gemm
+from tests.k3_decode.kernels.test_attn_res_gpu import EPS, make_buffers, site_of
+from tests.k3_decode.kernels.test_kda_in_proj_gpu import _graph_seconds_per_call, copy_bandwidth, operands
+from tests.k3_decode.kernels.test_kda_o_proj_gpu import (
+    AFTER_KINDS,
+    EDGE,
+    LOW_BITS,
+    SAVE_KINDS,
+    Chain,
+    after_weights,
+    arrival_low_bits,
+    bits,
+    check_against_the_oracle,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not_built_reason() is not None, reason=f"the CuTe DSL kernels cannot run: {not_built_reason()}"),
+]
+
+DEV = "cuda"
+CASES = (
+    [(tp, b, k) for tp in (8, 16) for b in (1, 3, 8, 16, 17, 22, 32, 33, 48, 64) for k in EDGE]
+    + [(16, 5, k) for k in AFTER_KINDS]
+    + [(8, 64, k) for k in SAVE_KINDS]
+)
+SLOWER_LIMIT = 1.1  # where the wgmma build is served, against the faster of the mma.sync build and the stock pair
+
+
+@pytest.mark.parametrize("tp, batch, kind", CASES, ids=[f"tp{t}-B{b}-{k.tag}" for t, b, k in CASES])
+def test_the_wgmma_build_matches_the_oracle(tp: int, batch: int, kind: AttnResKind):
+    check_against_the_oracle(tp, batch, kind, wgmma=True)
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_a_rows_o_proj_bits_do_not_depend_on_the_batch(tp: int):
+    hidden, k = K3.shard(tp).kda_o_proj
+    kind = AttnResKind.from_tag("n1-add-norm")
+    o64, w, _, _ = operands(hidden, k, 64, tp)
+    results = {}
+    for batch in (1, 8, 9, 16, 17, 32, 33, 64):
+        buffers, _, _ = make_buffers(batch, kind.num_blocks, torch.Generator().manual_seed(batch))
+        o = o64[:batch].contiguous()
+        results[batch], _ = kda_o_proj_op.apply(o, w, buffers, site_of(kind), after_weights(), EPS, wgmma=True)
+    torch.cuda.synchronize()
+    for batch, partial in results.items():
+        assert torch.equal(bits(partial), bits(results[64][:batch])), f"TP{tp} B{batch}: rows differ from B64's"
+    assert not torch.equal(bits(results[64][32:64]), bits(results[64][:32]))  # distinct rows, not one repeated
+
+
+def test_back_to_back_launches_of_both_builds_share_the_arrival_word():
+    """36 launches, three plans in turn (two wgmma, one mma.sync) with nothing between them: each must apply AttnRes
+    only once its own grid's o_proj output is complete (PDL lets each start while the one before finishes)."""
+    launches = 12
+    chains = [
+        Chain.make(8, 64, AttnResKind.from_tag("n1-add-norm"), launches, seed=11, wgmma=True),
+        Chain.make(8, 32, AttnResKind.from_tag("n4-add-norm"), launches, seed=12, wgmma=False),
+        Chain.make(16, 17, AttnResKind.from_tag("n2-restart-norm"), launches, seed=13, wgmma=True),
+    ]
+    for c in chains:  # compile outside the sequence, then restore the state
+        c.launch(0)
+        c.partials[0].fill_(float("nan"))
+        c.buffers.prefix.copy_(c.prefix0)
+    torch.cuda.synchronize()
+    count = kda_o_proj_op.launch_count()
+    outputs: list[list[Tensor]] = [[] for _ in chains]
+    for i in range(launches):
+        for c, out in zip(chains, outputs, strict=True):
+            out.append(c.launch(i))
+    torch.cuda.synchronize()
+    worst = [c.check(out, f"back-to-back TP{c.tp} B{c.batch}") for c, out in zip(chains, outputs, strict=True)]
+    word = arrival_low_bits()
+    print(f"METRIC wgmma o_proj back to back: {3 * launches} launches, worst MLP-input rms_rel {max(worst):.2e}")
+    assert word == 0, f"the arrival word's low 31 bits are {word:#x} after whole launches, not 0"
+    assert kda_o_proj_op.launch_count() - count == 3 * launches
+
+
+def test_cuda_graph_replays_of_both_builds():
+    """A graph of three launches (two chained wgmma launches of TP8 B48, then an mma.sync TP16 B16) replayed 10
+    times with o_proj's outputs reset to NaN: every replay gives the eager bits, 3 counts a replay, the word's low
+    bits 0 and its top bit flipped once per launch."""
+    a = Chain.make(8, 48, AttnResKind.from_tag("n8-add-norm"), 2, seed=14, wgmma=True)
+    b = Chain.make(16, 16, AttnResKind.from_tag("n1-restart-norm"), 1, seed=15, wgmma=False)
+
+    def sequence() -> list[Tensor]:
+        a.buffers.prefix.copy_(a.prefix0)
+        b.buffers.prefix.copy_(b.prefix0)
+        return [a.launch(0), a.launch(1), b.launch(0)]
+
+    eager = [t.clone() for t in sequence()]
+    torch.cuda.synchronize()
+    a.check(eager[:2], "graph sequence, eager TP8 wgmma")
+    b.check(eager[2:], "graph sequence, eager TP16 mma.sync")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sequence()
+    top = int(kda_o_proj_op.arrival_word(torch.device(DEV)).item()) < 0
+    count = kda_o_proj_op.launch_count()
+    for replay in range(10):
+        for t in [*captured, *a.partials, *b.partials]:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (got, want) in enumerate(zip(captured, eager, strict=True)):
+            assert torch.equal(got, want), f"replay {replay}, launch {i}: differs from the eager run"
+        word = int(kda_o_proj_op.arrival_word(torch.device(DEV)).item())
+        assert word & LOW_BITS == 0, f"replay {replay}: arrival word {word & 0xFFFFFFFF:#x}"
+        top = not top  # three flips
+        assert (word < 0) == top, f"replay {replay}: the top bit did not flip once per launch"
+    assert kda_o_proj_op.launch_count() - count == 30
+
+
+def test_the_plan_the_op_picks_follows_the_choice_and_the_argument():
+    hidden, k = K3.shard(8).kda_o_proj
+    kind = AttnResKind.from_tag("n1-add-norm")
+    o, w, _, _ = operands(hidden, k, 64, 0)
+    buffers, _, _ = make_buffers(64, kind.num_blocks, torch.Generator().manual_seed(0))
+    site, mix = site_of(kind), after_weights()
+    assert isinstance(kda_o_proj_op.plan_for(o, w, buffers, site, mix, wgmma=True), OProjWgmmaPlan)
+    assert not isinstance(kda_o_proj_op.plan_for(o, w, buffers, site, mix, wgmma=False), OProjWgmmaPlan)
+    served = kda_o_proj_op.plan_for(o, w, buffers, site, mix)
+    assert isinstance(served, OProjWgmmaPlan) == wgmma_at(64)
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_timing_against_the_mma_sync_build_and_the_stock_pair(tp: int):
+    copy = copy_bandwidth()
+    l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
+    hidden, k = K3.shard(tp).kda_o_proj
+    weight_bytes = hidden * k * 2
+    copies = max(2, math.ceil(3 * l2 / weight_bytes))  # each call streams its weight from HBM, not from L2
+    weights = [(torch.randn(hidden, k, device=DEV) * 0.02).bfloat16() for _ in range(copies)]
+    mix = after_weights()
+    slower = []
+    for batch in (1, 8, 16, 32, 48, 64):
+        for kind in (AttnResKind.from_tag(f"n{n}-add-norm") for n in ((1, 8) if batch >= 32 else (1,))):
+            o = torch.randn(batch, k, device=DEV).bfloat16()
+            buffers, _, _ = make_buffers(batch, kind.num_blocks, torch.Generator().manual_seed(batch))
+            site = site_of(kind)
+            attn_out = torch.empty(batch, hidden, dtype=torch.bfloat16, device=DEV)
+
+            def build(wgmma: bool, o=o, ws=weights, buffers=buffers, site=site, attn_out=attn_out):
+                def call(i: int) -> None:
+                    kda_o_proj_op.apply(o, ws[i % copies], buffers, site, mix, EPS, attn_out, wgmma)
+
+                return call
+
+            def stock(i: int, o=o, ws=weights, buffers=buffers, site=site) -> None:
+                partial = gemm.linear(o, ws[i % copies])
+                stock_attn_res.apply(buffers, site, partial, mix, EPS, "triton")
+
+            runs = (("wgmma", build(True)), ("mma", build(False)), ("stock", stock))
+            us = {name: _graph_seconds_per_call(fn, 4 * copies) * 1e6 for name, fn in runs}
+            print(
+                f"METRIC o_proj + AttnRes TP{tp} B{batch} {kind.tag} (graph replays, per call): wgmma "
+                f"{us['wgmma']:.1f} us ({weight_bytes / (us['wgmma'] * 1e-6) / copy:.1%} of copy for W), mma.sync "
+                f"{us['mma']:.1f} us, stock cuBLAS + Triton {us['stock']:.1f} us"
+            )
+            if wgmma_at(batch) and us["wgmma"] > SLOWER_LIMIT * min(us["mma"], us["stock"]):
+                slower.append(f"B{batch} {kind.tag}: {us['wgmma']:.1f} us")
+    del weights
+    assert not slower, f"TP{tp}: the served wgmma build is over {SLOWER_LIMIT}x slower than the faster other: {slower}"
