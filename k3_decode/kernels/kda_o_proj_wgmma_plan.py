@@ -37,6 +37,9 @@ MAX_EPILOGUE_CLUSTERS = 32
 # CTAs an SM holds at once: ptxas caps registers at 170 for three warpgroups, and the ring is sized to three a SM,
 # so 3 x 132 CTA slots hold the 336 CTAs of B64 (16 stream and 32 epilogue clusters) in one wave.
 CTAS_PER_SM = 3
+# Its first GPU run (an H100, at 812a7fd) raised an illegal instruction at TP8 B1 (wgmma N = 8, one epilogue
+# cluster), not diagnosed, while B16 and B64 ran; below 9 rows the mma.sync build (CUDA cores to 4 rows) serves.
+MIN_BATCH = 9
 MAX_STAGES = 8  # k tiles in flight a CTA: 8 x 8 KB of W is more than an SM needs to cover HBM latency
 DRIVER_BYTES = 1024  # the driver's shared memory per CTA
 
@@ -64,8 +67,10 @@ class OProjWgmmaPlan:
                 f"the wgmma o_proj streams W in clusters of {attn.cluster} tiles of {MMA_M} rows; {hidden} rows are "
                 "not whole clusters: use the mma.sync build"
             )
-        if not 1 <= batch <= MAX_BATCH:
-            raise ValueError(f"the wgmma o_proj serves 1..{MAX_BATCH} rows, got {batch}")
+        if not MIN_BATCH <= batch <= MAX_BATCH:
+            raise ValueError(
+                f"the wgmma o_proj serves {MIN_BATCH}..{MAX_BATCH} rows, got {batch}; use the mma.sync build"
+            )
         if kind.delta not in ("add", "restart") or kind.delta_dtype != "bfloat16":
             raise ValueError(
                 f"the AttnRes after attention takes the BF16 o_proj output as delta (add or restart), not {kind.tag}"

@@ -56,7 +56,7 @@ from tests.k3_decode.kernels.test_kda_in_proj_gpu import (
     linear_fp32_reduction,
     operands,
 )
-from tests.k3_decode.stock.attention_helpers import assert_close, weights_for
+from tests.k3_decode.stock.attention_helpers import assert_close, error_metrics, weights_for
 
 pytestmark = [
     pytest.mark.gpu,
@@ -81,6 +81,7 @@ CASES = (
     + [(tp, b, k) for tp in (8, 16) for b in (1, 2, 3, 4, 8, 16, 22, 32, 33, 64) for k in EDGE if (tp, b) != (8, 3)]
     + [(8, 64, k) for k in [*SAVE_KINDS, AttnResKind.from_tag("n3-add-norm"), AttnResKind.from_tag("n4-add-norm")]]
 )
+STOCK_MARGIN = 1.05  # end to end beyond the table: at most this much above the stock pair's error, same inputs
 SLOWER_LIMIT = 1.5  # loose: the fused launch against the faster of the stock pair and the two-launch path
 
 
@@ -141,7 +142,21 @@ def check_against_the_oracle(tp: int, batch: int, kind: AttnResKind, wgmma: bool
     ref, p_ref = oracle(kind, prefix_before[:batch], bank_before[:batch], partial)
     rms, peak = assert_close(got, ref, TOL, what)
     e2e_ref, _ = oracle(kind, prefix_before[:batch], bank_before[:batch], exact)
-    e2e_rms, e2e_peak = assert_close(got, e2e_ref, TOL, f"{what}, end to end")
+    e2e_tol = TOL
+    if any(e > t for e, t in zip(error_metrics(got, e2e_ref), (TOL.rms_rel, TOL.peak_rel), strict=True)):
+        # End to end includes o_proj's own BF16 rounding, which the stock pair makes as well (cuBLAS's output is
+        # BF16): beyond the table, the launch is held to the stock pair's error on the same inputs.
+        stock_rms, stock_peak = stock_end_to_end(o, w, kind, seed, e2e_ref)
+        e2e_tol = dataclasses.replace(
+            TOL,
+            rms_rel=max(TOL.rms_rel, STOCK_MARGIN * stock_rms),
+            peak_rel=max(TOL.peak_rel, STOCK_MARGIN * stock_peak),
+        )
+        print(
+            f"METRIC {what}: end to end beyond the table; the stock pair's on the same inputs: rms_rel "
+            f"{stock_rms:.2e} peak_rel {stock_peak:.2e}"
+        )
+    e2e_rms, e2e_peak = assert_close(got, e2e_ref, e2e_tol, f"{what}, end to end")
     print(
         f"METRIC {what}: o_proj error/bound max {worst:.3f}, bit-equal to cuBLAS {same:.4f}; MLP input rms_rel "
         f"{rms:.2e} peak_rel {peak:.2e} (end to end {e2e_rms:.2e} / {e2e_peak:.2e})"
@@ -157,6 +172,15 @@ def check_against_the_oracle(tp: int, batch: int, kind: AttnResKind, wgmma: bool
     assert torch.equal(bits(bank_all), bits(expected_bank)), f"{what}: the bank changed outside the saved block"
     assert torch.equal(prefix_all[batch:], prefix_before[batch:]), f"{what}: a row outside the batch changed"
     assert kda_o_proj_op.launch_count() - launches == 1, "the device counter must count the launch once"
+
+
+def stock_end_to_end(o: Tensor, w: Tensor, kind: AttnResKind, seed: int, ref: Tensor) -> tuple[float, float]:
+    """(rms_rel, peak_rel) of the stock pair's MLP input (cuBLAS, then the Triton AttnRes) against `ref`, from the
+    buffers check_against_the_oracle started from (the same seed)."""
+    buffers, _, bank = make_buffers(o.shape[0], kind.num_blocks, torch.Generator().manual_seed(seed))
+    nan_unused_slots(bank, kind)
+    got = stock_attn_res.apply(buffers, site_of(kind), gemm.linear(o, w), after_weights(), EPS, "triton")
+    return error_metrics(got, ref)
 
 
 @pytest.mark.parametrize("tp", [8, 16])
