@@ -214,10 +214,6 @@ class KdaOProjKernelWgmma(KdaOProjKernel):
         done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, s.stages)
         for kt in cutlass.range(s.k_tiles, unroll=1):
             ring.consumer_wait(read)
-            # wgmma is .aligned: every lane of the warpgroup must reach it together, but the lanes leave a barrier's
-            # polling loop one by one, and warp 0's from the refill's wait and copies below; ptxas puts no
-            # reconvergence point there, so the warp is made whole before each MMA.
-            cute.arch.sync_warp()
             warpgroup.fence()
             for kb in cutlass.range_constexpr(s.k_tile // MMA_K):
                 cute.gemm(tiled_mma, acc, tsw[(None, None, kb, read.index)], tsx[(None, None, kb, read.index)], acc)
