@@ -21,6 +21,7 @@ from k3_decode.kernels.kda_in_proj_choice import wgmma_plan
 from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
+from k3_decode.kernels.kda_o_proj_wgmma_plan import OProjWgmmaPlan
 from k3_decode.kernels.kda_step_plan import (
     RESIDENT_CHOICES,
     RESIDENT_THREADS,
@@ -359,6 +360,51 @@ class KdaOProjBuild:
 
 
 @dataclass(frozen=True)
+class KdaOProjWgmmaBuild:
+    """The fused o_proj + AttnRes's wgmma build (kda_o_proj_wgmma.py) at one rank's shape, batch and kind."""
+
+    tp: int
+    plan: OProjWgmmaPlan
+    capacity: int  # bank blocks the buffers hold (K3: 8)
+
+    kernel = "kda_o_proj_wgmma"
+
+    @property
+    def name(self) -> str:
+        return f"kda_o_proj_wgmma/tp{self.tp}/b{self.plan.batch}/{self.plan.kind.tag}"
+
+    @property
+    def tags(self) -> dict[str, Any]:
+        """Facts the expectations select on, and the instruction counts the plan implies for the code: the ring's
+        first k tiles unrolled (W before the dependency wait, o after it), then one rolled loop body that runs a k
+        tile's wgmmas and refills the stage the tile before read (W and o)."""
+        p, s = self.plan, self.plan.stream
+        return {
+            "tp": self.tp,
+            "batch": p.batch,
+            "k": p.k,
+            "num_blocks": p.kind.num_blocks,
+            "ctas": p.ctas,
+            "clusters": p.clusters,
+            "stream_clusters": p.stream_clusters,
+            "epilogue_clusters": p.epilogue_clusters,
+            "epilogue_rows": p.epilogue_rows,
+            "stages": s.stages,
+            "weight_bytes": p.weight_bytes,
+            "w_copies_ahead": s.ahead,
+            "tile_copies": 2 * s.ahead + 2,
+            "wgmmas": s.k_tile // 16,
+            "out_stores": s.acc_values,
+        }
+
+    def compile(self, arch: str) -> KernelArtifacts:
+        from k3_decode.kernels.kda_o_proj_wgmma import KdaOProjKernelWgmma, compile_args  # imports CuTe DSL
+
+        plan = self.plan
+        return cutedsl.compile_artifacts(KdaOProjKernelWgmma(plan), compile_args(plan, self.capacity), arch)
+
+
+@dataclass(frozen=True)
 class KdaStepBuild:
     """The fused KDA decode step (q = 1) at one rank's heads and one batch."""
 
@@ -520,6 +566,7 @@ class K3KernelBuilds:
         | KdaInProjMmaBuild
         | KdaInProjWgmmaBuild
         | KdaOProjBuild
+        | KdaOProjWgmmaBuild
         | KdaStepBuild
         | KdaStepVerifyBuild
     ]:
@@ -529,6 +576,7 @@ class K3KernelBuilds:
             *self.kda_in_proj_mma_builds(),
             *self.kda_in_proj_wgmma_builds(),
             *self.kda_o_proj_builds(),
+            *self.kda_o_proj_wgmma_builds(),
             *self.kda_step_builds(),
             *self.kda_step_verify_builds(),
         ]
@@ -660,6 +708,29 @@ class K3KernelBuilds:
             for batch in in_l2["batches"]:
                 for kind in variant_kinds["w_l2"]:
                     add(tp, plan_at(batch, kind, w_smem=False, w_l2=True))
+        return builds
+
+    def kda_o_proj_wgmma_builds(self) -> list[KdaOProjWgmmaBuild]:
+        """The fused o_proj's wgmma build at the ranks, batches and after-attention kinds of builds.toml's
+        [kda_o_proj_wgmma]."""
+        dims = load_dims(self.table["model"])
+        spec = self.table["kda_o_proj_wgmma"]
+        after = {k for k, sites in site_kinds(dims).items() if any(s.startswith("after attention") for s in sites)}
+        builds = []
+        for tp in spec["tp"]:
+            try:
+                hidden, k = dims.shard(tp).kda_o_proj
+            except ShardError as exc:
+                raise ValueError(f"builds.toml kda_o_proj_wgmma.tp: {exc}") from None
+            for batch in spec["batches"]:
+                for tag in spec["kinds"]:
+                    kind = AttnResKind.from_tag(tag)
+                    if kind not in after:
+                        raise ValueError(
+                            f"builds.toml kda_o_proj_wgmma.kinds: {tag} is not an after-attention kind of {dims.name}"
+                        )
+                    plan = OProjWgmmaPlan.for_shape(hidden, k, batch, kind, spec["sm_count"])
+                    builds.append(KdaOProjWgmmaBuild(tp, plan, dims.num_attn_res_blocks))
         return builds
 
     def _projection_builds(self, section: str, shape: Callable[[Any], tuple[int, int]]) -> list[KdaInProjBuild]:

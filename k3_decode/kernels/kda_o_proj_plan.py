@@ -51,6 +51,10 @@ MMA_STREAM = {1: (12, 2), 2: (8, 1), 3: (4, 1), 4: (4, 1), 5: (4, 1), 6: (4, 1),
 # kda_o_proj_choice.toml): W is read once instead of twice. Its 32 accumulators a lane fit 128 registers with no frame
 # beside the one-block kinds' epilogue loads (n1, TP8 and TP16 B64); the eight-block kinds spilled 48 bytes.
 ONE_PASS_N_TILES = MAX_BATCH // TILE_N
+# The wgmma build's least batch (kda_o_proj_wgmma_plan.py): its first GPU run (an H100, at 812a7fd) raised an
+# illegal instruction at TP8 B1 (wgmma N = 8, one epilogue cluster), not diagnosed, while B16 and B64 ran; below 9 rows
+# the mma.sync build (CUDA cores to 4 rows) serves.
+WGMMA_MIN_BATCH = 9
 ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
 MAX_CTAS_PER_SM = 4  # 4 x 128 threads x 128 registers = an SM's 64K registers
 H200_SMS = 132
@@ -172,7 +176,9 @@ def _choice(path: Path) -> OProjChoice:
                 f"{path.name}: w_l2_batches[{i}] reaches {last} rows; W goes to L2 alone only on the CUDA-core "
                 f"stream, 1..{CUDA_CORE_MAX_BATCH} rows"
             )
-    wgmma_batches = tuple(_span(span, 1, f"{path.name}: wgmma_batches[{i}]") for i, span in enumerate(wgmma))
+    wgmma_batches = tuple(
+        _span(span, WGMMA_MIN_BATCH, f"{path.name}: wgmma_batches[{i}]") for i, span in enumerate(wgmma)
+    )
     return OProjChoice(cap_batches, tuple(one_pass), warm_batches, w_smem_batches, w_l2_batches, wgmma_batches)
 
 

@@ -30,6 +30,9 @@ from k3_decode.kernels.kda_o_proj_plan import (
     exchange_bytes,
     preloaded_rows,
 )
+from k3_decode.kernels.kda_o_proj_plan import (
+    WGMMA_MIN_BATCH as MIN_BATCH,
+)
 from k3_decode.kernels.wgmma_stream_plan import BARRIER_BYTES, MMA_M, WARPGROUP, WgmmaStreamPlan, wgmma_n
 
 # Rows of AttnRes run by at most this many waiting clusters; above 32 rows each takes two (B64: 32 clusters of 2).
@@ -37,9 +40,6 @@ MAX_EPILOGUE_CLUSTERS = 32
 # CTAs an SM holds at once: ptxas caps registers at 170 for three warpgroups, and the ring is sized to three a SM,
 # so 3 x 132 CTA slots hold the 336 CTAs of B64 (16 stream and 32 epilogue clusters) in one wave.
 CTAS_PER_SM = 3
-# Its first GPU run (an H100, at 812a7fd) raised an illegal instruction at TP8 B1 (wgmma N = 8, one epilogue
-# cluster), not diagnosed, while B16 and B64 ran; below 9 rows the mma.sync build (CUDA cores to 4 rows) serves.
-MIN_BATCH = 9
 MAX_STAGES = 8  # k tiles in flight a CTA: 8 x 8 KB of W is more than an SM needs to cover HBM latency
 DRIVER_BYTES = 1024  # the driver's shared memory per CTA
 
@@ -57,15 +57,10 @@ class OProjWgmmaPlan:
     def for_shape(cls, hidden: int, k: int, batch: int, kind: AttnResKind, sm_count: int = H200_SMS) -> OProjWgmmaPlan:
         """The plan for one shape; raises, naming the problem, for one this build cannot take."""
         attn = ClusterPlan.for_hidden(hidden)  # raises for a width AttnRes cannot split
-        if attn.threads != WARPGROUP:
+        if attn.threads != WARPGROUP:  # then the rows are whole clusters of 64-row tiles too: 1024 a CTA of 8 columns
             raise ValueError(
                 f"the wgmma o_proj needs the AttnRes cluster's CTAs to be one warpgroup ({WARPGROUP} threads); "
                 f"hidden {hidden} gives {attn.threads}: use the mma.sync build"
-            )
-        if hidden % (MMA_M * attn.cluster):
-            raise ValueError(
-                f"the wgmma o_proj streams W in clusters of {attn.cluster} tiles of {MMA_M} rows; {hidden} rows are "
-                "not whole clusters: use the mma.sync build"
             )
         if not MIN_BATCH <= batch <= MAX_BATCH:
             raise ValueError(

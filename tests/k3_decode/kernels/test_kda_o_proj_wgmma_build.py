@@ -1,0 +1,158 @@
+"""The fused o_proj's wgmma build (kda_o_proj_wgmma.py): its plan and choice (fast, no CuTe DSL), and its sm_90a
+builds judged by expectations.toml, with broken variants the rules must fail (needs CuTe DSL)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from harness.kernels_cmd import KernelArtifacts, judge, parse_expectations
+from k3_decode.config import K3
+from k3_decode.kernels.attn_res_plan import AttnResKind
+from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaOProjBuild, KdaOProjWgmmaBuild
+from k3_decode.kernels.kda_o_proj_plan import SMEM_PER_SM, choice, wgmma_at
+from k3_decode.kernels.kda_o_proj_wgmma_plan import CTAS_PER_SM, DRIVER_BYTES, MIN_BATCH, OProjWgmmaPlan
+
+N1_ADD = AttnResKind.from_tag("n1-add-norm")
+TP8, TP16 = K3.shard(8).kda_o_proj, K3.shard(16).kda_o_proj
+
+
+def plan(tp_shape: tuple[int, int], batch: int, kind: AttnResKind = N1_ADD, sm_count: int = 132) -> OProjWgmmaPlan:
+    hidden, k = tp_shape
+    return OProjWgmmaPlan.for_shape(hidden, k, batch, kind, sm_count)
+
+
+# --- the plan (no CuTe DSL) ----------------------------------------------------------------------------------------
+
+
+def test_the_grid_is_112_stream_ctas_and_up_to_32_epilogue_clusters():
+    p = plan(TP8, 64)
+    assert (p.cluster, p.threads, p.stream_clusters, p.first_epilogue_cluster) == (7, 128, 16, 16)
+    assert (p.epilogue_clusters, p.epilogue_rows, p.clusters, p.ctas) == (32, 2, 48, 336)
+    assert p.arrival_master == (1 << 31) - 335
+    assert p.stream.m_tiles == 112 and p.stream.k_splits == 1 and p.stream.n == 64
+    small = plan(TP16, 16)
+    assert (small.epilogue_clusters, small.epilogue_rows, small.ctas) == (16, 1, 224)
+    odd = plan(TP8, 33)  # 17 clusters of two rows, the last one's second row past the batch
+    assert (odd.epilogue_clusters, odd.epilogue_rows, odd.stream.n) == (17, 2, 48)
+
+
+@pytest.mark.parametrize("tp_shape", [TP8, TP16], ids=["tp8", "tp16"])
+@pytest.mark.parametrize("batch", [MIN_BATCH, 16, 17, 32, 33, 48, 64])
+def test_the_ring_fits_three_ctas_an_sm_and_the_grid_one_wave(tp_shape, batch):
+    p = plan(tp_shape, batch, AttnResKind.from_tag("n8-add-norm"))
+    assert 2 <= p.stages <= min(8, p.k // p.k_tile)
+    assert CTAS_PER_SM * (p.smem_bytes + DRIVER_BYTES) <= SMEM_PER_SM
+    assert p.smem_bytes >= p.stream.smem_bytes + p.exchange_bytes  # the ring, then the exchanges
+    assert p.ctas <= 132 * CTAS_PER_SM and p.resident_clusters > p.epilogue_clusters
+    assert p.epilogue_clusters * p.epilogue_rows >= batch > (p.epilogue_clusters - 1) * p.epilogue_rows
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ((TP8, MIN_BATCH - 1), r"serves 9\.\.64 rows, got 8; use the mma\.sync build"),
+        ((TP8, 65), r"serves 9\.\.64 rows, got 65"),
+        (((7168 + 256, 1536), 32), r"one warpgroup \(128 threads\); hidden 7424 gives 928"),
+        (((3584, 768), 32), r"one warpgroup"),
+        ((TP8, 64, N1_ADD, 10), r"hold 4 clusters at once, not more than the 32"),
+        ((TP8, 32, AttnResKind(1, "add", False, True, "float32")), r"BF16 o_proj output as delta"),
+    ],
+)
+def test_a_shape_it_cannot_take_is_refused_in_one_line(args, says):
+    with pytest.raises(ValueError, match=says) as err:
+        plan(*args)
+    assert "\n" not in str(err.value)
+
+
+def test_the_choice_file_serves_it_by_batch_range(tmp_path):
+    path = tmp_path / "choice.toml"
+    path.write_text("cap_batches = []\none_pass = []\nwgmma_batches = [[32, 64]]\n")
+    assert choice(path).wgmma_batches == ((32, 64),)
+    assert [wgmma_at(b, path) for b in (16, 31, 32, 64)] == [False, False, True, True]
+    for i, bad in enumerate(("[[64, 32]]", "[[8, 64]]", "[[32, 65]]")):  # reversed, below its least, past 64
+        path = tmp_path / f"bad-{i}.toml"
+        path.write_text(f"cap_batches = []\none_pass = []\nwgmma_batches = {bad}\n")
+        with pytest.raises(ValueError, match=r"wgmma_batches\[0\] is a \[first, last\] range within 9\.\.64"):
+            choice(path)
+
+
+# --- the builds (CuTe DSL, no GPU) ---------------------------------------------------------------------------------
+
+
+def _builds() -> list[KdaOProjWgmmaBuild]:
+    return [b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, KdaOProjWgmmaBuild)]
+
+
+@cache
+def artifacts(name: str) -> KernelArtifacts:
+    return next(b for b in _builds() if b.name == name).compile("sm_90a")
+
+
+def failed_checks(build: KdaOProjWgmmaBuild, art: KernelArtifacts) -> list[str]:
+    """Names of the expectations.toml checks `art` fails as `build` (backslashes dropped)."""
+    expect = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
+    result = judge(build, "sm_90a", art, "", expect["kda_o_proj_wgmma"], Path(tempfile.mkdtemp()))
+    return sorted(c.name.replace("\\", "") for c in result.checks if not c.passed)
+
+
+def test_ci_builds_every_tp_batch_and_kind_builds_toml_lists():
+    names = {b.name for b in _builds()}
+    kinds = ("n1-restart-norm", "n1-add-norm", "n8-add-norm")
+    assert names == {f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}" for tp in (8, 16) for b in (16, 32, 64) for k in kinds}
+
+
+def test_every_build_passes_its_expectations():
+    pytest.importorskip("cutlass")
+    for b in _builds():
+        assert failed_checks(b, artifacts(b.name)) == [], b.name
+
+
+def test_the_rules_fail_o_copied_before_the_dependency_wait():
+    """Broken case: the stream's first dependency wait gone, as if o's first tiles went out before it."""
+    pytest.importorskip("cutlass")
+    b = next(b for b in _builds() if b.name == "kda_o_proj_wgmma/tp8/b64/n1-add-norm")
+    art = artifacts(b.name)
+    broken = dataclasses.replace(art, ptx=art.ptx.replace("griddepcontrol.wait;", "", 1))
+    assert failed_checks(b, broken) == [
+        "ptx 'cp.async.bulk.tensor.2d.shared::cta.global' before 'griddepcontrol.wait;'",
+        "ptx 'griddepcontrol.wait;'",
+    ]
+
+
+def test_the_rules_fail_a_stream_that_never_arrives():
+    """Broken case: the stream CTAs' release add gone: the epilogue would wait for arrivals that never come."""
+    pytest.importorskip("cutlass")
+    b = next(b for b in _builds() if b.name == "kda_o_proj_wgmma/tp16/b32/n8-add-norm")
+    art = artifacts(b.name)
+    first = re.search(r"^\s*atom\.global\.release\.add\.u32[^\n]*\n", art.ptx, re.M)
+    assert first is not None
+    broken = dataclasses.replace(art, ptx=art.ptx[: first.start()] + art.ptx[first.end() :])
+    failed = failed_checks(b, broken)
+    assert "ptx 'batom.'" in failed and "ptx 'atom.global.release(.gpu)?.add.u32'" in failed, failed
+
+
+def test_the_rules_fail_the_mma_sync_build_in_its_place():
+    """Broken case: the mma.sync fused o_proj's code judged as the wgmma build fails on the warpgroup MMAs, the tile
+    copies, the waits and the residency it is built for."""
+    pytest.importorskip("cutlass")
+    wgmma = next(b for b in _builds() if b.name == "kda_o_proj_wgmma/tp8/b32/n1-add-norm")
+    mma = next(
+        b
+        for b in K3_KERNEL_BUILDS.builds("sm_90a")
+        if isinstance(b, KdaOProjBuild) and b.name == "kda_o_proj/tp8/b32/n1-add-norm"
+    )
+    failed = failed_checks(wgmma, mma.compile("sm_90a"))
+    for rule in (
+        "sass 'bHGMMA.64xd+x16.F32.BF16b'",
+        "sass 'bHMMAb|bLDLb|bSTLb'",
+        "ptx 'cp.async.bulk.tensor.2d.shared::cta.global'",
+        "ptx 'griddepcontrol.wait;'",
+        "ptx '^.minnctapersm 3$'",
+    ):
+        assert rule in failed, failed
