@@ -18,6 +18,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,15 @@ from torch import Tensor
 
 from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
 from k3_decode.reference.attn_res import MixWeights
-from k3_decode.runtime.backend import ProviderRegistry
+from k3_decode.runtime.backend import ProviderRegistry, RowLimit
 from k3_decode.weights import KdaWeights, ResidualWeights
 
 TARGET_CAPABILITY = (9, 0)  # sm_90a: wgmma-era Hopper, what kernels/builds.toml compiles for
 CHOICE = Path(__file__).with_name("providers.toml")  # where each provider serves: its row limits
+# The most rows a specialized step has (k3-hopper.toml max_batch; vLLM 0.33.0's PREPARED_MAX): a range past it names
+# sizes no step runs, so it is a typo, not a measurement.
+MAX_ROWS = 64
+LIMIT_KEYS = ("max_rows", "rows")  # an entry's row limit: one of the two
 
 
 def limits(path: Path | None = None) -> dict[str, Any]:
@@ -38,11 +43,54 @@ def limits(path: Path | None = None) -> dict[str, Any]:
     return _limits(path or CHOICE)
 
 
-def _rows(rows: object, where: str) -> None:
+def _max_rows(rows: object, where: str) -> None:
     if not isinstance(rows, dict) or not all(
         k.isdigit() and isinstance(v, int) and not isinstance(v, bool) and v >= 1 for k, v in rows.items()
     ):
         raise ValueError(f'{where} is {{ "<tp>" = rows, ... }} with rows >= 1, got {rows!r}')
+
+
+def _row_ranges(rows: object, where: str) -> None:
+    """A `rows = { "<tp>" = [[first, last], ...] }` table: per TP size, the inclusive row ranges served, sorted and
+    not overlapping, within 1..MAX_ROWS. A ValueError, one line, names the entry, the range and the fix."""
+    fix = (
+        f'write {{ "<tp>" = [[first, last], ...] }}: inclusive ranges within 1..{MAX_ROWS}, sorted, not overlapping '
+        '(e.g. { "8" = [[1, 8], [16, 16], [33, 64]] })'
+    )
+    if not isinstance(rows, dict) or not rows:
+        raise ValueError(f"{where} is {rows!r}; {fix}")
+    for tp, ranges in rows.items():
+        at = f'{where} "{tp}" = {ranges!r}'
+        if not tp.isdigit():
+            raise ValueError(f"{where}: {tp!r} is not a TP size; {fix}")
+        if not isinstance(ranges, list) or not ranges:
+            raise ValueError(f"{at}: no ranges; {fix}")
+        for r in ranges:
+            if not (isinstance(r, list) and len(r) == 2 and all(type(b) is int for b in r)):
+                raise ValueError(f"{at}: {r!r} is not a [first, last] pair of row counts; {fix}")
+            if r[0] > r[1]:
+                raise ValueError(f"{at}: {r} has first > last; {fix}")
+            if r[0] < 1 or r[1] > MAX_ROWS:
+                raise ValueError(f"{at}: {r} is outside 1..{MAX_ROWS}; {fix}")
+        for a, b in pairwise(ranges):
+            if b[0] < a[0]:
+                raise ValueError(f"{at}: {b} comes after {a} (unsorted); {fix}")
+            if b[0] <= a[1]:
+                raise ValueError(f"{at}: {b} overlaps {a}; {fix}")
+
+
+def _row_limit(table: Mapping[str, Any], where: str) -> None:
+    """The one row limit of an entry or its [.mixing]: max_rows (1..N per TP size) or rows (ranges per TP size)."""
+    given = [key for key in LIMIT_KEYS if key in table]
+    if len(given) == 2:
+        raise ValueError(
+            f'{where} gives both max_rows and rows; keep one: max_rows = {{ "<tp>" = N }} serves 1..N, '
+            'rows = { "<tp>" = [[first, last], ...] } the ranges listed'
+        )
+    if given == ["max_rows"]:
+        _max_rows(table["max_rows"], f"{where} max_rows")
+    elif given == ["rows"]:
+        _row_ranges(table["rows"], f"{where} rows")
 
 
 @cache
@@ -50,35 +98,70 @@ def _limits(path: Path) -> dict[str, Any]:
     table = tomllib.loads(path.read_text())
     for op, entry in table.items():
         where = f"{path.name}: [{op}]"
-        if not isinstance(entry, dict) or "max_rows" not in entry or not str(entry.get("why", "")).strip():
-            raise ValueError(f"{where} needs max_rows and a why")
-        _rows(entry["max_rows"], f"{where} max_rows")
+        if (
+            not isinstance(entry, dict)
+            or not any(key in entry for key in LIMIT_KEYS)
+            or not str(entry.get("why", "")).strip()
+        ):
+            raise ValueError(f"{where} needs max_rows and a why (or rows, ranges per TP size, in place of max_rows)")
+        _row_limit(entry, where)
         if "tp_all_reduce" in entry and not str(entry.get("tp_all_reduce_why", "")).strip():
             raise ValueError(f"{where} tp_all_reduce needs a tp_all_reduce_why")
         mixing = entry.get("mixing")
         if mixing is not None:
-            if set(mixing) != {"min_blocks", "max_rows", "why"} or not isinstance(mixing["min_blocks"], int):
-                raise ValueError(f"{where}.mixing is min_blocks (a count), max_rows and why, got {sorted(mixing)}")
-            _rows(mixing["max_rows"], f"{where}.mixing max_rows")
+            keys = set(mixing) if isinstance(mixing, dict) else set()
+            if (
+                keys - {"min_blocks", "why"} not in ({"max_rows"}, {"rows"}, set(LIMIT_KEYS))
+                or "why" not in keys
+                or not isinstance(mixing.get("min_blocks"), int)
+            ):
+                raise ValueError(
+                    f"{where}.mixing is min_blocks (a count), max_rows (or rows) and why, got {sorted(keys)}"
+                )
+            _row_limit(mixing, f"{where}.mixing")
     return table
 
 
-def max_rows(op: str, name: str, tp: int, blocks: int | None = None) -> tuple[int, str] | None:
-    """(most rows, why) the provider `name` of `op` serves at `tp` (providers.toml), or None for no limit. `blocks`:
+def _ranges_at(table: Mapping[str, Any], tp: int) -> tuple[tuple[int, int], ...] | None:
+    """The row ranges an entry (or its [.mixing]) lists at `tp`, from either form; None where it names no limit."""
+    if "rows" in table:
+        ranges = table["rows"].get(str(tp))
+        return None if ranges is None else tuple((int(a), int(b)) for a, b in ranges)
+    most = table["max_rows"].get(str(tp))
+    return None if most is None else ((1, int(most)),)
+
+
+def served_rows(op: str, name: str, tp: int, blocks: int | None = None) -> RowLimit | None:
+    """The rows the provider `name` of `op` serves at `tp` and why (providers.toml), or None for no limit. `blocks`:
     the bank blocks the layer's AttnRes after attention mixes, for an op with a [<op>.mixing] limit that applies
     from `min_blocks` on in place of its own."""
     entry = limits().get(op)
     if entry is None:
         return None
     mixing = entry.get("mixing")
-    if blocks is not None and mixing is not None and blocks >= mixing["min_blocks"] and str(tp) in mixing["max_rows"]:
-        return int(mixing["max_rows"][str(tp)]), (
-            f"rows {name} serves at TP{tp} where the AttnRes after attention mixes {mixing['min_blocks']} or more "
-            f"bank blocks ({mixing['why']})"
-        )
-    if str(tp) not in entry["max_rows"]:
+    if blocks is not None and mixing is not None and blocks >= mixing["min_blocks"]:
+        ranges = _ranges_at(mixing, tp)
+        if ranges is not None:
+            return RowLimit(
+                ranges,
+                f"rows {name} serves at TP{tp} where the AttnRes after attention mixes {mixing['min_blocks']} or "
+                f"more bank blocks ({mixing['why']})",
+            )
+    ranges = _ranges_at(entry, tp)
+    return None if ranges is None else RowLimit(ranges, f"rows {name} serves at TP{tp} ({entry['why']})")
+
+
+def max_rows(op: str, name: str, tp: int, blocks: int | None = None) -> tuple[int, str] | None:
+    """(most rows, why) for a provider that serves 1..most at `tp` (served_rows), or None for no limit. A limit with
+    gaps (rows ranges) raises ValueError rather than hand back its last row, which a caller would read as 1..N."""
+    limit = served_rows(op, name, tp, blocks)
+    if limit is None:
         return None
-    return int(entry["max_rows"][str(tp)]), f"rows {name} serves at TP{tp} ({entry['why']})"
+    if limit.ranges != ((1, limit.most),):
+        raise ValueError(
+            f"providers.toml [{op}] serves {limit.describe()} rows at TP{tp}, not 1..N; ask served_rows for the ranges"
+        )
+    return limit.most, limit.why
 
 
 def mixing_min_blocks(op: str) -> int | None:
@@ -121,7 +204,13 @@ class _CuteProvider:
     name: str
     launches: Mapping[str, int]
 
+    def served_rows(self, tp: int) -> RowLimit | None:
+        """The rows this provider serves at `tp` (providers.toml); what the runtime asks (ProviderRegistry
+        .row_limits)."""
+        return served_rows(self.op, self.name, tp)
+
     def max_rows(self, tp: int) -> tuple[int, str] | None:
+        """(most rows, why) where it serves 1..most at `tp`; a ValueError where it serves ranges (see max_rows)."""
         return max_rows(self.op, self.name, tp)
 
     def refuses(self, tp_all_reduce: bool) -> str | None:
@@ -265,11 +354,18 @@ class CuteKdaOProjProvider(_CuteProvider):
 
         return {"kda_o_proj": kda_o_proj, "attn_res_after": attn_res_after}
 
-    def layer_max_rows(self, tp: int, dims: Any, layer: int) -> tuple[int, str] | None:
+    def layer_served_rows(self, tp: int, dims: Any, layer: int) -> RowLimit | None:
         """The row limit at one layer: the stock pair's AttnRes grows with the bank blocks it mixes, so where the
         layer's AttnRes after attention mixes enough of them the kernel serves more rows (providers.toml)."""
-        blocks = AttnResSite.after_attention(layer, dims.attn_res_block_size).num_blocks
-        return max_rows(self.op, self.name, tp, blocks)
+        return served_rows(self.op, self.name, tp, self._blocks(dims, layer))
+
+    def layer_max_rows(self, tp: int, dims: Any, layer: int) -> tuple[int, str] | None:
+        """layer_served_rows as (most rows, why), for a limit of 1..most (see max_rows)."""
+        return max_rows(self.op, self.name, tp, self._blocks(dims, layer))
+
+    @staticmethod
+    def _blocks(dims: Any, layer: int) -> int:
+        return AttnResSite.after_attention(layer, dims.attn_res_block_size).num_blocks
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ under the specialized name.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Literal, Protocol, get_args
 
 from k3_decode.runtime.errors import BackendError
@@ -22,6 +24,62 @@ from k3_decode.runtime.optable import OpTable
 DecodeBackend = Literal["auto", "latency_specialized"]
 BACKENDS: tuple[DecodeBackend, ...] = get_args(DecodeBackend)
 CONFIG_KEY = "decode_backend"
+
+
+@dataclass(frozen=True)
+class RowLimit:
+    """The row counts (requests x tokens per request) a provider serves at one deployment, and why no others: the
+    plan keeps its op stock at any row count outside `ranges`, with `why` in the ledger.
+
+    `ranges` are inclusive (first, last) pairs, sorted and disjoint. Most providers serve 1..N (`up_to`); ranges let
+    one serve where its kernel saved time with gaps between (the KDA projection at TP8: 1-8, 16 and 33-64, where a
+    single limit would also take the sizes between, which lose to the stock op)."""
+
+    ranges: tuple[tuple[int, int], ...]
+    why: str  # "rows <provider> serves at TP<n> (<what was measured>)": the ledger's words after the row counts
+
+    def __post_init__(self) -> None:
+        # Checked here as well as in the providers' data files: a provider written in Python hands one over too,
+        # and a range list the plan misreads would run a kernel where nobody measured it winning.
+        pairs = tuple(tuple(r) for r in self.ranges if isinstance(r, (tuple, list)))
+        ok = len(pairs) == len(self.ranges) > 0 and all(
+            len(r) == 2 and all(isinstance(b, int) and not isinstance(b, bool) for b in r) for r in pairs
+        )
+        if not ok or any(not 1 <= r[0] <= r[1] for r in pairs):
+            raise ValueError(f"a row limit is (first, last) ranges with 1 <= first <= last, got {self.ranges!r}")
+        if any(b[0] <= a[1] for a, b in pairwise(pairs)):
+            raise ValueError(f"a row limit's ranges must be sorted and disjoint, got {self.ranges!r}")
+        object.__setattr__(self, "ranges", pairs)
+
+    @classmethod
+    def up_to(cls, rows: int, why: str) -> RowLimit:
+        return cls(((1, int(rows)),), why)
+
+    @classmethod
+    def of(cls, limit: RowLimit | tuple[int, str]) -> RowLimit:
+        """A provider's answer as a RowLimit: one already, or (most rows, why), the older form, for 1..most."""
+        if isinstance(limit, RowLimit):
+            return limit
+        rows, why = limit
+        return cls.up_to(rows, why)
+
+    @property
+    def most(self) -> int:
+        return self.ranges[-1][1]
+
+    def serves(self, rows: int) -> bool:
+        return any(first <= rows <= last for first, last in self.ranges)
+
+    def describe(self) -> str:
+        """((1, 8), (16, 16), (33, 64)) -> "1-8, 16, 33-64"."""
+        return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in self.ranges)
+
+    def stock_reason(self, rows: int) -> str:
+        """The ledger's reason for keeping the op stock at `rows`, which this limit does not serve. A 1..N limit says
+        "above", as it always has (tests and readers of old ledgers match those words); ranges say "outside"."""
+        if self.ranges[0][0] == 1 and len(self.ranges) == 1:
+            return f"{rows} rows above the {self.most} {self.why}"
+        return f"{rows} rows outside the {self.describe()} {self.why}"
 
 
 class KernelProvider(Protocol):
@@ -70,28 +128,29 @@ class ProviderRegistry:
     def __iter__(self) -> Iterator[KernelProvider]:
         return iter(self._by_op.values())
 
-    def row_limits(self, tp: int) -> dict[str, tuple[int, str]]:
-        """Op -> (the most rows its provider serves at `tp`, why), for providers with a `max_rows(tp)` that
-        returns a limit; an op without an entry is served at every prepared size."""
-        limits: dict[str, tuple[int, str]] = {}
+    def row_limits(self, tp: int) -> dict[str, RowLimit]:
+        """Op -> the rows its provider serves at `tp` and why, for providers that name a limit: `served_rows(tp)`
+        (a RowLimit) where the provider has it, else `max_rows(tp)` ((most rows, why): 1..most). An op without an
+        entry is served at every prepared size."""
+        limits: dict[str, RowLimit] = {}
         for provider in self._by_op.values():
-            max_rows = getattr(provider, "max_rows", None)
-            limit = max_rows(tp) if max_rows is not None else None
+            ask = getattr(provider, "served_rows", None) or getattr(provider, "max_rows", None)
+            limit = ask(tp) if ask is not None else None
             if limit is not None:
-                limits[provider.op] = (int(limit[0]), limit[1])
+                limits[provider.op] = RowLimit.of(limit)
         return limits
 
-    def layer_row_limits(self, tp: int, dims: Any, layers: Iterable[int]) -> dict[tuple[str, int], tuple[int, str]]:
-        """(op, layer) -> the most rows its provider serves at that layer and why, for providers whose limit
-        depends on the layer (a `layer_max_rows(tp, dims, layer)` that returns one); where given, it replaces the
-        op's row_limits entry at that layer."""
-        limits: dict[tuple[str, int], tuple[int, str]] = {}
+    def layer_row_limits(self, tp: int, dims: Any, layers: Iterable[int]) -> dict[tuple[str, int], RowLimit]:
+        """(op, layer) -> the rows its provider serves at that layer and why, for providers whose limit depends on
+        the layer (`layer_served_rows(tp, dims, layer)`, else `layer_max_rows`, that returns one); where given, it
+        replaces the op's row_limits entry at that layer."""
+        limits: dict[tuple[str, int], RowLimit] = {}
         for provider in self._by_op.values():
-            layer_max_rows = getattr(provider, "layer_max_rows", None)
-            for layer in layers if layer_max_rows is not None else ():
-                limit = layer_max_rows(tp, dims, layer)
+            ask = getattr(provider, "layer_served_rows", None) or getattr(provider, "layer_max_rows", None)
+            for layer in layers if ask is not None else ():
+                limit = ask(tp, dims, layer)
                 if limit is not None:
-                    limits[(provider.op, layer)] = (int(limit[0]), limit[1])
+                    limits[(provider.op, layer)] = RowLimit.of(limit)
         return limits
 
     def kept_stock(self, tp_all_reduce: bool) -> dict[str, str]:

@@ -7,10 +7,13 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from k3_decode.config import ModelDims
 from k3_decode.runtime.errors import DataFileError
+
+if TYPE_CHECKING:  # backend.py imports this module
+    from k3_decode.runtime.backend import RowLimit
 
 DispatchPath = Literal["specialized", "stock"]
 PATHS: tuple[DispatchPath, ...] = ("specialized", "stock")
@@ -30,17 +33,17 @@ class PartOps:
         self,
         op: str,
         rows: int | None = None,
-        limits: Mapping[str, tuple[int, str]] | None = None,
+        limits: Mapping[str, RowLimit] | None = None,
         kept: Collection[str] = (),
     ) -> DispatchPath:
         """The op's path on a step the plan routes specialized: the op table's word, and, given the step's rows
-        and the providers' row limits (op -> (most rows served, why)), stock above its provider's limit; stock for
-        the ops `kept` stock at this deployment (backend.ProviderRegistry.kept_stock). Tests and perf cells declare
-        their expectations with this, from the data, not from the planner's code."""
+        and the providers' row limits (op -> the rows served, backend.RowLimit), stock at a row count its provider
+        does not serve; stock for the ops `kept` stock at this deployment (backend.ProviderRegistry.kept_stock).
+        Tests and perf cells declare their expectations with this, from the data, not from the planner's code."""
         if op not in self.specialized or op in kept:
             return "stock"
         limit = (limits or {}).get(op)
-        return "stock" if rows is not None and limit is not None and rows > limit[0] else "specialized"
+        return "stock" if rows is not None and limit is not None and not limit.serves(rows) else "specialized"
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,9 @@ class OpTable:
         dims: ModelDims,
         layers: Iterable[int],
         rows: int,
-        limits: Mapping[str, tuple[int, str]],
+        limits: Mapping[str, RowLimit],
         kept: Collection[str] = (),
-        layer_limits: Mapping[tuple[str, int], tuple[int, str]] | None = None,
+        layer_limits: Mapping[tuple[str, int], RowLimit] | None = None,
     ) -> dict[tuple[int, str], DispatchPath]:
         """(layer, op) -> the path of each op of `layers` on a specialized step of `rows` rows (see
         PartOps.path_on_specialized_step); `layer_limits` ((op, layer) -> limit) replace `limits` at their layer."""

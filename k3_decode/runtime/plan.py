@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from k3_decode.config import ModelDims
-from k3_decode.runtime.backend import CONFIG_KEY, DecodeBackend
+from k3_decode.runtime.backend import CONFIG_KEY, DecodeBackend, RowLimit
 from k3_decode.runtime.ledger import MODES, DispatchRecord, Mode, graph_key
 from k3_decode.runtime.optable import DispatchPath, OpTable
 from k3_decode.runtime.scopefile import RuntimeScope
@@ -163,11 +163,12 @@ class Planner:
     specialized_modes: tuple[str, ...]
     dims: ModelDims
     layers: tuple[int, ...]
-    # Per specialized op, the most rows its provider serves at this deployment and why (a kernel that loses to the
-    # stock op above a batch size is not run there); an op without an entry is served at every prepared size.
-    op_rows: Mapping[str, tuple[int, str]] = field(default_factory=dict)
+    # Per specialized op, the rows its provider serves at this deployment and why (a kernel that loses to the stock
+    # op at a batch size is not run there: above one limit, or between ranges); an op without an entry is served at
+    # every prepared size.
+    op_rows: Mapping[str, RowLimit] = field(default_factory=dict)
     # Per (op, layer), a limit that replaces the op's at that layer (backend.ProviderRegistry.layer_row_limits).
-    layer_rows: Mapping[tuple[str, int], tuple[int, str]] = field(default_factory=dict)
+    layer_rows: Mapping[tuple[str, int], RowLimit] = field(default_factory=dict)
     # Specialized ops whose provider cannot serve this deployment at all, and why (backend.ProviderRegistry
     # .kept_stock): stock on every step, each decision with that reason.
     op_stock: Mapping[str, str] = field(default_factory=dict)
@@ -213,8 +214,8 @@ class Planner:
                     decisions.append(OpDecision(layer, op, "stock", part.stock_reason))
                 elif path == "specialized" and op in self.op_stock:
                     decisions.append(OpDecision(layer, op, "stock", self.op_stock[op]))
-                elif path == "specialized" and limit is not None and rows > limit[0]:
-                    decisions.append(OpDecision(layer, op, "stock", f"{rows} rows above the {limit[0]} {limit[1]}"))
+                elif path == "specialized" and limit is not None and not limit.serves(rows):
+                    decisions.append(OpDecision(layer, op, "stock", limit.stock_reason(rows)))
                 else:
                     decisions.append(OpDecision(layer, op, path, reason))
         return StepPlan(step, path, reason, max(step.query_lens), tuple(decisions))

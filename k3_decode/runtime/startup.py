@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from k3_decode.config import ModelDims
-from k3_decode.runtime.backend import PROVIDERS, DecodeBackend, ProviderRegistry, select_backend
+from k3_decode.runtime.backend import PROVIDERS, DecodeBackend, ProviderRegistry, RowLimit, select_backend
 from k3_decode.runtime.ledger import KernelCatalog
 from k3_decode.runtime.optable import OpTable, load_op_table
 from k3_decode.runtime.plan import Planner, PreparedSizes
@@ -47,7 +47,7 @@ class Runtime:
             op_stock=self.registry.kept_stock(self.deployment.tp_all_reduce),
         )
 
-    def op_rows(self) -> dict[str, tuple[int, str]]:
+    def op_rows(self) -> dict[str, RowLimit]:
         """The row limits of the registered providers at this deployment's TP size."""
         return self.registry.row_limits(self.deployment.tp)
 

@@ -1,5 +1,6 @@
 """kda_in_proj_choice.toml's wgmma batches and providers.toml's [in_proj] rows against the committed KDA layer runs
-that decided them: the TMA + wgmma projection served exactly where it saved layer time in every round."""
+that decided them: the TMA + wgmma projection served exactly where it saved layer time in every round, at TP8 and
+TP16, and at TP8 the provider's row ranges take no batch beyond those and the 1-8 its other builds win per call."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import pytest
 from benchmarks import kda_layer_h200 as bench
 from k3_decode.config import K3
 from k3_decode.kernels.kda_in_proj_choice import kernel_for_rows
-from k3_decode.kernels.providers import max_rows
+from k3_decode.kernels.providers import served_rows
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results"
 # Layer 6 at TP8 and TP16, B16, B32 and B64: the tree's projection against the wgmma stream served at B16-B64 (and
-# providers.toml's [in_proj] at 64 rows). Two rounds on one H200 at fdbaa63, whose stream let its dependents launch
+# providers.toml's [in_proj] at 64 rows at both sizes; the bases ran cuBLAS at TP8 B16-B64 and TP16 B64, the
+# tensor-core build at TP16 B16 and B32). Two rounds on one H200 at fdbaa63, whose stream let its dependents launch
 # only at its end, and one on one H100 at 482ab2d, which lets them launch after its dependency wait.
 H200, H100 = RESULTS / "kda-layer-variants-h200", RESULTS / "kda-layer-variants-h100"
 ROUNDS = [
@@ -49,26 +51,34 @@ def wgmma_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], boo
 def served(tp: int, batch: int) -> bool:
     """Whether the tree serves the wgmma projection at (TP, batch): the provider takes the rows and the choice file
     picks the build."""
-    limit, _ = max_rows("in_proj", "cute-kda-in-proj", tp)
-    return batch <= limit and kernel_for_rows(batch, rows_at(tp)) == "wgmma"
+    limit = served_rows("in_proj", "cute-kda-in-proj", tp)
+    return (limit is None or limit.serves(batch)) and kernel_for_rows(batch, rows_at(tp)) == "wgmma"
 
 
-def test_the_wgmma_projection_serves_exactly_the_tp16_batches_that_saved_in_every_round():
+MEASURED = {(8, 16): True, (8, 32): False, (8, 64): True, (16, 16): True, (16, 32): False, (16, 64): True}
+
+
+def test_the_wgmma_projection_serves_exactly_the_batches_that_saved_in_every_round():
     verdicts = wgmma_verdicts(ROUNDS)
-    assert verdicts == {
-        (8, 16): True,
-        (8, 32): False,
-        (8, 64): True,
-        (16, 16): True,
-        (16, 32): False,
-        (16, 64): True,
-    }
+    assert verdicts == MEASURED
     for (tp, batch), won in verdicts.items():
-        if tp == 16:
-            assert served(tp, batch) == won, f"TP16 B{batch}"
-    # TP8 serves none: B32 lost, and providers.toml's one TP8 limit cannot take B33-B64 without B9-B32 too
-    assert not any(served(8, b) for b in range(1, 65))
-    assert max_rows("in_proj", "cute-kda-in-proj", 8)[0] == 8
+        assert served(tp, batch) == won, f"TP{tp} B{batch}"
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_the_provider_takes_no_batch_beyond_the_wgmma_ones_and_the_rows_its_other_builds_win(tp: int):
+    """Every batch the wgmma build serves is one the provider takes (the choice file alone cannot serve it), and at
+    TP8 the provider takes nothing else above 8 rows: there the CUDA-core and tensor-core builds beat cuBLAS per
+    call only to B8 (providers.toml's why), so B9-B15 and B17-B32 stay stock. B33-B63 follow B64, as at TP16."""
+    limit = served_rows("in_proj", "cute-kda-in-proj", tp)
+    assert limit is not None
+    wgmma = [b for b in range(1, 65) if kernel_for_rows(b, rows_at(tp)) == "wgmma"]
+    assert wgmma == [16, *range(33, 65)]
+    assert all(limit.serves(b) for b in wgmma)
+    if tp == 8:
+        assert [b for b in range(1, 65) if limit.serves(b) and b not in wgmma] == list(range(1, 9))
+    else:
+        assert limit.ranges == ((1, 64),)
 
 
 def test_the_served_tp16_batches_drop_the_split_k_launch_at_b64():
@@ -79,23 +89,34 @@ def test_the_served_tp16_batches_drop_the_split_k_launch_at_b64():
         assert b["paths"]["specialized"]["in_proj"] == "stock"
 
 
-def test_a_round_where_tp16_b32_saved_would_serve_it(tmp_path: Path):
-    """Broken case: every round's TP16 B32 loss mirrored into a gain flips its verdict, which the served table then
-    contradicts."""
-    mirrored = []
-    for base, variant in ROUNDS:
+def turned_over(key: tuple[int, int], tmp_path: Path) -> list[tuple[Path, Path]]:
+    """The rounds with the verdict at `key` turned over by mirroring the variant's layer speedup about the base's
+    (which flips the sign of the time saved): where it lost in some round, those losses become gains; where it saved
+    in every round, every gain becomes a loss."""
+    won = wgmma_verdicts(ROUNDS)[key]
+    rounds = []
+    for i, (base, variant) in enumerate(ROUNDS):
         doc, base_cells = load(variant), bench.cells_by_key(load(base))
+        _, saved = bench.layer_savings(load(base), doc)
         for run in doc["runs"]:
             for cell in run["cells"]:
-                if (cell["tp"], cell["batch"]) == (16, 32):
-                    s_base = base_cells[(16, 32)]["layer_speedup"]["speedup"]
+                if (cell["tp"], cell["batch"]) == key and (won or saved[key] <= 0):
+                    s_base = base_cells[key]["layer_speedup"]["speedup"]
                     cell["layer_speedup"]["speedup"] = s_base**2 / cell["layer_speedup"]["speedup"]
-        path = tmp_path / f"{len(mirrored)}-{variant.name}"
+        path = tmp_path / f"{i}-{variant.name}"
         path.write_text(json.dumps(doc))
-        mirrored.append((base, path))
-    verdicts = wgmma_verdicts(mirrored)
-    assert verdicts[(16, 32)] is True
-    assert served(16, 32) != verdicts[(16, 32)]
+        rounds.append((base, path))
+    return rounds
+
+
+@pytest.mark.parametrize("key", sorted(MEASURED), ids=[f"tp{tp}-b{b}" for tp, b in sorted(MEASURED)])
+def test_rounds_with_a_verdict_turned_over_contradict_the_served_table(key: tuple[int, int], tmp_path: Path):
+    """Broken cases: TP16 B32's and TP8 B32's losses mirrored into gains would have served them, and the gains at
+    TP8 and TP16 B16 and B64 mirrored into losses would have kept them off; the served tables contradict each."""
+    verdicts = wgmma_verdicts(turned_over(key, tmp_path))
+    assert verdicts[key] is not MEASURED[key]
+    assert {k: v for k, v in verdicts.items() if k != key} == {k: v for k, v in MEASURED.items() if k != key}
+    assert served(*key) != verdicts[key]
 
 
 def test_a_base_that_ran_the_wgmma_projection_is_not_a_base():

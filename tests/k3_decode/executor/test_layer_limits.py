@@ -7,7 +7,7 @@ from __future__ import annotations
 from k3_decode.executor import StackExecutor, StepRequest, load_stack, random_input
 from k3_decode.executor.audit import op_log_mismatches
 from k3_decode.isolation_redteam import RedTeamKdaProvider, private_scope, private_table
-from k3_decode.runtime.backend import ProviderRegistry
+from k3_decode.runtime.backend import ProviderRegistry, RowLimit
 from tests.k3_decode.executor.helpers import LIMITED_LAYER, LayerLimitedKda, stack_weights
 
 STACK = "k3-mini-kda3-mla"  # layers 4, 5, 6 KDA, 7 MLA
@@ -34,7 +34,9 @@ def test_a_layer_limit_keeps_that_layer_stock_and_the_others_specialized():
     registry = ProviderRegistry()
     registry.register(LayerLimitedKda("honest"))
     ex = _start(registry)
-    assert ex.planner.layer_rows == {("kda", LIMITED_LAYER): (1, "rows the test provider serves at layer 5")}
+    # the provider's (most rows, why), as the runtime holds it
+    limit = RowLimit.up_to(1, "rows the test provider serves at layer 5")
+    assert ex.planner.layer_rows == {("kda", LIMITED_LAYER): limit}
     step, result = _run(ex, [0, 1])
     assert result.plan.path == "specialized"
     kda = {r.layer: r for r in ex.ledger.records() if r.step == step and r.op == "kda"}

@@ -14,7 +14,8 @@ bit-equal.
 
 The bandwidth test prints the kernel's achieved fraction of the copy bandwidth measured in the same process (it
 writes nothing), next to cuBLAS's and the eager per-call time, and asserts that providers.toml's row limits are
-honest: every row count a provider serves is one where the kernel is not slower than cuBLAS (beyond timing noise).
+honest: every row count a provider serves is one where the kernel is not slower than cuBLAS (beyond timing noise),
+except the wgmma build's batches, which layer time chose (at TP8 it is 2-7 % slower per call and saved layer time).
 The issue's bandwidth target (85% at TP8, B = 1..8) is judged by the KDA layer benchmark, which writes its JSON
 (benchmarks/kda_layer_h200.py); at B = 8 the kernel reaches ~60% (CUDA-core bound) and cuBLAS serves those rows.
 It times launches captured in a CUDA graph, as decode runs them: eagerly, each call also pays CuTe DSL's host-side
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from k3_decode.kernels import kda_in_proj_op
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaInProjBuild, KdaInProjMmaBuild, KdaInProjWgmmaBuild
-from k3_decode.kernels.providers import max_rows
+from k3_decode.kernels.providers import served_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -206,7 +207,7 @@ def test_bandwidth_fraction_of_copy(tp: int):
     """Times every build and cuBLAS at every batch built; asserts that kernel_for_rows picks the faster of the CUDA-core
     and tensor-core builds (the wgmma one, where served, must beat both; where not, layer time left it out: at TP16
     B32 it is faster per call and slower in the layer) and that providers.toml lets the provider serve only batches
-    where its build is not slower than cuBLAS."""
+    where its build is not slower than cuBLAS, or where that build is the wgmma one, served by layer time."""
     copy = copy_bandwidth()
     l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
     missed = []
@@ -243,10 +244,11 @@ def test_bandwidth_fraction_of_copy(tp: int):
                     f"B{batch}: kernel_for_rows picks {chosen} ({timed[chosen] * 1e6:.1f} us) over "
                     f"{other} ({timed[other] * 1e6:.1f} us) — fix kda_in_proj_choice.toml"
                 )
-        served = max_rows("in_proj", "", tp)
-        if (served is None or batch <= served[0]) and timed[chosen] > timed["cublas"] * NOISE:
+        served = served_rows("in_proj", "", tp)
+        by_layer = chosen == "wgmma"  # chosen by layer time against cuBLAS too (test_kda_in_proj_variants.py)
+        if not by_layer and (served is None or served.serves(batch)) and timed[chosen] > timed["cublas"] * NOISE:
             missed.append(
                 f"B{batch}: {chosen} {timed[chosen] * 1e6:.1f} vs cuBLAS {timed['cublas'] * 1e6:.1f} us — "
-                "lower providers.toml's max_rows there"
+                "take that batch out of providers.toml's [in_proj] rows"
             )
     assert not missed, f"TP{tp}: {'; '.join(missed)}"

@@ -19,7 +19,7 @@ import torch
 from k3_decode.executor import StackExecutor, load_stack
 from k3_decode.executor.attribution import device_events
 from k3_decode.executor.audit import op_log_mismatches
-from k3_decode.kernels.providers import max_rows, not_built_reason
+from k3_decode.kernels.providers import not_built_reason, served_rows
 from k3_decode.runtime.ledger import Expectation, count_delta
 from k3_decode.runtime.scopefile import load_scope
 from tests.k3_decode.executor.helpers import decode_requests, oracle_failures
@@ -35,15 +35,21 @@ pytestmark = [
 SPECIALIZED = {"decode_backend": "latency_specialized"}
 
 
-def _requests() -> int:
-    """The next prepared size above the projection's row limit at either TP (where
-    test_the_projection_stays_stock_above_the_rows_its_kernel_wins steps), and two more that no other test touches
-    before the agreement test. Derived, not written down: it was 34 while TP16's limit was 16, and raising that
-    limit to 32 left the stock-above test asking for requests the executor did not hold."""
+def _unserved(tp: int) -> int | None:
+    """The smallest prepared size the projection's provider does not serve at `tp` (providers.toml), or None."""
+    limit = served_rows("in_proj", "cute-kda-in-proj", tp)
     prepared = load_scope("k3-hopper").prepared_batches
-    limits = [max_rows("in_proj", "cute-kda-in-proj", tp)[0] for tp in (8, 16)]
-    above = [min(b for b in prepared if b > rows) for rows in limits if rows < max(prepared)]
-    return max(above, default=2) + 2
+    return min((b for b in prepared if limit is not None and not limit.serves(b)), default=None)
+
+
+def _requests() -> int:
+    """The smallest prepared size the projection does not serve at either TP (where
+    test_the_projection_stays_stock_where_its_kernel_does_not_serve steps), and two more that no other test touches
+    before the agreement test. Derived, not written down: it was 34 while TP16's limit was 16, and raising that
+    limit to 32 left the stock-above test asking for requests the executor did not hold; with TP8's row ranges
+    (1-8, 16, 33-64) it is TP8's 32."""
+    unserved = [rows for rows in map(_unserved, (8, 16)) if rows is not None]
+    return max(unserved, default=2) + 2
 
 
 REQUESTS = _requests()
@@ -92,18 +98,23 @@ def test_specialized_layers_match_the_oracle_layer_by_layer(pair) -> None:
     assert op_log_mismatches(special) == []
 
 
-def test_the_projection_stays_stock_above_the_rows_its_kernel_wins(pair) -> None:
+def test_the_projection_stays_stock_where_its_kernel_does_not_serve(pair) -> None:
     _, special = pair
-    rows, _ = max_rows("in_proj", "cute-kda-in-proj", special.config.tp)
-    if rows >= max(special.planner.prepared.rows):
-        pytest.skip(f"the projection serves every prepared size at TP{special.config.tp} ({rows} rows)")
-    above = min(r for r in special.planner.prepared.rows if r > rows)  # the next prepared size: the step runs there
-    special.step(decode_requests(special, list(range(above)), seed=3))
+    tp = special.config.tp
+    limit = served_rows("in_proj", "cute-kda-in-proj", tp)
+    unserved = sorted(r for r in special.planner.prepared.rows if limit is not None and not limit.serves(r))
+    if not unserved:
+        pytest.skip(f"the projection serves every prepared size at TP{tp} ({limit.describe() if limit else 'all'})")
+    rows = unserved[0]  # the step runs there: a prepared size outside the served rows (TP8: 32, between 16 and 33)
+    special.step(decode_requests(special, list(range(rows)), seed=3))
     paths = _paths(special, special.ledger.records()[-1].step)
     layer = special.config.kda_layers[0]
     assert paths[(layer, "attn_res")][0] == "specialized"
     path, reason = paths[(layer, "in_proj")]
-    assert path == "stock" and reason.startswith(f"{above} rows above the {rows} rows cute-kda-in-proj serves")
+    said = f"{rows} rows outside the {limit.describe()} rows cute-kda-in-proj serves at TP{tp}"
+    if limit.ranges == ((1, limit.most),):
+        said = f"{rows} rows above the {limit.most} rows cute-kda-in-proj serves at TP{tp}"
+    assert path == "stock" and reason.startswith(said), reason
     assert op_log_mismatches(special) == []
 
 

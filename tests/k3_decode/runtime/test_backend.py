@@ -11,7 +11,7 @@ from k3_decode.config import K3
 from k3_decode.executor.executor import ProviderTarget
 from k3_decode.kernels import providers
 from k3_decode.kernels.providers import not_built_reason
-from k3_decode.runtime.backend import PROVIDERS, ProviderRegistry, read_decode_backend, select_backend
+from k3_decode.runtime.backend import PROVIDERS, ProviderRegistry, RowLimit, read_decode_backend, select_backend
 from k3_decode.runtime.errors import BackendError, StartupError
 from k3_decode.runtime.optable import load_op_table, parse_op_table
 from k3_decode.runtime.startup import start
@@ -113,6 +113,38 @@ def test_registry_rejects_duplicates_and_empty_launches():
         reg.register(FakeProvider("o_proj", "C", {"Oproj": 0}))
 
 
+def test_a_row_limit_serves_its_ranges_and_says_why_not_elsewhere():
+    up_to = RowLimit.up_to(8, "rows p serves at TP8 (measured)")
+    assert [r for r in range(1, 66) if up_to.serves(r)] == list(range(1, 9))
+    # the words a 1..N limit always put in the ledger (tests and readers of older ledgers match them)
+    assert up_to.stock_reason(16) == "16 rows above the 8 rows p serves at TP8 (measured)"
+    gaps = RowLimit(((1, 8), (16, 16), (33, 64)), "rows p serves at TP8 (measured)")
+    assert [r for r in range(1, 66) if gaps.serves(r)] == [*range(1, 9), 16, *range(33, 65)]
+    assert gaps.describe() == "1-8, 16, 33-64" and gaps.most == 64
+    assert gaps.stock_reason(12) == "12 rows outside the 1-8, 16, 33-64 rows p serves at TP8 (measured)"
+    assert RowLimit(((4, 8),), "rows w").stock_reason(2) == "2 rows outside the 4-8 rows w"  # below a range too
+    assert RowLimit.of((4, "w")) == RowLimit.up_to(4, "w") and RowLimit.of(gaps) is gaps
+    assert RowLimit([[1, 2], [4, 4]], "w").ranges == ((1, 2), (4, 4))  # lists, as TOML gives them, become pairs
+
+
+@pytest.mark.parametrize(
+    ("ranges", "says"),
+    [
+        ((), "1 <= first <= last"),  # serves nothing: keep the op stock in the op table instead
+        (((0, 4),), "1 <= first <= last"),
+        (((5, 4),), "1 <= first <= last"),
+        (((1, 2, 3),), "1 <= first <= last"),
+        (((1, True),), "1 <= first <= last"),
+        ((4,), "1 <= first <= last"),
+        (((1, 8), (8, 9)), "sorted and disjoint"),
+        (((16, 16), (1, 8)), "sorted and disjoint"),
+    ],
+)
+def test_a_row_limit_refuses_ranges_the_plan_would_misread(ranges, says):
+    with pytest.raises(ValueError, match=says):
+        RowLimit(ranges, "w")
+
+
 def test_the_o_proj_provider_is_registered_and_binds_both_of_its_calls_only_on_a_gpu():
     """It passed its GPU run: in PROVIDERS and the op table specializes o_proj; off a GPU it refuses to bind, naming
     why."""
@@ -125,6 +157,9 @@ def test_the_o_proj_provider_is_registered_and_binds_both_of_its_calls_only_on_a
     # ... and wins from two blocks on (the stock AttnRes grows with them): layer 6 mixes one, layer 86 all 8.
     assert pending.layer_max_rows(8, K3, 6)[0] == 32 and pending.layer_max_rows(8, K3, 86)[0] == 64
     assert {pending.layer_max_rows(8, K3, layer)[0] for layer in range(12, 91)} == {64}
+    # What the runtime asks (served_rows, layer_served_rows) names the same rows and reasons.
+    assert pending.served_rows(8) == RowLimit.of(pending.max_rows(8))
+    assert pending.layer_served_rows(8, K3, 86) == RowLimit.of(pending.layer_max_rows(8, K3, 86))
     with pytest.raises(providers.ProviderBindError, match="runs on a CUDA device"):
         pending.bind(ProviderTarget(K3, 8, 0, torch.device("cpu")))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from k3_decode.config import K3, K3_MINI
+from k3_decode.runtime.backend import RowLimit
 from k3_decode.runtime.errors import DataFileError
 from k3_decode.runtime.optable import load_op_table, parse_op_table
 
@@ -65,13 +66,17 @@ def test_the_expected_path_on_a_specialized_step_follows_the_table_and_the_row_l
     kda = TABLE.parts["kda"]
     assert kda.path_on_specialized_step("in_proj") == "specialized"
     assert TABLE.parts["mla"].path_on_specialized_step("mla") == "stock"  # the table keeps it stock
-    limits = {"in_proj": (4, "why")}
+    limits = {"in_proj": RowLimit.up_to(4, "why")}
     assert kda.path_on_specialized_step("in_proj", 4, limits) == "specialized"
     assert kda.path_on_specialized_step("in_proj", 5, limits) == "stock"
+    # ranges: stock between them as well as above
+    ranges = {"in_proj": RowLimit(((1, 8), (16, 16), (33, 64)), "why")}
+    served = [r for r in range(1, 66) if kda.path_on_specialized_step("in_proj", r, ranges) == "specialized"]
+    assert served == [*range(1, 9), 16, *range(33, 65)]
     assert kda.path_on_specialized_step("attn_res", 64, limits) == "specialized"  # no limit for it
     assert TABLE.parts["mla"].path_on_specialized_step("attn_res", 1, limits) == "stock"
     paths = TABLE.expected_paths(K3, [0, 3], 5, limits)  # layer 0 is KDA+dense, layer 3 MLA+MoE
     assert paths[(0, "attn_res")] == "specialized" and paths[(0, "in_proj")] == "stock"
     assert paths[(3, "attn_res")] == "stock" and paths[(0, "dense_mlp")] == "stock" and len(paths) == 4 + 1 + 4 + 1
-    layered = TABLE.expected_paths(K3, [0, 1], 5, limits, layer_limits={("in_proj", 1): (8, "why")})
+    layered = TABLE.expected_paths(K3, [0, 1], 5, limits, layer_limits={("in_proj", 1): RowLimit.up_to(8, "why")})
     assert layered[(0, "in_proj")] == "stock" and layered[(1, "in_proj")] == "specialized"  # its own layer only

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3_decode.config import K3
+from k3_decode.runtime.backend import RowLimit
 from k3_decode.runtime.plan import Planner, PreparedSizes, StepInput
 from k3_decode.runtime.scopefile import load_scope
 from k3_decode.runtime.startup import start
@@ -240,7 +241,8 @@ def test_routing_matches_independent_statement(step, spec_tokens):
 
 
 def test_an_op_above_its_providers_rows_runs_stock_with_the_reason():
-    limited = dataclasses.replace(DECODE, op_rows={"in_proj": (4, "rows cute-x serves at TP8 (cuBLAS is faster)")})
+    limit = RowLimit.up_to(4, "rows cute-x serves at TP8 (cuBLAS is faster)")
+    limited = dataclasses.replace(DECODE, op_rows={"in_proj": limit})
     small = {(d.layer, d.op): (d.path, d.reason) for d in limited.plan(decode(4)).decisions}
     assert small[(0, "in_proj")] == ("specialized", "pure decode, batch 4 prepared")
     big = limited.plan(decode(8))
@@ -258,13 +260,14 @@ def test_a_layer_limit_replaces_the_ops_limit_at_its_layer_only():
     stack = dataclasses.replace(DECODE, layers=(0, 1))  # two KDA layers
     limited = dataclasses.replace(
         stack,
-        op_rows={"in_proj": (4, "rows at TP8 (op-wide)")},
-        layer_rows={("in_proj", 1): (8, "rows at layer 1 (mixing)")},
+        op_rows={"in_proj": RowLimit.up_to(4, "rows at TP8 (op-wide)")},
+        layer_rows={("in_proj", 1): RowLimit.up_to(8, "rows at layer 1 (mixing)")},
     )
     paths = {(d.layer, d.op): (d.path, d.reason) for d in limited.plan(decode(8)).decisions}
     assert paths[(0, "in_proj")] == ("stock", "8 rows above the 4 rows at TP8 (op-wide)")
     assert paths[(1, "in_proj")] == ("specialized", "pure decode, batch 8 prepared")
-    lower = dataclasses.replace(limited, layer_rows={("in_proj", 1): (2, "rows at layer 1")})  # may also lower it
+    # a layer's limit may also be lower than the op's
+    lower = dataclasses.replace(limited, layer_rows={("in_proj", 1): RowLimit.up_to(2, "rows at layer 1")})
     paths = {(d.layer, d.op): d.path for d in lower.plan(decode(4)).decisions}
     assert paths[(0, "in_proj")] == "specialized" and paths[(1, "in_proj")] == "stock"
 
@@ -282,8 +285,9 @@ def test_the_runtime_takes_row_limits_from_the_providers_at_its_tp():
 
     reg = built_registry()
     reg._by_op["in_proj"] = Limited("in_proj", "limited", {"K": 1}, {8: (4, "why")})
-    assert reg.row_limits(8) == {"in_proj": (4, "why")} and reg.row_limits(16) == {}
-    for tp, want in ((8, {"in_proj": (4, "why")}), (16, {})):
+    # (most rows, why), the older answer, reaches the plan as the rows 1..most
+    assert reg.row_limits(8) == {"in_proj": RowLimit(((1, 4),), "why")} and reg.row_limits(16) == {}
+    for tp, want in ((8, {"in_proj": RowLimit.up_to(4, "why")}), (16, {})):
         runtime = start(SPECIALIZED, deployment(tp=tp), registry=reg)
         assert runtime.op_rows() == want
         assert runtime.planner(K3, [0]).op_rows == want
@@ -305,28 +309,101 @@ def test_the_runtime_takes_per_layer_limits_from_providers_that_have_them():
 
     reg = built_registry()
     reg._by_op["in_proj"] = ByLayer("in_proj", "by-layer", {"K": 1})
-    want = {("in_proj", 1): (16, "layer 1 at TP8"), ("in_proj", 5): (16, "layer 5 at TP8")}
+    want = {("in_proj", 1): RowLimit.up_to(16, "layer 1 at TP8"), ("in_proj", 5): RowLimit.up_to(16, "layer 5 at TP8")}
     assert reg.layer_row_limits(8, K3, [0, 1, 2, 5]) == want
     planner = start(SPECIALIZED, deployment(tp=8), registry=reg).planner(K3, [0, 1])
-    assert planner.layer_rows == {("in_proj", 1): (16, "layer 1 at TP8")}
-    assert planner.op_rows == {"in_proj": (4, "op-wide")}
+    assert planner.layer_rows == {("in_proj", 1): RowLimit.up_to(16, "layer 1 at TP8")}
+    assert planner.op_rows == {"in_proj": RowLimit.up_to(4, "op-wide")}
     paths = {(d.layer, d.op): d.path for d in planner.plan(decode(8)).decisions}
     assert paths[(0, "in_proj")] == "stock" and paths[(1, "in_proj")] == "specialized"
 
 
-def test_the_shipped_limits_name_the_provider_tp_and_measurement():
-    from k3_decode.kernels.providers import max_rows
+def test_a_provider_that_serves_row_ranges_is_asked_for_them_first():
+    """served_rows (ranges) is what the runtime asks where a provider has it; its max_rows is not consulted."""
 
-    rows, why = max_rows("in_proj", "cute-kda-in-proj", 8)
-    assert rows == 8 and why.startswith("rows cute-kda-in-proj serves at TP8 (cuBLAS is faster above")
+    @dataclasses.dataclass(frozen=True)
+    class Ranges:
+        op: str
+        name: str
+        launches: dict
+
+        def served_rows(self, tp: int):
+            return RowLimit(((1, 8), (16, 16), (33, 64)), f"rows ranges serves at TP{tp}") if tp == 8 else None
+
+        def max_rows(self, tp: int):
+            raise AssertionError("the runtime asked max_rows of a provider that names its ranges")
+
+        def layer_served_rows(self, tp: int, dims, layer: int):
+            return RowLimit(((2, 4),), f"rows at layer {layer}") if layer == 1 else None
+
+        def layer_max_rows(self, tp: int, dims, layer: int):
+            raise AssertionError("the runtime asked layer_max_rows of a provider that names its ranges")
+
+    reg = built_registry()
+    reg._by_op["in_proj"] = Ranges("in_proj", "ranges", {"K": 1})
+    assert reg.row_limits(8) == {"in_proj": RowLimit(((1, 8), (16, 16), (33, 64)), "rows ranges serves at TP8")}
+    assert reg.row_limits(16) == {}
+    assert reg.layer_row_limits(8, K3, [0, 1]) == {("in_proj", 1): RowLimit(((2, 4),), "rows at layer 1")}
+    paths = {
+        (d.layer, d.op): d
+        for d in start(SPECIALIZED, deployment(), registry=reg).planner(K3, [0, 1]).plan(decode(1)).decisions
+    }
+    assert paths[(0, "in_proj")].path == "specialized"
+    assert (paths[(1, "in_proj")].path, paths[(1, "in_proj")].reason) == (
+        "stock",
+        "1 rows outside the 2-4 rows at layer 1",
+    )
+
+
+def test_the_shipped_limits_name_the_provider_tp_and_measurement():
+    from k3_decode.kernels.providers import max_rows, served_rows
+
+    tp8 = served_rows("in_proj", "cute-kda-in-proj", 8)
+    assert tp8 is not None and tp8.ranges == ((1, 8), (16, 16), (33, 64))  # the wgmma stream at B16 and B33-B64
+    assert tp8.why.startswith("rows cute-kda-in-proj serves at TP8 (cuBLAS is faster at the other sizes")
+    # a limit with gaps has no "most rows": asking for one is refused rather than read as 1..64
+    with pytest.raises(ValueError, match=r"\[in_proj\] serves 1-8, 16, 33-64 rows at TP8, not 1..N; ask served_rows"):
+        max_rows("in_proj", "cute-kda-in-proj", 8)
     assert max_rows("in_proj", "cute-kda-in-proj", 16)[0] == 64  # the wgmma stream takes B33-B64 there
+    assert served_rows("in_proj", "cute-kda-in-proj", 16).ranges == ((1, 64),)
     assert max_rows("in_proj", "cute-kda-in-proj", 1) is None and max_rows("attn_res", "cute-attn-res", 8) is None
     # o_proj serves more rows where the AttnRes after attention mixes 2 or more bank blocks; blocks do not change
     # an op without a [mixing] limit.
     assert max_rows("o_proj", "cute-kda-o-proj", 8)[0] == max_rows("o_proj", "cute-kda-o-proj", 8, blocks=1)[0] == 32
     rows, why = max_rows("o_proj", "cute-kda-o-proj", 16, blocks=2)
     assert rows == 64 and "mixes 2 or more bank blocks" in why and "TP16" in why
-    assert max_rows("in_proj", "cute-kda-in-proj", 8, blocks=8)[0] == 8
+    assert served_rows("in_proj", "cute-kda-in-proj", 8, blocks=8) == tp8
+
+
+@pytest.mark.parametrize(
+    ("rows", "path"),
+    [(8, "specialized"), (12, "stock"), (16, "specialized"), (24, "stock"), (32, "stock"), (48, "specialized")],
+)
+def test_the_shipped_projection_runs_stock_between_its_tp8_ranges(rows: int, path: str):
+    """The shipped provider through the whole chain (providers.toml -> the provider's served_rows -> the registry ->
+    start-up -> the plan): at TP8 the projection is specialized at 1-8, 16 and 33-64 rows and stock between, with the
+    ranges and the measurement in the ledger; at TP16 specialized at every prepared size. The op table's expected
+    paths (what tests and perf cells declare) agree with the plan."""
+    from k3_decode.kernels.providers import CuteKdaInProjProvider
+
+    reg = built_registry()
+    reg._by_op["in_proj"] = CuteKdaInProjProvider()
+    for tp in (8, 16):
+        dep = deployment(tp=tp, capture_sizes=(*CAPTURE_SIZES, 12))  # 12 rows prepared too: between 8 and 16
+        planner = start(SPECIALIZED, dep, registry=reg).planner(K3, [0, 1])
+        plan = planner.plan(decode(rows))
+        assert plan.path == "specialized", plan.reason
+        got = {(d.layer, d.op): d for d in plan.decisions}
+        want = path if tp == 8 else "specialized"
+        assert {got[(layer, "in_proj")].path for layer in (0, 1)} == {want}
+        assert got[(1, "attn_res")].path == "specialized"
+        if want == "stock":
+            assert got[(1, "in_proj")].reason.startswith(
+                f"{rows} rows outside the 1-8, 16, 33-64 rows cute-kda-in-proj serves at TP8 (cuBLAS is faster at the "
+                "other sizes"
+            )
+        expected = planner.table.expected_paths(K3, [0, 1], rows, planner.op_rows, planner.op_stock)
+        assert expected == {key: d.path for key, d in got.items()}
 
 
 # -- providers that cannot serve a deployment with the TP all-reduces ------------------------------------------------
