@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import kda_layer_h200 as bench
-from k3_decode.kernels.kda_o_proj_plan import capped_at, choice, one_pass_at, w_l2_at, w_smem_at, warm_at
+from k3_decode.kernels import kda_o_proj_plan
+from k3_decode.kernels.kda_o_proj_plan import capped_at, choice, one_pass_at, w_l2_at, w_smem_at, warm_at, wgmma_at
 from k3_decode.kernels.providers import max_rows
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results/kda-layer-variants-h100"
@@ -54,10 +55,28 @@ def savings(rounds: list[tuple[Path, Path]], layer: int = 6) -> list[dict[tuple[
     return out
 
 
-def one_pass_served(tp: int, batch: int) -> bool:
-    """Whether the tree serves the fused launch in one pass at a one-block layer."""
+def fused_at(tp: int, batch: int) -> bool:
+    """Whether the tree runs o_proj fused (either build) at a one-block layer."""
     rows, _ = max_rows("o_proj", "cute-kda-o-proj", tp, ONE_BLOCK)
-    return batch <= rows and one_pass_at(batch, ONE_BLOCK)
+    return batch <= rows
+
+
+def one_pass_served(tp: int, batch: int) -> bool:
+    """Whether the tree runs the fused launch's mma.sync build in one pass at a one-block layer (the wgmma build,
+    where kda_o_proj_choice.toml's wgmma_batches serves it, takes its place)."""
+    return fused_at(tp, batch) and one_pass_at(batch, ONE_BLOCK) and not wgmma_at(batch)
+
+
+def one_pass_problems(verdicts: dict[tuple[int, int], bool]) -> list[str]:
+    """Where the tree disagrees with the one-pass rounds: one pass served where it lost, or a win not served with no
+    wgmma build in its place."""
+    problems = []
+    for (tp, batch), won in sorted(verdicts.items()):
+        if one_pass_served(tp, batch) and not won:
+            problems.append(f"TP{tp} B{batch}: one pass served where it lost")
+        if won and not one_pass_served(tp, batch) and not (fused_at(tp, batch) and wgmma_at(batch)):
+            problems.append(f"TP{tp} B{batch}: one pass won but o_proj is not fused there")
+    return problems
 
 
 def one_pass_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], bool]:
@@ -73,22 +92,21 @@ def one_pass_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], 
 
 
 def test_one_pass_serves_exactly_where_it_saved_layer_time_in_every_round():
-    """TP16 B48 and B64 saved in both rounds and are served (64 rows in providers.toml, the one_pass rule); TP8 B48
-    and B64 lost in both, so TP8 keeps o_proj stock above 32 rows. A rule or a row limit moved without a
-    measurement behind it fails here."""
+    """Against o_proj stock, TP16 B48 and B64 saved in both rounds (64 rows in providers.toml, the one_pass rule) and
+    TP8 B48 and B64 lost in both. Since the wgmma build serves B32-B64 (below), one pass runs nowhere on these
+    layers; a rule or a row limit that serves it where it lost fails here."""
     for base, variant in ONE_PASS_ROUNDS:  # each run recorded the rows and rule it served
         files = [load(path)["variant"]["choice_files"] for path in (base, variant)]
         assert all("providers.toml" in f and "kda_o_proj_choice.toml" in f for f in files), variant.name
     verdicts = one_pass_verdicts(ONE_PASS_ROUNDS)
     assert set(verdicts) == {(tp, b) for tp in (8, 16) for b in (48, 64)}
     assert {key for key, won in verdicts.items() if won} == {(16, 48), (16, 64)}
-    for (tp, batch), won in verdicts.items():
-        assert one_pass_served(tp, batch) == won, f"TP{tp} B{batch}"
+    assert one_pass_problems(verdicts) == []
 
 
-def test_a_round_that_lost_at_tp16_b64_takes_the_verdict_away(tmp_path):
-    """Broken case: a copy of round 2 whose TP16 B64 gain is inverted into a loss; the verdict there flips and the
-    served tree no longer matches it."""
+def test_a_round_that_lost_at_tp16_b64_takes_the_verdict_away(tmp_path, monkeypatch):
+    """Broken case: a copy of round 2 whose TP16 B64 gain is inverted into a loss; the verdict there flips, and the
+    tree as it was before the wgmma build (one pass served there) no longer matches it."""
     base, variant = ONE_PASS_ROUNDS[1]
     doc = load(variant)
     base_cells = bench.cells_by_key(load(base))
@@ -101,7 +119,13 @@ def test_a_round_that_lost_at_tp16_b64_takes_the_verdict_away(tmp_path):
     worse.write_text(json.dumps(doc))
     verdicts = one_pass_verdicts([ONE_PASS_ROUNDS[0], (base, worse)])
     assert verdicts[(16, 64)] is False and verdicts[(16, 48)] is True
-    assert one_pass_served(16, 64) != verdicts[(16, 64)]
+    no_wgmma = tmp_path / "no-wgmma.toml"  # the tree before the wgmma build: the one-pass stream served at TP16 B64
+    no_wgmma.write_text(kda_o_proj_plan.CHOICE.read_text().replace("wgmma_batches = [[32, 64]]", "wgmma_batches = []"))
+    monkeypatch.setattr(kda_o_proj_plan, "CHOICE", no_wgmma)
+    # (TP8 at 64 rows with no wgmma build would also run one pass where it lost: B48 and B64)
+    assert one_pass_problems(verdicts) == [
+        f"TP{tp} B{b}: one pass served where it lost" for tp, b in ((8, 48), (8, 64), (16, 64))
+    ]
 
 
 def test_a_base_that_ran_o_proj_fused_is_not_a_base():
@@ -248,3 +272,56 @@ def test_a_base_that_sent_w_to_l2_is_not_a_base():
     _, variant = W_L2_ROUNDS[0]
     with pytest.raises(AssertionError, match=r"w-l2-1\.json"):
         flag_verdicts([(variant, variant)], "w_l2")
+
+
+# Layer 6, three rounds of 40 on one H100 at 812a7fd: the tree against the wgmma build at B16-B64 with providers.toml's
+# [o_proj] at 64 rows at TP8 (the base ran TP8 B64 stock, a fifth launch).
+WGMMA_ROUNDS = [(RESULTS / f"oproj-wgmma-base-{i}.json", RESULTS / f"oproj-wgmma-{i}.json") for i in (1, 2, 3)]
+
+
+def wgmma_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], bool]:
+    """Per measured (TP, batch): whether the wgmma build saved layer time in every round, after checking that each
+    variant ran it fused at every cell and no base ran it."""
+    for base, variant in rounds:
+        for key, cell in bench.cells_by_key(load(variant)).items():
+            assert cell["o_proj_variant"]["wgmma"] and o_proj_path(cell) == "specialized", (variant.name, key)
+        for key, cell in bench.cells_by_key(load(base)).items():
+            assert not cell.get("o_proj_variant", {}).get("wgmma", False), (base.name, key)
+    per_round = savings(rounds)
+    return {key: all(saved[key] > 0 for saved in per_round) for key in per_round[0]}
+
+
+def wgmma_problems(verdicts: dict[tuple[int, int], bool]) -> list[str]:
+    return [
+        f"TP{tp} B{batch}: the wgmma build {'saved in every round but is not' if won else 'is served but did not save'}"
+        for (tp, batch), won in sorted(verdicts.items())
+        if (fused_at(tp, batch) and wgmma_at(batch)) != won
+    ]
+
+
+def test_the_wgmma_build_serves_exactly_where_it_saved_layer_time_in_every_round():
+    """TP8 and TP16 B32 and B64 saved in all three rounds (TP8 B64 also one launch fewer) and are served
+    (kda_o_proj_choice.toml wgmma_batches [[32, 64]], providers.toml's [o_proj] at 64 rows); B16 tied at both sizes
+    and keeps the mma.sync build. A range or a row limit moved without a measurement behind it fails here."""
+    for base, variant in WGMMA_ROUNDS:
+        assert load(variant)["variant"]["choice_files"]["kda_o_proj_choice.toml"].endswith(
+            "wgmma_batches = [[16, 64]]\n"
+        )
+        assert load(base)["env"]["gpu"] == load(variant)["env"]["gpu"] == "NVIDIA H100 80GB HBM3"
+    verdicts = wgmma_verdicts(WGMMA_ROUNDS)
+    assert set(verdicts) == {(tp, b) for tp in (8, 16) for b in (16, 32, 64)}
+    assert {key for key, won in verdicts.items() if won} == {(tp, b) for tp in (8, 16) for b in (32, 64)}
+    assert wgmma_problems(verdicts) == []
+    for base, variant in WGMMA_ROUNDS:  # TP8 B64: o_proj stock in the base (cuBLAS, then AttnRes), fused here
+        launches = [
+            bench.cells_by_key(load(p))[(8, 64)]["attention"]["specialized"]["launches"] for p in (base, variant)
+        ]
+        assert launches == [5, 4], variant.name
+
+
+def test_rounds_where_the_wgmma_build_lost_at_b32_take_it_away(tmp_path):
+    """Broken case: the three rounds with B32's gains mirrored into losses at both TP sizes; B32's verdicts flip and
+    the tree, which serves it there, no longer matches."""
+    verdicts = wgmma_verdicts(inverted(WGMMA_ROUNDS, tmp_path, batch=32))
+    assert not verdicts[(8, 32)] and not verdicts[(16, 32)] and verdicts[(8, 64)] and verdicts[(16, 64)]
+    assert wgmma_problems(verdicts) == [f"TP{tp} B32: the wgmma build is served but did not save" for tp in (8, 16)]

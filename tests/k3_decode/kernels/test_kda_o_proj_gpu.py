@@ -3,6 +3,9 @@
 The o_proj provider (providers.py, CuteKdaOProjProvider) was registered after this passed on an H200. Every
 test prints what it measured (METRIC lines), so a run's log says how close each case came.
 
+The mma.sync build throughout (kda_o_proj_op's wgmma=False) but where a test times or runs what the tree serves;
+the wgmma build, served from 32 rows (kda_o_proj_choice.toml), has its own test (test_kda_o_proj_wgmma_gpu.py).
+
 - The fused launch against the FP64 oracle (exact o_proj, then the AttnRes after attention) at TP8 and TP16,
   B = 1..4 (the CUDA-core stream), 8 and 16 (tensor cores, two batch tiles), 22 and 32 (four tiles) and 33 and
   64 (two passes; epilogue clusters of two rows, 33's last cluster with one), every
@@ -115,7 +118,7 @@ def arrival_low_bits() -> int:
 
 @pytest.mark.parametrize("tp, batch, kind", CASES, ids=[f"tp{t}-B{b}-{k.tag}" for t, b, k in CASES])
 def test_the_fused_launch_matches_the_oracle(tp: int, batch: int, kind: AttnResKind):
-    check_against_the_oracle(tp, batch, kind)
+    check_against_the_oracle(tp, batch, kind, wgmma=False)  # the wgmma build: test_kda_o_proj_wgmma_gpu.py
 
 
 def check_against_the_oracle(tp: int, batch: int, kind: AttnResKind, wgmma: bool | None = None) -> None:
@@ -193,7 +196,8 @@ def test_a_rows_o_proj_bits_do_not_depend_on_the_batch_on_tensor_cores(tp: int):
     results = {}
     for batch in (8, 16, 22, 32, 33, 64):
         buffers, _, _ = make_buffers(batch, kind.num_blocks, torch.Generator().manual_seed(batch))
-        partial, _ = kda_o_proj_op.apply(o64[:batch].contiguous(), w, buffers, site_of(kind), after_weights(), EPS)
+        o, site = o64[:batch].contiguous(), site_of(kind)
+        partial, _ = kda_o_proj_op.apply(o, w, buffers, site, after_weights(), EPS, wgmma=False)
         results[batch] = partial
     torch.cuda.synchronize()
     for batch, partial in results.items():
@@ -386,11 +390,11 @@ def choice_on_and_off(tp: int, cases: list, serve: Callable[[bool], None], check
             check(OProjPlan.for_shape(hidden, k, batch, kind), on)
             buffers, _, _ = make_buffers(batch, kind.num_blocks, torch.Generator().manual_seed(batch))
             site = site_of(kind)
-            results[(batch, kind.tag, on)] = kda_o_proj_op.apply(o, weights[0], buffers, site, mix, EPS)
+            results[(batch, kind.tag, on)] = kda_o_proj_op.apply(o, weights[0], buffers, site, mix, EPS, wgmma=False)
             attn_out = torch.empty(batch, hidden, dtype=torch.bfloat16, device=DEV)
 
             def fused(i: int, o=o, ws=weights, buffers=buffers, site=site, attn_out=attn_out) -> None:
-                kda_o_proj_op.apply(o, ws[i % len(ws)], buffers, site, mix, EPS, attn_out=attn_out)
+                kda_o_proj_op.apply(o, ws[i % len(ws)], buffers, site, mix, EPS, attn_out=attn_out, wgmma=False)
 
             timed[(batch, kind.tag, on)] = _graph_seconds_per_call(fused, 4 * copies)
     torch.cuda.synchronize()

@@ -152,10 +152,12 @@ def test_the_o_proj_provider_is_registered_and_binds_both_of_its_calls_only_on_a
     assert isinstance(pending, providers.CuteKdaOProjProvider) and not providers.PENDING
     assert "o_proj" in TABLE.specialized_ops()
     assert dict(pending.launches) == {"KdaOProjKernel": 1}  # o_proj and the AttnRes after attention: one launch
-    # At one block B64 loses to cuBLAS + AttnRes at TP8 and wins at TP16 in one pass (kda_o_proj_choice.toml) ...
-    assert (pending.max_rows(8)[0], pending.max_rows(16)[0]) == (32, 64)
-    # ... and wins from two blocks on (the stock AttnRes grows with them): layer 6 mixes one, layer 86 all 8.
-    assert pending.layer_max_rows(8, K3, 6)[0] == 32 and pending.layer_max_rows(8, K3, 86)[0] == 64
+    # 64 rows at both sizes: above 32 the wgmma build (kda_o_proj_choice.toml wgmma_batches) saved layer time at one
+    # block, where the mma.sync build had lost to cuBLAS + AttnRes at TP8 ...
+    assert (pending.max_rows(8)[0], pending.max_rows(16)[0]) == (64, 64)
+    # ... and the [mixing] limit from two blocks on (the stock AttnRes grows with them) says 64 as well.
+    assert pending.layer_max_rows(8, K3, 6)[0] == 64 and pending.layer_max_rows(8, K3, 86)[0] == 64
+    assert "wgmma" in pending.layer_max_rows(8, K3, 6)[1] and "mixes 2 or more" in pending.layer_max_rows(8, K3, 86)[1]
     assert {pending.layer_max_rows(8, K3, layer)[0] for layer in range(12, 91)} == {64}
     # What the runtime asks (served_rows, layer_served_rows) names the same rows and reasons.
     assert pending.served_rows(8) == RowLimit.of(pending.max_rows(8))

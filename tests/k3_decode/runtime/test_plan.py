@@ -369,7 +369,8 @@ def test_the_shipped_limits_name_the_provider_tp_and_measurement():
     assert max_rows("in_proj", "cute-kda-in-proj", 1) is None and max_rows("attn_res", "cute-attn-res", 8) is None
     # o_proj serves more rows where the AttnRes after attention mixes 2 or more bank blocks; blocks do not change
     # an op without a [mixing] limit.
-    assert max_rows("o_proj", "cute-kda-o-proj", 8)[0] == max_rows("o_proj", "cute-kda-o-proj", 8, blocks=1)[0] == 32
+    assert max_rows("o_proj", "cute-kda-o-proj", 8)[0] == max_rows("o_proj", "cute-kda-o-proj", 8, blocks=1)[0] == 64
+    assert "wgmma" in max_rows("o_proj", "cute-kda-o-proj", 8, blocks=1)[1]
     rows, why = max_rows("o_proj", "cute-kda-o-proj", 16, blocks=2)
     assert rows == 64 and "mixes 2 or more bank blocks" in why and "TP16" in why
     assert served_rows("in_proj", "cute-kda-in-proj", 8, blocks=8) == tp8
