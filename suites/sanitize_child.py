@@ -134,7 +134,8 @@ def _attn_res_site(dims: Any, tag: str, batch: int, gen: torch.Generator, device
 def kda_o_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
     """o_proj at the rank's shard for `tp` with the AttnRes after attention of each of `kinds` (its delta is o_proj's
     output, so the kinds must take a BF16 delta), one fused launch per kind, then the first kind at `two_row_batch`
-    rows where given (the epilogue clusters take two rows each above 32). Returns the launches made."""
+    rows where given (the epilogue clusters take two rows each above 32) with each build, the mma.sync one and the
+    wgmma one (kda_o_proj_wgmma.py). Returns the launches made."""
     from k3_decode.config import load_dims
     from k3_decode.kernels import kda_o_proj_op
 
@@ -151,10 +152,11 @@ def kda_o_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
     wide = axes.get("two_row_batch")
     if wide is None:
         return len(axes["kinds"])
-    _, site, buffers, weights = _attn_res_site(dims, axes["kinds"][0], int(wide), gen, device)
-    o = _bf16(gen, device, int(wide), proj)
-    kda_o_proj_op.apply(o, _bf16(gen, device, hidden, proj, scale=0.02), buffers, site, weights, dims.rms_norm_eps)
-    return len(axes["kinds"]) + 1
+    for wgmma in (False, True):
+        _, site, buffers, weights = _attn_res_site(dims, axes["kinds"][0], int(wide), gen, device)
+        o, w = _bf16(gen, device, int(wide), proj), _bf16(gen, device, hidden, proj, scale=0.02)
+        kda_o_proj_op.apply(o, w, buffers, site, weights, dims.rms_norm_eps, wgmma=wgmma)
+    return len(axes["kinds"]) + 2
 
 
 def kda_in_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:

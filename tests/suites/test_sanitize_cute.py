@@ -99,10 +99,14 @@ def test_the_plan_has_a_cell_per_cute_dsl_kernel_named_by_pattern():
     assert all(k in site_kinds(K3) and k.delta in after and k.delta_dtype == "bfloat16" for k in kinds)
     assert {k.delta for k in kinds} == {"add", "restart"} and max(k.num_blocks for k in kinds) == 8  # the full bank
     from k3_decode.kernels.kda_o_proj_plan import OProjPlan
+    from k3_decode.kernels.kda_o_proj_wgmma_plan import OProjWgmmaPlan
 
-    wide = OProjPlan.for_shape(*K3.shard(o_proj["tp"]).kda_o_proj, o_proj["two_row_batch"], kinds[0])
-    # two rows per epilogue cluster, and one cluster whose second row lies past the batch
-    assert wide.epilogue_rows == 2 and wide.epilogue_clusters * 2 > wide.batch
+    shape = K3.shard(o_proj["tp"]).kda_o_proj
+    for wide in (  # both builds run it: two rows per epilogue cluster, one cluster's second row past the batch
+        OProjPlan.for_shape(*shape, o_proj["two_row_batch"], kinds[0]),
+        OProjWgmmaPlan.for_shape(*shape, o_proj["two_row_batch"], kinds[0]),
+    ):
+        assert wide.epilogue_rows == 2 and wide.epilogue_clusters * 2 > wide.batch
 
 
 def test_the_kda_step_cells_verify_table_is_one_the_oracle_accepts():
