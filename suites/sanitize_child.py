@@ -161,8 +161,8 @@ def kda_o_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
 
 def kda_in_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
     """x [batches, hidden] @ W[rows, hidden]^T at the rank's packed rows for `tp`, once with each build (the
-    CUDA-core, tensor-core and wgmma kernels share the provider's kernel name), then the tensor-core build at
-    `ring_batch` rows where given. Returns the launches made."""
+    CUDA-core, tensor-core and wgmma kernels share the provider's kernel name; the wgmma one at `wgmma_batch` rows,
+    its least being 9), then the tensor-core build at `ring_batch` rows where given. Returns the launches made."""
     from k3_decode.config import RankShapes, load_dims
     from k3_decode.kernels import kda_in_proj_op
 
@@ -170,10 +170,10 @@ def kda_in_proj_cell(cell: Cell, plan: Plan, device: torch.device) -> int:
     dims = load_dims(plan.model)
     rows = RankShapes.for_tp(dims, int(axes["tp"])).kda_in_proj_rows
     gen = _generator(plan, cell)
-    x = _bf16(gen, device, int(axes["batches"]), dims.hidden_size)
     w = _bf16(gen, device, rows, dims.hidden_size, scale=0.02)
     for kernel in kda_in_proj_op.KERNELS:
-        kda_in_proj_op.linear(x, w, kernel=kernel)
+        batch = int(axes["wgmma_batch"] if kernel == "wgmma" else axes["batches"])
+        kda_in_proj_op.linear(_bf16(gen, device, batch, dims.hidden_size), w, kernel=kernel)
     ring = axes.get("ring_batch")
     if ring is None:
         return len(kda_in_proj_op.KERNELS)

@@ -234,7 +234,7 @@ class KdaInProjWgmmaBuild:
             "w_copies_ahead": p.ahead * columns,
             "tile_copies": (2 + 2 * p.ahead) * columns,
             "wgmmas": p.k_tile // 16,
-            "out_stores": p.acc_values,
+            "out_stores": p.stored_values,
             "cluster_stores": p.acc_values // 4 if p.k_splits > 1 else 0,
         }
 
@@ -394,7 +394,7 @@ class KdaOProjWgmmaBuild:
             "w_copies_ahead": s.ahead,
             "tile_copies": 2 * s.ahead + 2,
             "wgmmas": s.k_tile // 16,
-            "out_stores": s.acc_values,
+            "out_stores": s.stored_values,
         }
 
     def compile(self, arch: str) -> KernelArtifacts:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from k3_decode.kernels.wgmma_stream_plan import MAX_BATCH as WGMMA_MAX_BATCH
+from k3_decode.kernels.wgmma_stream_plan import MIN_BATCH as WGMMA_MIN_BATCH
 from k3_decode.kernels.wgmma_stream_plan import WgmmaStreamPlan
 
 CHOICE = Path(__file__).with_name("kda_in_proj_choice.toml")
@@ -17,8 +18,8 @@ TILING_KEYS = ("k_tile", "stages", "k_splits")
 
 def choice(path: Path | None = None) -> dict[str, Any]:
     """The choice file (CHOICE unless `path`), checked: each table has a default, every limit is a count of rows, every
-    wgmma entry a list of [first, last] batch ranges within the 64 rows one wgmma N covers, every tiling names its
-    k_tile, stages and k_splits. Raises ValueError, one line, naming the entry."""
+    wgmma entry a list of [first, last] batch ranges within the 9-64 rows one wgmma N of 16-64 covers, every tiling
+    names its k_tile, stages and k_splits. Raises ValueError, one line, naming the entry."""
     return _choice_at(path or CHOICE)
 
 
@@ -30,7 +31,7 @@ def _entry_ok(name: str, value: Any) -> bool:
             isinstance(r, list)
             and len(r) == 2
             and all(isinstance(b, int) for b in r)
-            and 1 <= r[0] <= r[1] <= WGMMA_MAX_BATCH
+            and WGMMA_MIN_BATCH <= r[0] <= r[1] <= WGMMA_MAX_BATCH
             for r in value
         )
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
@@ -38,7 +39,7 @@ def _entry_ok(name: str, value: Any) -> bool:
 
 WANT = {
     "cuda_core_max_batch": "rows >= 0",
-    "wgmma_batches": "a list of [first, last] batch ranges within 1..64",
+    "wgmma_batches": f"a list of [first, last] batch ranges within {WGMMA_MIN_BATCH}..{WGMMA_MAX_BATCH}",
     "wgmma_tiling": f"{{ {', '.join(f'{k} = N' for k in TILING_KEYS)} }}",
 }
 

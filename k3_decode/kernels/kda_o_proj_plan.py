@@ -25,6 +25,7 @@ from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
 from k3_decode.kernels.kda_in_proj_mma_plan import STEP as MMA_STEP
 from k3_decode.kernels.kda_in_proj_mma_plan import TILE_M, TILE_N, WIDE_N_TILES, MmaStream, n_tiles
 from k3_decode.kernels.kda_in_proj_plan import STEP, VECTOR, WeightStream
+from k3_decode.kernels.wgmma_stream_plan import MIN_BATCH as WGMMA_STREAM_MIN_BATCH
 
 # The CUDA-core stream's accumulators (rows_per_warp x batch per lane) fit beside 12 weight vectors in flight under
 # 128 registers up to 4 rows; above, the stream runs on tensor cores (kda_in_proj_mma.py's), whose accumulators
@@ -51,10 +52,10 @@ MMA_STREAM = {1: (12, 2), 2: (8, 1), 3: (4, 1), 4: (4, 1), 5: (4, 1), 6: (4, 1),
 # kda_o_proj_choice.toml): W is read once instead of twice. Its 32 accumulators a lane fit 128 registers with no frame
 # beside the one-block kinds' epilogue loads (n1, TP8 and TP16 B64); the eight-block kinds spilled 48 bytes.
 ONE_PASS_N_TILES = MAX_BATCH // TILE_N
-# The wgmma build's least batch (kda_o_proj_wgmma_plan.py): its first GPU run (an H100, at 812a7fd) raised an
-# illegal instruction at TP8 B1 (wgmma N = 8, one epilogue cluster), not diagnosed, while B16 and B64 ran; below 9 rows
-# the mma.sync build (CUDA cores to 4 rows) serves.
-WGMMA_MIN_BATCH = 9
+# The wgmma build's least batch (kda_o_proj_wgmma_plan.py), the wgmma stream's: its first GPU run (an H100, at 812a7fd)
+# raised an illegal instruction at TP8 B1 (wgmma N = 8, one epilogue cluster), not diagnosed, while B9-B64 ran; below
+# 9 rows the mma.sync build (CUDA cores to 4 rows) serves.
+WGMMA_MIN_BATCH = WGMMA_STREAM_MIN_BATCH
 ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
 MAX_CTAS_PER_SM = 4  # 4 x 128 threads x 128 registers = an SM's 64K registers
 H200_SMS = 132

@@ -7,6 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 MAX_BATCH = 64  # one wgmma N covers the batch; more would need a second N tile
+# Not below 9 rows (wgmma N 8): no plan at N 8 has run on a GPU but the fused o_proj's wgmma build, whose first GPU run
+# (an H100, at 812a7fd) raised an illegal instruction at TP8 B1 (N 8), not diagnosed, while B9-B64 (N 16-64) ran; the
+# other builds serve 1-8 rows.
+MIN_BATCH = 9
 MAX_SMEM = 227 * 1024  # bytes of shared memory a Hopper CTA may ask for
 MAX_K_SPLITS = 8  # the largest portable cluster
 WARPGROUP = 128
@@ -84,6 +88,17 @@ class WgmmaStreamPlan:
         return MMA_M * self.n // WARPGROUP
 
     @property
+    def live_groups(self) -> int:
+        """Groups of 8 batch columns of the accumulator that hold a batch row for some thread: the code keeps the
+        stores (and K-split exchanges) of only these; the compiler drops a group past the batch for every thread."""
+        return -(-self.batch // 8)
+
+    @property
+    def stored_values(self) -> int:
+        """Accumulator values per thread the epilogue's code stores (4 a live group of 8 columns), masked to B."""
+        return 4 * self.live_groups
+
+    @property
     def partial_bytes(self) -> int:
         """Rank 0's buffer for the other ranks' FP32 partial tiles."""
         return (self.k_splits - 1) * self.m_rows * self.n * 4
@@ -100,8 +115,8 @@ class WgmmaStreamPlan:
         """Why this plan cannot run, in one line; None when it can."""
         if self.rows < 1:
             return f"rows must be at least 1, got {self.rows}"
-        if not 1 <= self.batch <= MAX_BATCH:
-            return f"batch must be 1..{MAX_BATCH} (one wgmma N tile), got {self.batch}"
+        if not MIN_BATCH <= self.batch <= MAX_BATCH:
+            return f"batch must be {MIN_BATCH}..{MAX_BATCH} (one wgmma N tile of 16 to 64), got {self.batch}"
         if self.m_rows not in (64, 128):
             return f"m_rows must be 64 or 128 (one or two consumer warpgroups), got {self.m_rows}"
         if self.k_tile % SWIZZLE_K or not SWIZZLE_K <= self.k_tile <= 4 * SWIZZLE_K:

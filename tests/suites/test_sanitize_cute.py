@@ -147,8 +147,8 @@ def test_every_cute_cell_has_its_runner_in_the_child():
         ('kernel_patterns = ["KdaInProjKernel"]', 'kernel_patterns = ["AttnResKernel"]', "planned twice"),
         ('op = "cute_kda_in_proj"', 'op = "cute_attn_res"', "have two cells"),
         (
-            'runner = "cute"\naxes = { tp = 16, batches = 3, ring_batch = 30 }',
-            'runner = "cuda"\naxes = { tp = 16, batches = 3, ring_batch = 30 }',
+            'runner = "cute"\naxes = { tp = 16, batches = 3, wgmma_batch = 17, ring_batch = 30 }',
+            'runner = "cuda"\naxes = { tp = 16, batches = 3, wgmma_batch = 17, ring_batch = 30 }',
             "runner 'cuda'",
         ),
         ('kernel_patterns = ["KdaStepKernel"]', 'kernel_patterns = ["Kda"]', "also matches"),
@@ -224,8 +224,9 @@ def test_the_child_builds_inputs_the_ops_take_each_in_its_own_allocation(monkeyp
     calls.clear()
     assert sanitize_child.kda_in_proj_cell(cute["cute_kda_in_proj"], PLAN, cpu) == len(calls) == 4
     assert [kernel for kernel, _ in calls] == ["cuda_core", "tensor_core", "wgmma", "tensor_core"]  # every build
-    # batch 3 in each build, then the tensor-core build's 32-row pass with x staged in its ring
-    assert [(p.rows, p.k, p.batch) for _, p in calls] == [(3216, K3.hidden_size, b) for b in (3, 3, 3, 30)]
+    # batch 3 in the CUDA-core and tensor-core builds, 17 in the wgmma one (its least is 9), then the tensor-core
+    # build's 32-row pass with x staged in its ring
+    assert [(p.rows, p.k, p.batch) for _, p in calls] == [(3216, K3.hidden_size, b) for b in (3, 3, 17, 30)]
     calls.clear()
     assert sanitize_child.kda_step_cell(cute["cute_kda_step"], PLAN, cpu) == len(calls) == 2
     (spec, slots, out, (conv, recurrent), cache), verify = calls

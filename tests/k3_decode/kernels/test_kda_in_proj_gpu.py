@@ -153,7 +153,7 @@ def test_inputs_the_kernel_cannot_take_are_refused():
         kda_in_proj_op.linear(x, w[:3208], kernel="tensor_core")
     with pytest.raises(ValueError, match="is not one of cuda_core, tensor_core, wgmma"):
         kda_in_proj_op.linear(x, w, kernel="wmma")
-    with pytest.raises(ValueError, match=r"the wgmma stream cannot take x .* batch must be 1\.\.64"):
+    with pytest.raises(ValueError, match=r"the wgmma stream cannot take x .* batch must be 9\.\.64"):
         kda_in_proj_op.linear(torch.zeros(65, 7168, dtype=torch.bfloat16, device=DEV), w, kernel="wgmma")
 
 

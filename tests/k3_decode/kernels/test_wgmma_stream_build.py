@@ -60,7 +60,7 @@ def count(pattern: str, text: str) -> int:
 def expected_ptx(plan: WgmmaStreamPlan) -> dict[str, int]:
     """Instruction counts in the code (not executed): the k-tile loops are rolled, the epilogue unrolled."""
     mmas = plan.k_tile // 16  # one k tile per loop body, of 16 columns a wgmma
-    groups = plan.acc_values // 4
+    groups = plan.live_groups  # rank 0 reads (and stores) only the groups of 8 columns within the batch
     split = plan.k_splits > 1
     columns = (2 + 2 * plan.ahead) * plan.k_tile // 64
     return {
@@ -75,9 +75,10 @@ def expected_ptx(plan: WgmmaStreamPlan) -> dict[str, int]:
         r"mbarrier\.arrive\.expect_tx\.shared\.b64": 1 + plan.ahead,  # a stage armed for both copies' bytes
         r"mbarrier\.try_wait\.parity\.shared\.b64": 2 + plan.ahead,  # consumers wait full, the producer empty
         r"mbarrier\.arrive\.shared\.b64": 1,  # a consumer warp frees a stage
-        r"st\.global\.b16": plan.acc_values,  # the transposed, masked stores: one per accumulator
+        r"st\.global\.b16": plan.stored_values,  # the transposed, masked stores: one per accumulator within B
         r"mapa\.shared::cluster": int(split),
-        r"st\.shared::cluster\.v4\.b32": groups if split else 0,  # a peer's partial tile into rank 0
+        # a peer's partial tile into rank 0, every group (remote stores are never dead code)
+        r"st\.shared::cluster\.v4\.b32": plan.acc_values // 4 if split else 0,
         r"ld\.shared\.v4\.b32": (plan.k_splits - 1) * groups,  # rank 0 reading them
         r"barrier\.cluster\.arrive\.relaxed;": int(split),  # after the barrier inits
         r"barrier\.cluster\.arrive;": int(split),  # release: the partials are in place
@@ -143,8 +144,8 @@ def test_every_built_plan_is_accepted(plan):
     ("changes", "reason"),
     [
         ({"rows": 0}, "rows must be at least 1"),
-        ({"batch": 0}, "batch must be 1..64"),
-        ({"batch": 65}, "batch must be 1..64"),
+        ({"batch": 8}, "batch must be 9..64"),
+        ({"batch": 65}, "batch must be 9..64"),
         ({"m_rows": 96}, "m_rows must be 64 or 128"),
         ({"k_tile": 32}, "k_tile must be 64, 128"),
         ({"k_tile": 320, "k": 7040}, "k_tile must be 64, 128"),
@@ -167,7 +168,7 @@ def test_problem_names_each_rule(changes, reason):
 def test_the_kernel_refuses_a_plan_with_a_problem():
     from k3_decode.kernels.wgmma_stream import WgmmaStream
 
-    with pytest.raises(ValueError, match=r"batch must be 1\.\.64"):
+    with pytest.raises(ValueError, match=r"batch must be 9\.\.64"):
         WgmmaStream(WgmmaStreamPlan(7168, 1536, 65))
 
 
