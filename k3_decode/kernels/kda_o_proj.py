@@ -135,13 +135,15 @@ from k3_decode.kernels.kda_in_proj_mma import (
     stream_slots,
 )
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
+from k3_decode.kernels.kda_o_proj_wgmma_plan import OProjWgmmaPlan
 from k3_decode.kernels.phase_trace import words_for
 from k3_decode.kernels.primitives import bulk_prefetch_l2, launch_resident, trace_stamp
 
 
-def compile_args(plan: OProjPlan, capacity: int, trace: bool = False) -> tuple[Any, ...]:
-    """Fake arguments of one compile: the shapes and dtypes the compiled kernel then accepts, nothing else (a traced
-    build's counter has the phase stamps after the launch count: phase_trace.py)."""
+def compile_args(plan: OProjPlan | OProjWgmmaPlan, capacity: int, trace: bool = False) -> tuple[Any, ...]:
+    """Fake arguments of one compile, for either build (the same signature): the shapes and dtypes the compiled kernel
+    then accepts, nothing else (a traced build's counter has the phase stamps after the launch count:
+    phase_trace.py)."""
 
     def bf16(*shape: int) -> Any:
         return cutedsl.fake_tensor(BFloat16, shape)

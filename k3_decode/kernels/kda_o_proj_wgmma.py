@@ -36,7 +36,7 @@ from k3_decode.kernels.kda_o_proj import KdaOProjKernel
 from k3_decode.kernels.kda_o_proj import compile_args as compile_args  # the same signature as the mma.sync build
 from k3_decode.kernels.kda_o_proj_wgmma_plan import OProjWgmmaPlan
 from k3_decode.kernels.primitives import launch_resident, trace_stamp
-from k3_decode.kernels.wgmma_stream import WgmmaStream, _storage, operands
+from k3_decode.kernels.wgmma_stream import WgmmaStream, operands, ring_storage
 from k3_decode.kernels.wgmma_stream_plan import MMA_K, WARP
 
 
@@ -70,7 +70,7 @@ class KdaOProjKernelWgmma(KdaOProjKernel):
     ):
         plan = self.plan
         tiled_mma, w_ring, x_ring, tma_w, w_tiles, tma_x, x_tiles = operands(plan.stream, w, o)
-        self.storage = _storage(plan.stream, cute.cosize(w_ring), cute.cosize(x_ring))
+        self.storage = ring_storage(plan.stream, cute.cosize(w_ring), cute.cosize(x_ring))
         operand_args = (tma_w, w_tiles, tma_x, x_tiles, tiled_mma, w_ring, x_ring)
         step_args = (attn_out, prefix, blocks, out, res_norm, res_proj, out_norm, arrivals, launches, save_index, eps)
         launch_resident(

@@ -51,7 +51,7 @@ from k3_decode.kernels.wgmma_stream_plan import (
 )
 
 
-def _storage(p: WgmmaStreamPlan, w_elements: int, x_elements: int) -> Any:
+def ring_storage(p: WgmmaStreamPlan, w_elements: int, x_elements: int) -> Any:
     """The CTA's shared memory: ring barriers, the W and x rings (1024-byte aligned for the 128-byte swizzle) and, in a
     K-split cluster, rank 0's buffer for the other ranks' partials."""
 
@@ -102,7 +102,7 @@ class WgmmaStream:
     def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, launches: cute.Tensor, stream: Any):
         p = self.plan
         tiled_mma, w_ring, x_ring, tma_w, w_tiles, tma_x, x_tiles = operands(p, w, x)
-        self.storage = _storage(p, cute.cosize(w_ring), cute.cosize(x_ring))
+        self.storage = ring_storage(p, cute.cosize(w_ring), cute.cosize(x_ring))
         assert self.storage.size_in_bytes() == p.smem_bytes, (self.storage.size_in_bytes(), p.smem_bytes)
         cluster = [p.k_splits, 1, 1] if const_expr(p.k_splits > 1) else None
         self.kernel(tma_w, w_tiles, tma_x, x_tiles, out, launches, tiled_mma, w_ring, x_ring).launch(
