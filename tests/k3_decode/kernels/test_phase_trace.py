@@ -19,7 +19,7 @@ from tests.k3_decode.kernels.helpers import REPO, needs_cutedsl
 KERNEL_SOURCES = {
     "kda_in_proj": ["kda_in_proj.py", "kda_in_proj_mma.py", "wgmma_stream.py"],
     "kda_step": ["kda_step.py"],
-    "kda_o_proj": ["kda_o_proj.py"],
+    "kda_o_proj": ["kda_o_proj.py", "kda_o_proj_wgmma.py"],
 }
 
 
@@ -104,6 +104,8 @@ from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 from k3_decode.kernels.kda_o_proj import KdaOProjKernel, compile_args as o_args
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
+from k3_decode.kernels.kda_o_proj_wgmma import KdaOProjKernelWgmma
+from k3_decode.kernels.kda_o_proj_wgmma_plan import OProjWgmmaPlan
 from k3_decode.kernels.kda_step import KdaStepKernel, compile_args as step_args
 from k3_decode.kernels.kda_step_plan import KdaStepPlan
 from k3_decode.kernels.wgmma_stream import KdaInProjKernelWgmma, compile_args as w_args
@@ -114,12 +116,14 @@ step = KdaStepPlan.for_shape(6, 3216, 1, 132, "int32")
 proj = InProjPlan.for_shape(3216, 7168, 1)
 mma = InProjMmaPlan.for_shape(3216, 7168, 1)
 o = OProjPlan.for_shape(7168, 768, 1, AttnResKind.from_tag("n3-add-norm"))
+ow = OProjWgmmaPlan.for_shape(7168, 768, 33, AttnResKind.from_tag("n3-add-norm"))
 builds = {
     "kda_step": lambda t: (KdaStepKernel(step, t), step_args(step, t)),
     "kda_in_proj": lambda t: (KdaInProjKernel(proj, t), in_args(proj, t)),
     "kda_in_proj_mma": lambda t: (KdaInProjKernelMma(mma, t), in_args(mma, t)),
     "kda_in_proj_wgmma": lambda t: (KdaInProjKernelWgmma(wg, t), w_args(wg, t)),
     "kda_o_proj": lambda t: (KdaOProjKernel(o, t), o_args(o, 8, t)),
+    "kda_o_proj_wgmma": lambda t: (KdaOProjKernelWgmma(ow, t), o_args(ow, 8, t)),
 }
 out = {}
 for name, make in builds.items():
@@ -138,9 +142,10 @@ print(json.dumps(out))
 @pytest.mark.slow
 @needs_cutedsl
 def test_traced_builds_stamp_every_phase_and_untraced_builds_none(tmp_path):
-    """What the flag changes in the PTX: a traced kernel reads the timer once per phase it stamps (the step's
-    eleven, o_proj's six, the projection's three) and the SM id once; the shipped (untraced) kernel reads
-    neither, so tracing cannot leak into the builds `k3gate kernels build` checks."""
+    """What the flag changes in the PTX: a traced kernel reads the timer once per phase it stamps in its code (the
+    step's eleven, o_proj's six, its wgmma build's nine in two kinds of CTA, the projection's three) and the SM id
+    once; the shipped (untraced) kernel reads neither, so tracing cannot leak into the builds `k3gate kernels build`
+    checks."""
     script = tmp_path / "build_both.py"
     script.write_text(BUILD_BOTH)
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUTE_DSL_ARCH": "sm_90a"}
@@ -149,7 +154,16 @@ def test_traced_builds_stamp_every_phase_and_untraced_builds_none(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    expected = {"kda_step": 11, "kda_in_proj": 3, "kda_in_proj_mma": 3, "kda_in_proj_wgmma": 3, "kda_o_proj": 6}
+    # o_proj's wgmma build stamps o_proj's six phases in two kinds of CTA: the start once, then 1-3 in the stream
+    # CTAs' code and 1-5 in the epilogue CTAs' (nine reads of the timer in the code)
+    expected = {
+        "kda_step": 11,
+        "kda_in_proj": 3,
+        "kda_in_proj_mma": 3,
+        "kda_in_proj_wgmma": 3,
+        "kda_o_proj": 6,
+        "kda_o_proj_wgmma": 9,
+    }
     for name, phases in expected.items():
         assert got[f"{name}/False"] == {"timer": 0, "clock": 0, "smid": 0}, (name, got[f"{name}/False"])
         traced = got[f"{name}/True"]
