@@ -30,14 +30,18 @@ from k3_decode.kernels.kda_o_proj_plan import (
     exchange_bytes,
     preloaded_rows,
 )
-from k3_decode.kernels.kda_o_proj_plan import (
-    WGMMA_MIN_BATCH as MIN_BATCH,
+from k3_decode.kernels.wgmma_stream_plan import (
+    BARRIER_BYTES,
+    MIN_BATCH,  # the stream's least batch: wgmma N 8 raised an illegal instruction here
+    MMA_M,
+    WARPGROUP,
+    WgmmaStreamPlan,
+    wgmma_n,
 )
-from k3_decode.kernels.wgmma_stream_plan import BARRIER_BYTES, MMA_M, WARPGROUP, WgmmaStreamPlan, wgmma_n
 
 # Rows of AttnRes run by at most this many waiting clusters; above 32 rows each takes two (B64: 32 clusters of 2).
 MAX_EPILOGUE_CLUSTERS = 32
-# CTAs an SM holds at once: ptxas caps registers at 170 for three warpgroups, and the ring is sized to three a SM,
+# CTAs an SM holds at once: ptxas caps registers at 168 for three warpgroups, and the ring is sized to three a SM,
 # so 3 x 132 CTA slots hold the 336 CTAs of B64 (16 stream and 32 epilogue clusters) in one wave.
 CTAS_PER_SM = 3
 MAX_STAGES = 8  # k tiles in flight a CTA: 8 x 8 KB of W is more than an SM needs to cover HBM latency
