@@ -21,6 +21,7 @@ from k3_decode.kernels.kda_in_proj_choice import wgmma_plan
 from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan
+from k3_decode.kernels.kda_o_proj_wgmma_plan import CTAS_PER_SM as OPROJ_WGMMA_CTAS_PER_SM
 from k3_decode.kernels.kda_o_proj_wgmma_plan import OProjWgmmaPlan
 from k3_decode.kernels.kda_step_plan import (
     RESIDENT_CHOICES,
@@ -371,7 +372,10 @@ class KdaOProjWgmmaBuild:
 
     @property
     def name(self) -> str:
-        return f"kda_o_proj_wgmma/tp{self.tp}/b{self.plan.batch}/{self.plan.kind.tag}"
+        p = self.plan
+        return f"kda_o_proj_wgmma/tp{self.tp}/b{p.batch}/{p.kind.tag}" + f"/{p.ctas_per_sm}-per-sm" * (
+            p.ctas_per_sm != OPROJ_WGMMA_CTAS_PER_SM
+        )
 
     @property
     def tags(self) -> dict[str, Any]:
@@ -390,6 +394,7 @@ class KdaOProjWgmmaBuild:
             "epilogue_clusters": p.epilogue_clusters,
             "epilogue_rows": p.epilogue_rows,
             "stages": s.stages,
+            "ctas_per_sm": p.ctas_per_sm,
             "weight_bytes": p.weight_bytes,
             "w_copies_ahead": s.ahead,
             "tile_copies": 2 * s.ahead + 2,
@@ -722,15 +727,17 @@ class K3KernelBuilds:
                 hidden, k = dims.shard(tp).kda_o_proj
             except ShardError as exc:
                 raise ValueError(f"builds.toml kda_o_proj_wgmma.tp: {exc}") from None
-            for batch in spec["batches"]:
-                for tag in spec["kinds"]:
-                    kind = AttnResKind.from_tag(tag)
-                    if kind not in after:
-                        raise ValueError(
-                            f"builds.toml kda_o_proj_wgmma.kinds: {tag} is not an after-attention kind of {dims.name}"
-                        )
-                    plan = OProjWgmmaPlan.for_shape(hidden, k, batch, kind, spec["sm_count"])
-                    builds.append(KdaOProjWgmmaBuild(tp, plan, dims.num_attn_res_blocks))
+            two = spec.get("two_per_sm", {"batches": [], "kinds": []})
+            cells = [(b, t, OPROJ_WGMMA_CTAS_PER_SM) for b in spec["batches"] for t in spec["kinds"]]
+            cells += [(b, t, 2) for b in two["batches"] for t in two["kinds"]]  # the ring sized for two a SM
+            for batch, tag, per_sm in cells:
+                kind = AttnResKind.from_tag(tag)
+                if kind not in after:
+                    raise ValueError(
+                        f"builds.toml kda_o_proj_wgmma.kinds: {tag} is not an after-attention kind of {dims.name}"
+                    )
+                plan = OProjWgmmaPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], ctas_per_sm=per_sm)
+                builds.append(KdaOProjWgmmaBuild(tp, plan, dims.num_attn_res_blocks))
         return builds
 
     def _projection_builds(self, section: str, shape: Callable[[Any], tuple[int, int]]) -> list[KdaInProjBuild]:

@@ -56,6 +56,12 @@ ONE_PASS_N_TILES = MAX_BATCH // TILE_N
 # raised an illegal instruction at TP8 B1 (wgmma N = 8, one epilogue cluster), not diagnosed, while B9-B64 ran; below
 # 9 rows the mma.sync build (CUDA cores to 4 rows) serves.
 WGMMA_MIN_BATCH = WGMMA_STREAM_MIN_BATCH
+# CTAs an SM the wgmma build's shared memory is sized for (kda_o_proj_choice.toml wgmma_ctas_per_sm): three (168
+# registers, the whole grid resident at once, 4-7 ring stages) or two (6-8 stages, but at B64 the 336 CTAs no longer
+# fit at once: the later epilogue clusters start as stream CTAs leave). One SM holds at most three warpgroups of the
+# eight-block kinds' 156 registers.
+WGMMA_CTAS_PER_SM = 3
+WGMMA_CTAS_PER_SM_CHOICES = (2, 3)
 ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
 MAX_CTAS_PER_SM = 4  # 4 x 128 threads x 128 registers = an SM's 64K registers
 H200_SMS = 132
@@ -87,6 +93,7 @@ class OProjChoice:
     w_smem_batches: tuple[tuple[int, int], ...] = ()
     w_l2_batches: tuple[tuple[int, int], ...] = ()
     wgmma_batches: tuple[tuple[int, int], ...] = ()
+    wgmma_ctas_per_sm: int = WGMMA_CTAS_PER_SM
 
 
 def choice(path: Path | None = None) -> OProjChoice:
@@ -131,6 +138,11 @@ def wgmma_at(batch: int, path: Path | None = None) -> bool:
     return _within(batch, choice(path).wgmma_batches)
 
 
+def wgmma_ctas_per_sm(path: Path | None = None) -> int:
+    """CTAs of one SM the wgmma build's launch is sized for, as kda_o_proj_choice.toml (or `path`) says."""
+    return choice(path).wgmma_ctas_per_sm
+
+
 def _within(batch: int, ranges: tuple[tuple[int, int], ...]) -> bool:
     return any(first <= batch <= last for first, last in ranges)
 
@@ -149,13 +161,27 @@ def _choice(path: Path) -> OProjChoice:
     caps, rules = table.get("cap_batches"), table.get("one_pass")
     warm, staged = table.get("warm_batches", []), table.get("w_smem_batches", [])
     in_l2, wgmma = table.get("w_l2_batches", []), table.get("wgmma_batches", [])
-    known = {"cap_batches", "one_pass", "warm_batches", "w_smem_batches", "w_l2_batches", "wgmma_batches"}
+    known = {
+        "cap_batches",
+        "one_pass",
+        "warm_batches",
+        "w_smem_batches",
+        "w_l2_batches",
+        "wgmma_batches",
+        "wgmma_ctas_per_sm",
+    }
     if not {"cap_batches", "one_pass"} <= set(table) <= known or not all(
         isinstance(v, list) for v in (caps, rules, warm, staged, in_l2, wgmma)
     ):
         raise ValueError(
             f"{path.name} holds the lists cap_batches and one_pass (and warm_batches, w_smem_batches, w_l2_batches, "
             f"wgmma_batches) and nothing else, got {sorted(table)}"
+        )
+    per_sm = table.get("wgmma_ctas_per_sm", WGMMA_CTAS_PER_SM)
+    if per_sm not in WGMMA_CTAS_PER_SM_CHOICES or isinstance(per_sm, bool):
+        raise ValueError(
+            f"{path.name}: wgmma_ctas_per_sm is one of {WGMMA_CTAS_PER_SM_CHOICES} (CTAs an SM the wgmma build's "
+            f"shared memory is sized for), got {per_sm!r}"
         )
     cap_batches = tuple(_span(span, 1, f"{path.name}: cap_batches[{i}]") for i, span in enumerate(caps))
     one_pass = []
@@ -180,7 +206,7 @@ def _choice(path: Path) -> OProjChoice:
     wgmma_batches = tuple(
         _span(span, WGMMA_MIN_BATCH, f"{path.name}: wgmma_batches[{i}]") for i, span in enumerate(wgmma)
     )
-    return OProjChoice(cap_batches, tuple(one_pass), warm_batches, w_smem_batches, w_l2_batches, wgmma_batches)
+    return OProjChoice(cap_batches, tuple(one_pass), warm_batches, w_smem_batches, w_l2_batches, wgmma_batches, per_sm)
 
 
 def preloaded_rows(kind: AttnResKind, epilogue_rows: int) -> int:

@@ -12,9 +12,9 @@ both of the AttnRes kernel's size (attn_res_plan.ClusterPlan: 7 CTAs of 128 thre
 - epilogue clusters S..S+E-1 (E = min(B, MAX_EPILOGUE_CLUSTERS)): each arrives at once, loads what does not depend
   on o_proj (the AttnRes weights, its rows' bank blocks and old prefix), waits for every arrival and applies AttnRes
   to rows c - S, c - S + E, ... as kda_o_proj.py's epilogue does.
-The launch has one shared-memory size for both kinds (the stream's ring), sized so CTAS_PER_SM fit an SM: the whole
-grid (336 CTAs at B64) then fits the device at once, and only the E epilogue clusters ever wait, so the grid
-finishes whenever more than E clusters fit (the argument of kda_o_proj.py).
+The launch has one shared-memory size for both kinds (the stream's ring), sized so `ctas_per_sm` fit an SM (three by
+default: the whole grid, 336 CTAs at B64, then fits the device at once; two give the ring more stages). Only the E
+epilogue clusters ever wait, so the grid finishes whenever more than E clusters fit (the argument of kda_o_proj.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ from k3_decode.kernels.kda_o_proj_plan import (
     H200_SMS,
     MAX_BATCH,
     SMEM_PER_SM,
+    WGMMA_CTAS_PER_SM_CHOICES,
     exchange_bytes,
     preloaded_rows,
+    wgmma_ctas_per_sm,
 )
 from k3_decode.kernels.wgmma_stream_plan import (
     BARRIER_BYTES,
@@ -41,8 +43,9 @@ from k3_decode.kernels.wgmma_stream_plan import (
 
 # Rows of AttnRes run by at most this many waiting clusters; above 32 rows each takes two (B64: 32 clusters of 2).
 MAX_EPILOGUE_CLUSTERS = 32
-# CTAs an SM holds at once: ptxas caps registers at 168 for three warpgroups, and the ring is sized to three a SM,
-# so 3 x 132 CTA slots hold the 336 CTAs of B64 (16 stream and 32 epilogue clusters) in one wave.
+# CTAs an SM holds at once by default (kda_o_proj_choice.toml wgmma_ctas_per_sm): ptxas caps registers at 168 for
+# three warpgroups, and the ring is sized to three a SM, so 3 x 132 CTA slots hold the 336 CTAs of B64 (16 stream and
+# 32 epilogue clusters) in one wave.
 CTAS_PER_SM = 3
 MAX_STAGES = 8  # k tiles in flight a CTA: 8 x 8 KB of W is more than an SM needs to cover HBM latency
 DRIVER_BYTES = 1024  # the driver's shared memory per CTA
@@ -56,10 +59,20 @@ class OProjWgmmaPlan:
     kind: AttnResKind  # the AttnRes after attention this launch applies
     sm_count: int = H200_SMS
     k_tile: int = 64
+    ctas_per_sm: int = CTAS_PER_SM  # CTAs an SM the shared memory is sized for (and ptxas's register cap)
 
     @classmethod
-    def for_shape(cls, hidden: int, k: int, batch: int, kind: AttnResKind, sm_count: int = H200_SMS) -> OProjWgmmaPlan:
-        """The plan for one shape; raises, naming the problem, for one this build cannot take."""
+    def for_shape(
+        cls,
+        hidden: int,
+        k: int,
+        batch: int,
+        kind: AttnResKind,
+        sm_count: int = H200_SMS,
+        ctas_per_sm: int | None = None,
+    ) -> OProjWgmmaPlan:
+        """The plan for one shape; raises, naming the problem, for one this build cannot take. `ctas_per_sm`: None
+        takes kda_o_proj_choice.toml's wgmma_ctas_per_sm."""
         attn = ClusterPlan.for_hidden(hidden)  # raises for a width AttnRes cannot split
         if attn.threads != WARPGROUP:  # then the rows are whole clusters of 64-row tiles too: 1024 a CTA of 8 columns
             raise ValueError(
@@ -76,9 +89,13 @@ class OProjWgmmaPlan:
             )
         if sm_count < 1:
             raise ValueError(f"sm_count must be at least 1, got {sm_count}")
-        plan = cls(hidden, k, batch, kind, sm_count)
+        if ctas_per_sm is None:
+            ctas_per_sm = wgmma_ctas_per_sm()
+        if ctas_per_sm not in WGMMA_CTAS_PER_SM_CHOICES:
+            raise ValueError(f"the wgmma o_proj is sized for {WGMMA_CTAS_PER_SM_CHOICES} CTAs an SM, got {ctas_per_sm}")
+        plan = cls(hidden, k, batch, kind, sm_count, ctas_per_sm=ctas_per_sm)
         if plan.stages < 2:
-            raise ValueError(f"{plan.tag}: fewer than two ring stages fit {CTAS_PER_SM} CTAs an SM")
+            raise ValueError(f"{plan.tag}: fewer than two ring stages fit {ctas_per_sm} CTAs an SM")
         why = plan.stream.problem()
         if why is not None:
             raise ValueError(f"{plan.tag}: {why}")
@@ -116,9 +133,9 @@ class OProjWgmmaPlan:
 
     @property
     def stages(self) -> int:
-        """Ring stages: as many k tiles as fit beside the exchange areas with CTAS_PER_SM CTAs an SM, at most
+        """Ring stages: as many k tiles as fit beside the exchange areas with ctas_per_sm CTAs an SM, at most
         MAX_STAGES and the k tiles there are."""
-        room = SMEM_PER_SM // CTAS_PER_SM - DRIVER_BYTES - BARRIER_BYTES - self.exchange_bytes - 128
+        room = SMEM_PER_SM // self.ctas_per_sm - DRIVER_BYTES - BARRIER_BYTES - self.exchange_bytes - 128
         return min(MAX_STAGES, self.k // self.k_tile, room // self.stage_bytes)
 
     @property
@@ -157,17 +174,13 @@ class OProjWgmmaPlan:
         return self.clusters * self.cluster
 
     @property
-    def ctas_per_sm(self) -> int:
-        return CTAS_PER_SM
-
-    @property
     def smem_bytes(self) -> int:
         """The dynamic shared memory every CTA asks for: the ring (and its barriers), then the exchange areas."""
         return self.stream.smem_bytes + self.exchange_bytes + 128
 
     @property
     def resident_clusters(self) -> int:
-        per_sm = min(CTAS_PER_SM, SMEM_PER_SM // (self.smem_bytes + DRIVER_BYTES))
+        per_sm = min(self.ctas_per_sm, SMEM_PER_SM // (self.smem_bytes + DRIVER_BYTES))
         return self.sm_count * per_sm // self.cluster
 
     @property
@@ -181,4 +194,4 @@ class OProjWgmmaPlan:
 
     @property
     def tag(self) -> str:
-        return f"o-proj-wgmma/h{self.hidden}/k{self.k}/b{self.batch}/{self.kind.tag}/s{self.stages}"
+        return f"o-proj-wgmma/h{self.hidden}/k{self.k}/b{self.batch}/{self.kind.tag}/s{self.stages}/c{self.ctas_per_sm}"

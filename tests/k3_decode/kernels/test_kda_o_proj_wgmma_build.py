@@ -70,11 +70,30 @@ def test_a_shape_it_cannot_take_is_refused_in_one_line(args, says):
     assert "\n" not in str(err.value)
 
 
+def test_a_ring_for_two_ctas_an_sm_holds_more_stages_and_still_more_clusters_than_wait():
+    three, two = plan(TP8, 64), OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, ctas_per_sm=2)
+    assert (three.ctas_per_sm, two.ctas_per_sm) == (3, 2) and two.stages > three.stages
+    assert 2 * (two.smem_bytes + DRIVER_BYTES) <= SMEM_PER_SM < 3 * (two.smem_bytes + DRIVER_BYTES)
+    assert two.resident_clusters == 132 * 2 // 7 > two.epilogue_clusters == 32  # not all 48 at once: still no deadlock
+    assert two.tag.endswith("/c2") and three.tag.endswith("/c3")
+    with pytest.raises(ValueError, match=r"sized for \(2, 3\) CTAs an SM, got 4"):
+        OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, ctas_per_sm=4)
+
+
 def test_the_choice_file_serves_it_by_batch_range(tmp_path):
     path = tmp_path / "choice.toml"
     path.write_text("cap_batches = []\none_pass = []\nwgmma_batches = [[32, 64]]\n")
     assert choice(path).wgmma_batches == ((32, 64),)
     assert [wgmma_at(b, path) for b in (16, 31, 32, 64)] == [False, False, True, True]
+    two = tmp_path / "two.toml"  # (choice files are read once per path)
+    two.write_text("cap_batches = []\none_pass = []\nwgmma_ctas_per_sm = 2\n")
+    assert (
+        choice(two).wgmma_ctas_per_sm == 2 and choice(two).wgmma_batches == () and choice(path).wgmma_ctas_per_sm == 3
+    )
+    bad_sm = tmp_path / "bad-sm.toml"
+    bad_sm.write_text("cap_batches = []\none_pass = []\nwgmma_ctas_per_sm = 4\n")
+    with pytest.raises(ValueError, match=r"wgmma_ctas_per_sm is one of \(2, 3\)"):
+        choice(bad_sm)
     for i, bad in enumerate(("[[64, 32]]", "[[8, 64]]", "[[32, 65]]")):  # reversed, below its least, past 64
         path = tmp_path / f"bad-{i}.toml"
         path.write_text(f"cap_batches = []\none_pass = []\nwgmma_batches = {bad}\n")
@@ -104,7 +123,10 @@ def failed_checks(build: KdaOProjWgmmaBuild, art: KernelArtifacts) -> list[str]:
 def test_ci_builds_every_tp_batch_and_kind_builds_toml_lists():
     names = {b.name for b in _builds()}
     kinds = ("n1-restart-norm", "n1-add-norm", "n8-add-norm")
-    assert names == {f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}" for tp in (8, 16) for b in (16, 32, 64) for k in kinds}
+    served = {f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}" for tp in (8, 16) for b in (16, 32, 64) for k in kinds}
+    two = {f"kda_o_proj_wgmma/tp{tp}/b64/{k}/2-per-sm" for tp in (8, 16) for k in ("n1-add-norm", "n8-add-norm")}
+    assert names == served | two
+    assert {b.plan.ctas_per_sm for b in _builds() if b.name in two} == {2}
 
 
 def test_every_build_passes_its_expectations():

@@ -155,7 +155,16 @@ def test_the_plan_the_op_picks_follows_the_choice_and_the_argument():
 
 
 @pytest.mark.parametrize("tp", [8, 16])
-def test_timing_against_the_mma_sync_build_and_the_stock_pair(tp: int):
+def test_timing_against_the_mma_sync_build_and_the_stock_pair(tp: int, tmp_path, monkeypatch):
+    """Per call; the wgmma build also with its ring sized for two CTAs an SM (kda_o_proj_choice.toml
+    wgmma_ctas_per_sm = 2: more stages, the grid no longer resident at once at B64), printed beside the served one."""
+    from k3_decode.kernels import kda_o_proj_plan
+
+    served = kda_o_proj_plan.CHOICE
+    two = tmp_path / "kda_o_proj_choice-2-per-sm.toml"
+    text = served.read_text()
+    assert text.count("\nwgmma_ctas_per_sm = 3\n") == 1, "the served choice names its wgmma_ctas_per_sm"
+    two.write_text(text.replace("\nwgmma_ctas_per_sm = 3\n", "\nwgmma_ctas_per_sm = 2\n"))
     copy = copy_bandwidth()
     l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
     hidden, k = K3.shard(tp).kda_o_proj
@@ -181,12 +190,21 @@ def test_timing_against_the_mma_sync_build_and_the_stock_pair(tp: int):
                 partial = gemm.linear(o, ws[i % copies])
                 stock_attn_res.apply(buffers, site, partial, mix, EPS, "triton")
 
-            runs = (("wgmma", build(True)), ("mma", build(False)), ("stock", stock))
-            us = {name: _graph_seconds_per_call(fn, 4 * copies) * 1e6 for name, fn in runs}
+            runs = (
+                ("wgmma", build(True), served),
+                ("wgmma2", build(True), two),
+                ("mma", build(False), served),
+                ("stock", stock, served),
+            )
+            us = {}
+            for name, fn, choice_file in runs:  # the plan is made (and compiled) at the first call, inside the timing
+                monkeypatch.setattr(kda_o_proj_plan, "CHOICE", choice_file)
+                us[name] = _graph_seconds_per_call(fn, 4 * copies) * 1e6
+            monkeypatch.setattr(kda_o_proj_plan, "CHOICE", served)
             print(
                 f"METRIC o_proj + AttnRes TP{tp} B{batch} {kind.tag} (graph replays, per call): wgmma "
-                f"{us['wgmma']:.1f} us ({weight_bytes / (us['wgmma'] * 1e-6) / copy:.1%} of copy for W), mma.sync "
-                f"{us['mma']:.1f} us, stock cuBLAS + Triton {us['stock']:.1f} us"
+                f"{us['wgmma']:.1f} us ({weight_bytes / (us['wgmma'] * 1e-6) / copy:.1%} of copy for W; two CTAs an "
+                f"SM {us['wgmma2']:.1f}), mma.sync {us['mma']:.1f} us, stock cuBLAS + Triton {us['stock']:.1f} us"
             )
             if wgmma_at(batch) and us["wgmma"] > SLOWER_LIMIT * min(us["mma"], us["stock"]):
                 slower.append(f"B{batch} {kind.tag}: {us['wgmma']:.1f} us")
