@@ -36,8 +36,8 @@ from k3_decode.kernels.kda_o_proj import KdaOProjKernel
 from k3_decode.kernels.kda_o_proj import compile_args as compile_args  # the same signature as the mma.sync build
 from k3_decode.kernels.kda_o_proj_wgmma_plan import OProjWgmmaPlan
 from k3_decode.kernels.primitives import launch_resident, trace_stamp
-from k3_decode.kernels.wgmma_stream import WgmmaStream, operands, ring_storage
-from k3_decode.kernels.wgmma_stream_plan import MMA_K, WARP
+from k3_decode.kernels.wgmma_stream import WgmmaStream, make_ring, operands, ring_storage, tile_views
+from k3_decode.kernels.wgmma_stream_plan import MMA_K
 
 
 class KdaOProjKernelWgmma(KdaOProjKernel):
@@ -161,28 +161,13 @@ class KdaOProjKernelWgmma(KdaOProjKernel):
         if producer:
             cpasync.prefetch_descriptor(tma_w)
             cpasync.prefetch_descriptor(tma_x)
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(),
-            num_stages=s.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, s.consumer_threads // WARP),
-            tx_count=s.stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),  # the ring is the CTA's own: no multicast
-            defer_sync=True,
-        )
+        ring = make_ring(s, storage)
         pipeline.pipeline_init_arrive()  # fences the barrier inits; no cluster shape: a CTA barrier follows
         pipeline.pipeline_init_wait()
 
         sw = storage.w.get_tensor(w_ring.outer, swizzle=w_ring.inner)
         sx = storage.x.get_tensor(x_ring.outer, swizzle=x_ring.inner)
-        gw = cute.local_tile(w_tiles, (s.m_rows, s.k_tile), (cta, None))  # (m_rows, k_tile, K / k_tile)
-        gx = cute.local_tile(x_tiles, (s.n, s.k_tile), (0, None))
-        tws, twg = cpasync.tma_partition(
-            tma_w, 0, cute.make_layout(1), cute.group_modes(sw, 0, 2), cute.group_modes(gw, 0, 2)
-        )
-        txs, txg = cpasync.tma_partition(
-            tma_x, 0, cute.make_layout(1), cute.group_modes(sx, 0, 2), cute.group_modes(gx, 0, 2)
-        )
+        tws, twg, txs, txg = tile_views(s, tma_w, w_tiles, tma_x, x_tiles, sw, sx, cta)
 
         # Every thread keeps the producer's state (plain counters), so it advances outside warp 0's branches.
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, s.stages)

@@ -51,6 +51,45 @@ from k3_decode.kernels.wgmma_stream_plan import (
 )
 
 
+def make_ring(p: WgmmaStreamPlan, storage: Any) -> pipeline.PipelineTmaAsync:
+    """The CTA's ring of `stages` full/empty barrier pairs: one producer thread arms a stage for both copies' bytes,
+    every consumer warp releases it. Each CTA's ring is its own (no multicast), so it is built for a cluster of one
+    even in a cluster launch: its barriers are only ever signalled locally. Its inits still need publishing
+    (pipeline_init_arrive / _wait) before first use."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=storage.barriers.data_ptr(),
+        num_stages=p.stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, p.consumer_threads // WARP),
+        tx_count=p.stage_bytes,
+        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        defer_sync=True,
+    )
+
+
+def tile_views(
+    p: WgmmaStreamPlan,
+    tma_w: cute.CopyAtom,
+    w_tiles: cute.Tensor,
+    tma_x: cute.CopyAtom,
+    x_tiles: cute.Tensor,
+    sw: cute.Tensor,
+    sx: cute.Tensor,
+    m_tile: Any,
+) -> tuple:
+    """(W's ring slots, W tile `m_tile`'s k tiles, x's ring slots, x's k tiles) as TMA copies take them: indexed
+    [(None, stage)] and [(None, k tile)]."""
+    gw = cute.local_tile(w_tiles, (p.m_rows, p.k_tile), (m_tile, None))  # (m_rows, k_tile, K / k_tile)
+    gx = cute.local_tile(x_tiles, (p.n, p.k_tile), (0, None))
+    tws, twg = cpasync.tma_partition(
+        tma_w, 0, cute.make_layout(1), cute.group_modes(sw, 0, 2), cute.group_modes(gw, 0, 2)
+    )
+    txs, txg = cpasync.tma_partition(
+        tma_x, 0, cute.make_layout(1), cute.group_modes(sx, 0, 2), cute.group_modes(gx, 0, 2)
+    )
+    return tws, twg, txs, txg
+
+
 def ring_storage(p: WgmmaStreamPlan, w_elements: int, x_elements: int) -> Any:
     """The CTA's shared memory: ring barriers, the W and x rings (1024-byte aligned for the 128-byte swizzle) and, in a
     K-split cluster, rank 0's buffer for the other ranks' partials."""
@@ -142,17 +181,7 @@ class WgmmaStream:
             cpasync.prefetch_descriptor(tma_x)
 
         storage = SmemAllocator().allocate(self.storage)
-        # Each CTA's ring is its own (no multicast), so the pipeline is built for a cluster of one even when the CTA
-        # is in a K-split cluster: its barriers are only ever signalled locally.
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(),
-            num_stages=p.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, p.consumer_threads // WARP),
-            tx_count=p.stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True,
-        )
+        ring = make_ring(p, storage)  # the CTA's own even in a K-split cluster
         # Barrier inits must be visible to the async proxy (TMA) and to every thread before first use; in a cluster
         # also every peer must have started before one writes its shared memory at the end.
         if const_expr(p.k_splits > 1):
@@ -168,14 +197,7 @@ class WgmmaStream:
         assert cute.size(acc) == p.acc_values, "the partials' layout assumes wgmma's m64nN accumulator fragment"
 
         if producer:
-            gw = cute.local_tile(w_tiles, (p.m_rows, p.k_tile), (m_tile, None))  # (m_rows, k_tile, K / k_tile)
-            gx = cute.local_tile(x_tiles, (p.n, p.k_tile), (0, None))
-            tws, twg = cpasync.tma_partition(
-                tma_w, 0, cute.make_layout(1), cute.group_modes(sw, 0, 2), cute.group_modes(gw, 0, 2)
-            )
-            txs, txg = cpasync.tma_partition(
-                tma_x, 0, cute.make_layout(1), cute.group_modes(sx, 0, 2), cute.group_modes(gx, 0, 2)
-            )
+            tws, twg, txs, txg = tile_views(p, tma_w, w_tiles, tma_x, x_tiles, sw, sx, m_tile)
             first = split * p.k_tiles
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, p.stages)
             # W does not depend on the previous kernel: the ring's first stages of it go out before the dependency
