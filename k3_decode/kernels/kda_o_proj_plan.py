@@ -209,23 +209,55 @@ def _choice(path: Path) -> OProjChoice:
     return OProjChoice(cap_batches, tuple(one_pass), warm_batches, w_smem_batches, w_l2_batches, wgmma_batches, per_sm)
 
 
-def preloaded_rows(kind: AttnResKind, epilogue_rows: int) -> int:
-    """Epilogue rows whose bank blocks and old prefix are loaded before the wait for the grid: as many as keep the
-    vectors held across it within PRELOADED_VECTORS beside the AttnRes weights, at least one."""
-    weights = 2 * (kind.num_blocks > 0) + kind.out_norm
-    per_row = kind.num_blocks + (kind.delta == "add")
-    fit = (PRELOADED_VECTORS - weights) // per_row if per_row else epilogue_rows
-    return max(1, min(epilogue_rows, fit))
+class AttnResEpilogue:
+    """What both builds of the fused o_proj (OProjPlan, kda_o_proj_wgmma_plan.OProjWgmmaPlan) derive alike from their
+    `hidden`, `k`, `kind`, `epilogue_rows` and `ctas`: the AttnRes clusters their epilogue runs on, what it holds
+    across the wait for the grid, its exchange areas, the arrival word's arithmetic and o_proj's weight bytes."""
 
+    @property
+    def attn(self) -> ClusterPlan:
+        return ClusterPlan.for_hidden(self.hidden)
 
-def exchange_bytes(attn: ClusterPlan, epilogue_rows: int) -> int:
-    """Shared memory of the AttnRes exchanges, one set per epilogue row (attn_res.py allocate_exchange: two
-    barriers, the sources area of up to 20 partials per slot, the norm area), with alignment."""
-    return (2 * 8 + (attn.slots * 20 + attn.slots) * 4 + 64) * epilogue_rows
+    @property
+    def cluster(self) -> int:
+        return self.attn.cluster
+
+    @property
+    def threads(self) -> int:
+        return self.attn.threads
+
+    @property
+    def warps(self) -> int:
+        return self.attn.warps
+
+    @property
+    def preloaded_rows(self) -> int:
+        """Epilogue rows whose bank blocks and old prefix are loaded before the wait for the grid: as many as keep
+        the vectors held across it within PRELOADED_VECTORS beside the AttnRes weights, at least one."""
+        kind = self.kind
+        weights = 2 * (kind.num_blocks > 0) + kind.out_norm
+        per_row = kind.num_blocks + (kind.delta == "add")
+        fit = (PRELOADED_VECTORS - weights) // per_row if per_row else self.epilogue_rows
+        return max(1, min(self.epilogue_rows, fit))
+
+    @property
+    def exchange_bytes(self) -> int:
+        """Shared memory of the AttnRes exchanges, one set per epilogue row (attn_res.py allocate_exchange: two
+        barriers, the sources area of up to 20 partials per slot, the norm area), with alignment."""
+        return (2 * 8 + (self.attn.slots * 20 + self.attn.slots) * 4 + 64) * self.epilogue_rows
+
+    @property
+    def arrival_master(self) -> int:
+        """What CTA 0 adds to the arrival word; every other CTA adds 1. All of a launch's adds total 2^31."""
+        return ARRIVAL_TOP - (self.ctas - 1)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.hidden * self.k * 2
 
 
 @dataclass(frozen=True)
-class OProjPlan(WeightStream):
+class OProjPlan(AttnResEpilogue, WeightStream):
     hidden: int  # H: o_proj's output features, the AttnRes row width
     k: int  # K: o_proj's input features on this rank
     batch: int
@@ -397,28 +429,6 @@ class OProjPlan(WeightStream):
         return 0
 
     @property
-    def preloaded_rows(self) -> int:
-        """Epilogue rows whose bank blocks and old prefix are loaded before the wait for the grid: as many as keep
-        the vectors held across it within PRELOADED_VECTORS beside the AttnRes weights, at least one."""
-        return preloaded_rows(self.kind, self.epilogue_rows)
-
-    @property
-    def attn(self) -> ClusterPlan:
-        return ClusterPlan.for_hidden(self.hidden)
-
-    @property
-    def cluster(self) -> int:
-        return self.attn.cluster
-
-    @property
-    def threads(self) -> int:
-        return self.attn.threads
-
-    @property
-    def warps(self) -> int:
-        return self.attn.warps
-
-    @property
     def rows_per_cta(self) -> int:
         return self.warps * self.rows_per_warp
 
@@ -440,7 +450,7 @@ class OProjPlan(WeightStream):
         """The shared memory of one CTA, the driver's 1 KiB included: staged o (the CUDA-core stream) or the K slices'
         partials and, with w_smem, the CTA's rows of W (tensor cores); the AttnRes exchange's two barriers and areas
         per epilogue row; alignment."""
-        exchange = exchange_bytes(self.attn, self.epilogue_rows)
+        exchange = self.exchange_bytes
         if self.tensor_cores:
             stream = self.mma.smem_bytes
         else:  # W's rows unpadded: a load instruction reads 512 contiguous bytes of one row
@@ -471,11 +481,6 @@ class OProjPlan(WeightStream):
         return -(-share // 128) * 128
 
     @property
-    def arrival_master(self) -> int:
-        """What CTA 0 adds to the arrival word; every other CTA adds 1. All of a launch's adds total 2^31."""
-        return ARRIVAL_TOP - (self.ctas - 1)
-
-    @property
     def fill_loads(self) -> int:
         """16-byte loads of o (and shared stores) per thread that stage the batch."""
         return -(-self.batch * (self.k // VECTOR) // self.threads)
@@ -483,10 +488,6 @@ class OProjPlan(WeightStream):
     @property
     def stage_bytes(self) -> int:
         return self.batch * self.k * 2
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.hidden * self.k * 2
 
     @property
     def tag(self) -> str:

@@ -23,13 +23,11 @@ from dataclasses import dataclass
 
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
 from k3_decode.kernels.kda_o_proj_plan import (
-    ARRIVAL_TOP,
     H200_SMS,
     MAX_BATCH,
     SMEM_PER_SM,
     WGMMA_CTAS_PER_SM_CHOICES,
-    exchange_bytes,
-    preloaded_rows,
+    AttnResEpilogue,
     wgmma_ctas_per_sm,
 )
 from k3_decode.kernels.wgmma_stream_plan import (
@@ -52,7 +50,7 @@ DRIVER_BYTES = 1024  # the driver's shared memory per CTA
 
 
 @dataclass(frozen=True)
-class OProjWgmmaPlan:
+class OProjWgmmaPlan(AttnResEpilogue):
     hidden: int  # H: o_proj's output features (W's rows), the AttnRes row width
     k: int  # K: o_proj's input features on this rank
     batch: int
@@ -107,29 +105,9 @@ class OProjWgmmaPlan:
         return plan
 
     @property
-    def attn(self) -> ClusterPlan:
-        return ClusterPlan.for_hidden(self.hidden)
-
-    @property
-    def cluster(self) -> int:
-        return self.attn.cluster
-
-    @property
-    def threads(self) -> int:
-        return self.attn.threads
-
-    @property
-    def warps(self) -> int:
-        return self.attn.warps
-
-    @property
     def stage_bytes(self) -> int:
         """Bytes of one ring stage: a W tile of 64 rows and an o tile of wgmma's N rows, k_tile wide."""
         return (MMA_M + wgmma_n(self.batch)) * self.k_tile * 2
-
-    @property
-    def exchange_bytes(self) -> int:
-        return exchange_bytes(self.attn, self.epilogue_rows)
 
     @property
     def stages(self) -> int:
@@ -162,10 +140,6 @@ class OProjWgmmaPlan:
         return -(-self.batch // MAX_EPILOGUE_CLUSTERS)
 
     @property
-    def preloaded_rows(self) -> int:
-        return preloaded_rows(self.kind, self.epilogue_rows)
-
-    @property
     def clusters(self) -> int:
         return self.stream_clusters + self.epilogue_clusters
 
@@ -182,15 +156,6 @@ class OProjWgmmaPlan:
     def resident_clusters(self) -> int:
         per_sm = min(self.ctas_per_sm, SMEM_PER_SM // (self.smem_bytes + DRIVER_BYTES))
         return self.sm_count * per_sm // self.cluster
-
-    @property
-    def arrival_master(self) -> int:
-        """What CTA 0 adds to the arrival word; every other CTA adds 1. All of a launch's adds total 2^31."""
-        return ARRIVAL_TOP - (self.ctas - 1)
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.hidden * self.k * 2
 
     @property
     def tag(self) -> str:
