@@ -23,8 +23,8 @@ BARRIER_BYTES = 1024  # the mbarriers, padded to the 1024-byte alignment of the 
 
 
 def wgmma_n(batch: int) -> int:
-    """The wgmma N for `batch` rows (WgmmaStreamPlan.n)."""
-    return 8 if batch <= 8 else -(-batch // 16) * 16
+    """The wgmma N for `batch` rows (WgmmaStreamPlan.n): the batch rounded up to a multiple of 16."""
+    return -(-batch // 16) * 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +42,9 @@ class WgmmaStreamPlan:
 
     @property
     def n(self) -> int:
-        """The wgmma N: 8 to 8 rows, else the batch rounded up to a multiple of 16 (TMA zero-fills the rows past B).
-        CuTe DSL 4.8.1 aborts the process compiling an N that is an odd multiple of 8 above 8 (24, 40, 56) with these
-        swizzled operands, so those batches take the next multiple of 16."""
+        """The wgmma N: the batch rounded up to a multiple of 16 (TMA zero-fills the rows past B). CuTe DSL 4.8.1 aborts
+        the process compiling an N that is an odd multiple of 8 above 8 (24, 40, 56) with these swizzled operands, so
+        those batches take the next multiple of 16 (and N 8, below MIN_BATCH, is never planned)."""
         return wgmma_n(self.batch)
 
     @property

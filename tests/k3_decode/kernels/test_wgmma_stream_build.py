@@ -119,18 +119,9 @@ def test_plan_numbers():
     assert (p.n, p.m_tiles, p.ctas, p.threads, p.k_tiles) == (32, 51, 204, 160, 28)
     assert p.stage_bytes == (64 + 32) * 64 * 2 and p.acc_values == 16
     assert p.smem_bytes == 1024 + 4 * p.stage_bytes + 3 * 64 * 32 * 4
-    # N: 8 up to 8 rows, then multiples of 16 (an odd multiple of 8 aborts the compile)
-    assert [WgmmaStreamPlan(3216, 7168, b).n for b in (1, 8, 9, 16, 17, 33, 48, 49, 64)] == [
-        8,
-        8,
-        16,
-        16,
-        32,
-        48,
-        48,
-        64,
-        64,
-    ]
+    # N: multiples of 16 (an odd multiple of 8 aborts the compile)
+    n = [WgmmaStreamPlan(3216, 7168, b).n for b in (9, 16, 17, 33, 48, 49, 64)]
+    assert n == [16, 16, 32, 48, 48, 64, 64]
     wide = WgmmaStreamPlan(7168, 1536, 64, m_rows=128)
     assert (wide.consumer_groups, wide.threads, wide.ctas, wide.k_tiles) == (2, 288, 56, 24)
 
