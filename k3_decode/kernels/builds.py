@@ -360,6 +360,16 @@ class KdaOProjBuild:
         return cutedsl.compile_artifacts(KdaOProjKernel(self.plan), compile_args(self.plan, self.capacity), arch)
 
 
+def _after_attention_kinds(dims: Any, tags: list[str], where: str) -> list[AttnResKind]:
+    """builds.toml's kind tags at `where` as kinds, each one that some after-attention site of the model uses."""
+    after = {k for k, sites in site_kinds(dims).items() if any(s.startswith("after attention") for s in sites)}
+    kinds = [AttnResKind.from_tag(tag) for tag in tags]
+    for tag, kind in zip(tags, kinds, strict=True):
+        if kind not in after:
+            raise ValueError(f"builds.toml {where}: {tag} is not an after-attention kind of {dims.name}")
+    return kinds
+
+
 @dataclass(frozen=True)
 class KdaOProjWgmmaBuild:
     """The fused o_proj + AttnRes's wgmma build (kda_o_proj_wgmma.py) at one rank's shape, batch and kind."""
@@ -657,13 +667,7 @@ class K3KernelBuilds:
         kinds builds.toml lists (each must be one the model's after-attention sites use)."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_o_proj"]
-        after = {k for k, sites in site_kinds(dims).items() if any(s.startswith("after attention") for s in sites)}
-        kinds = []
-        for tag in spec["kinds"]:
-            kind = AttnResKind.from_tag(tag)
-            if kind not in after:
-                raise ValueError(f"builds.toml kda_o_proj.kinds: {tag} is not an after-attention kind of {dims.name}")
-            kinds.append(kind)
+        kinds = _after_attention_kinds(dims, spec["kinds"], "kda_o_proj.kinds")
         both = spec.get("both_streams", {"batches": [], "kinds": []})
         warm = spec.get("warm", {"batches": [], "kinds": []})
         staged = spec.get("w_smem", {"batches": [], "kinds": []})
@@ -720,22 +724,18 @@ class K3KernelBuilds:
         [kda_o_proj_wgmma]."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_o_proj_wgmma"]
-        after = {k for k, sites in site_kinds(dims).items() if any(s.startswith("after attention") for s in sites)}
+        two = spec.get("two_per_sm", {"batches": [], "kinds": []})
+        kinds = _after_attention_kinds(dims, spec["kinds"], "kda_o_proj_wgmma.kinds")
+        two_kinds = _after_attention_kinds(dims, two["kinds"], "kda_o_proj_wgmma.two_per_sm.kinds")
+        cells = [(b, kind, OPROJ_WGMMA_CTAS_PER_SM) for b in spec["batches"] for kind in kinds]  # (batch, kind, per SM)
+        cells += [(b, kind, 2) for b in two["batches"] for kind in two_kinds]  # the ring sized for two CTAs an SM
         builds = []
         for tp in spec["tp"]:
             try:
                 hidden, k = dims.shard(tp).kda_o_proj
             except ShardError as exc:
                 raise ValueError(f"builds.toml kda_o_proj_wgmma.tp: {exc}") from None
-            two = spec.get("two_per_sm", {"batches": [], "kinds": []})
-            cells = [(b, t, OPROJ_WGMMA_CTAS_PER_SM) for b in spec["batches"] for t in spec["kinds"]]
-            cells += [(b, t, 2) for b in two["batches"] for t in two["kinds"]]  # the ring sized for two a SM
-            for batch, tag, per_sm in cells:
-                kind = AttnResKind.from_tag(tag)
-                if kind not in after:
-                    raise ValueError(
-                        f"builds.toml kda_o_proj_wgmma.kinds: {tag} is not an after-attention kind of {dims.name}"
-                    )
+            for batch, kind, per_sm in cells:
                 plan = OProjWgmmaPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], ctas_per_sm=per_sm)
                 builds.append(KdaOProjWgmmaBuild(tp, plan, dims.num_attn_res_blocks))
         return builds
