@@ -252,38 +252,34 @@ class Chain:
         return worst
 
 
-def test_back_to_back_launches_of_two_plans_share_the_arrival_word():
-    """40 launches, alternating a TP8 and a TP16 plan, with nothing between them (PDL lets each start while the
-    previous one finishes): each must apply AttnRes only once its own grid's o_proj output is complete."""
-    launches = 20
-    chains = [
-        Chain.make(8, 4, AttnResKind.from_tag("n4-add-norm"), launches, seed=1),
-        Chain.make(16, 3, AttnResKind.from_tag("n2-restart-norm"), launches, seed=2),
-    ]
+def run_back_to_back(chains: list[Chain], launches: int, label: str) -> None:
+    """`launches` launches of each chain in turn with nothing between them (PDL lets each start while the previous
+    one finishes): each must apply AttnRes only once its own grid's o_proj output is complete, the arrival word's low
+    bits end at 0, and the launch counter counts every launch."""
     for c in chains:  # compile outside the timed sequence, then restore the state
         c.launch(0)
         c.partials[0].fill_(float("nan"))
         c.buffers.prefix.copy_(c.prefix0)
     torch.cuda.synchronize()
     count = kda_o_proj_op.launch_count()
-    outputs: list[list[Tensor]] = [[], []]
+    outputs: list[list[Tensor]] = [[] for _ in chains]
     for i in range(launches):
         for c, out in zip(chains, outputs, strict=True):
             out.append(c.launch(i))
     torch.cuda.synchronize()
     worst = [c.check(out, f"back-to-back TP{c.tp} B{c.batch}") for c, out in zip(chains, outputs, strict=True)]
     word = arrival_low_bits()
-    print(f"METRIC fused o_proj back to back: {2 * launches} launches, worst MLP-input rms_rel {max(worst):.2e}")
+    total = len(chains) * launches
+    print(f"METRIC {label} back to back: {total} launches, worst MLP-input rms_rel {max(worst):.2e}")
     assert word == 0, f"the arrival word's low 31 bits are {word:#x} after whole launches, not 0"
-    assert kda_o_proj_op.launch_count() - count == 2 * launches
+    assert kda_o_proj_op.launch_count() - count == total
 
 
-def test_cuda_graph_replays_keep_the_arrival_word_right():
-    """A graph of three launches (two layers of one plan, one of another) replayed 20 times, never reset: every
-    replay gives the eager run's bits, the launch counter counts 3 per replay, and the arrival word's top bit flips
-    once per launch (so an odd number of times per replay) with its low bits back at 0."""
-    a = Chain.make(8, 3, AttnResKind.from_tag("n8-add-norm"), 2, seed=3)
-    b = Chain.make(16, 1, AttnResKind.from_tag("n1-restart-norm"), 1, seed=4)
+def check_graph_replays(a: Chain, b: Chain, replays: int, label: str) -> None:
+    """A graph of three launches (two of chain `a`, one of `b`) replayed `replays` times, never reset, o_proj's
+    outputs set to NaN before each: every replay gives the eager run's bits, the launch counter counts 3 per replay,
+    and the arrival word's top bit flips once per launch (an odd number of times per replay), its low bits back at
+    0."""
 
     def sequence() -> list[Tensor]:
         a.buffers.prefix.copy_(a.prefix0)
@@ -292,14 +288,14 @@ def test_cuda_graph_replays_keep_the_arrival_word_right():
 
     eager = [t.clone() for t in sequence()]
     torch.cuda.synchronize()
-    a.check(eager[:2], "graph sequence, eager TP8")
-    b.check(eager[2:], "graph sequence, eager TP16")
+    a.check(eager[:2], f"graph sequence, eager TP{a.tp} B{a.batch}")
+    b.check(eager[2:], f"graph sequence, eager TP{b.tp} B{b.batch}")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = sequence()
     top = int(kda_o_proj_op.arrival_word(torch.device(DEV)).item()) < 0
     count = kda_o_proj_op.launch_count()
-    for replay in range(20):
+    for replay in range(replays):
         for t in [*captured, *a.partials, *b.partials]:  # a launch that read o_proj's output early would see NaN
             t.fill_(float("nan"))
         graph.replay()
@@ -311,8 +307,24 @@ def test_cuda_graph_replays_keep_the_arrival_word_right():
         top = not top  # three flips
         assert (word < 0) == top, f"replay {replay}: the top bit did not flip once per launch"
     launches = kda_o_proj_op.launch_count() - count
-    print(f"METRIC fused o_proj graph: 20 replays of 3 launches bit-equal to eager, device counter {launches}")
-    assert launches == 60
+    print(f"METRIC {label} graph: {replays} replays of 3 launches bit-equal to eager, device counter {launches}")
+    assert launches == 3 * replays
+
+
+def test_back_to_back_launches_of_two_plans_share_the_arrival_word():
+    """40 launches, alternating a TP8 and a TP16 plan (run_back_to_back)."""
+    chains = [
+        Chain.make(8, 4, AttnResKind.from_tag("n4-add-norm"), 20, seed=1),
+        Chain.make(16, 3, AttnResKind.from_tag("n2-restart-norm"), 20, seed=2),
+    ]
+    run_back_to_back(chains, 20, "fused o_proj")
+
+
+def test_cuda_graph_replays_keep_the_arrival_word_right():
+    """Two layers of one plan and one of another in a graph, replayed 20 times (check_graph_replays)."""
+    a = Chain.make(8, 3, AttnResKind.from_tag("n8-add-norm"), 2, seed=3)
+    b = Chain.make(16, 1, AttnResKind.from_tag("n1-restart-norm"), 1, seed=4)
+    check_graph_replays(a, b, 20, "fused o_proj")
 
 
 def test_inputs_the_kernel_cannot_take_are_refused():

@@ -20,7 +20,6 @@ import math
 
 import pytest
 import torch
-from torch import Tensor
 
 from k3_decode.config import K3
 from k3_decode.kernels import kda_o_proj_op
@@ -35,13 +34,13 @@ from tests.k3_decode.kernels.test_kda_in_proj_gpu import _graph_seconds_per_call
 from tests.k3_decode.kernels.test_kda_o_proj_gpu import (
     AFTER_KINDS,
     EDGE,
-    LOW_BITS,
     SAVE_KINDS,
     Chain,
     after_weights,
-    arrival_low_bits,
     bits,
     check_against_the_oracle,
+    check_graph_replays,
+    run_back_to_back,
 )
 
 pytestmark = [
@@ -81,65 +80,21 @@ def test_a_rows_o_proj_bits_do_not_depend_on_the_batch(tp: int):
 
 
 def test_back_to_back_launches_of_both_builds_share_the_arrival_word():
-    """36 launches, three plans in turn (two wgmma, one mma.sync) with nothing between them: each must apply AttnRes
-    only once its own grid's o_proj output is complete (PDL lets each start while the one before finishes)."""
-    launches = 12
+    """36 launches, three plans in turn (two wgmma, one mma.sync) with nothing between them (run_back_to_back)."""
     chains = [
-        Chain.make(8, 64, AttnResKind.from_tag("n1-add-norm"), launches, seed=11, wgmma=True),
-        Chain.make(8, 32, AttnResKind.from_tag("n4-add-norm"), launches, seed=12, wgmma=False),
-        Chain.make(16, 17, AttnResKind.from_tag("n2-restart-norm"), launches, seed=13, wgmma=True),
+        Chain.make(8, 64, AttnResKind.from_tag("n1-add-norm"), 12, seed=11, wgmma=True),
+        Chain.make(8, 32, AttnResKind.from_tag("n4-add-norm"), 12, seed=12, wgmma=False),
+        Chain.make(16, 17, AttnResKind.from_tag("n2-restart-norm"), 12, seed=13, wgmma=True),
     ]
-    for c in chains:  # compile outside the sequence, then restore the state
-        c.launch(0)
-        c.partials[0].fill_(float("nan"))
-        c.buffers.prefix.copy_(c.prefix0)
-    torch.cuda.synchronize()
-    count = kda_o_proj_op.launch_count()
-    outputs: list[list[Tensor]] = [[] for _ in chains]
-    for i in range(launches):
-        for c, out in zip(chains, outputs, strict=True):
-            out.append(c.launch(i))
-    torch.cuda.synchronize()
-    worst = [c.check(out, f"back-to-back TP{c.tp} B{c.batch}") for c, out in zip(chains, outputs, strict=True)]
-    word = arrival_low_bits()
-    print(f"METRIC wgmma o_proj back to back: {3 * launches} launches, worst MLP-input rms_rel {max(worst):.2e}")
-    assert word == 0, f"the arrival word's low 31 bits are {word:#x} after whole launches, not 0"
-    assert kda_o_proj_op.launch_count() - count == 3 * launches
+    run_back_to_back(chains, 12, "wgmma o_proj")
 
 
 def test_cuda_graph_replays_of_both_builds():
-    """A graph of three launches (two chained wgmma launches of TP8 B48, then an mma.sync TP16 B16) replayed 10
-    times with o_proj's outputs reset to NaN: every replay gives the eager bits, 3 counts a replay, the word's low
-    bits 0 and its top bit flipped once per launch."""
+    """Two chained wgmma launches of TP8 B48, then an mma.sync TP16 B16, in a graph replayed 10 times
+    (check_graph_replays)."""
     a = Chain.make(8, 48, AttnResKind.from_tag("n8-add-norm"), 2, seed=14, wgmma=True)
     b = Chain.make(16, 16, AttnResKind.from_tag("n1-restart-norm"), 1, seed=15, wgmma=False)
-
-    def sequence() -> list[Tensor]:
-        a.buffers.prefix.copy_(a.prefix0)
-        b.buffers.prefix.copy_(b.prefix0)
-        return [a.launch(0), a.launch(1), b.launch(0)]
-
-    eager = [t.clone() for t in sequence()]
-    torch.cuda.synchronize()
-    a.check(eager[:2], "graph sequence, eager TP8 wgmma")
-    b.check(eager[2:], "graph sequence, eager TP16 mma.sync")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = sequence()
-    top = int(kda_o_proj_op.arrival_word(torch.device(DEV)).item()) < 0
-    count = kda_o_proj_op.launch_count()
-    for replay in range(10):
-        for t in [*captured, *a.partials, *b.partials]:
-            t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (got, want) in enumerate(zip(captured, eager, strict=True)):
-            assert torch.equal(got, want), f"replay {replay}, launch {i}: differs from the eager run"
-        word = int(kda_o_proj_op.arrival_word(torch.device(DEV)).item())
-        assert word & LOW_BITS == 0, f"replay {replay}: arrival word {word & 0xFFFFFFFF:#x}"
-        top = not top  # three flips
-        assert (word < 0) == top, f"replay {replay}: the top bit did not flip once per launch"
-    assert kda_o_proj_op.launch_count() - count == 30
+    check_graph_replays(a, b, 10, "wgmma o_proj")
 
 
 def test_the_plan_the_op_picks_follows_the_choice_and_the_argument():
