@@ -79,7 +79,7 @@ def plan_for(
         )
     kind = attn_res_op.kind_for(site, o, weights)  # the delta is o_proj's BF16 output
     sms = torch.cuda.get_device_properties(o.device).multi_processor_count
-    if wgmma if wgmma is not None else wgmma_at(tokens):
+    if wgmma_at(tokens) if wgmma is None else wgmma:
         return OProjWgmmaPlan.for_shape(hidden, o.shape[1], tokens, kind, sms)
     return OProjPlan.for_shape(hidden, o.shape[1], tokens, kind, sms)
 
