@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from k3_decode.attn_res_state import AttnResBuffers, AttnResSite
-from k3_decode.kernels import attn_res_op, phase_trace
+from k3_decode.kernels import attn_res_op, cluster_residency, phase_trace
 from k3_decode.kernels.counters import count, device_counter, leading
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan, wgmma_at
 from k3_decode.kernels.kda_o_proj_wgmma_plan import OProjWgmmaPlan
@@ -80,8 +80,13 @@ def plan_for(
     kind = attn_res_op.kind_for(site, o, weights)  # the delta is o_proj's BF16 output
     sms = torch.cuda.get_device_properties(o.device).multi_processor_count
     if wgmma_at(tokens) if wgmma is None else wgmma:
-        return OProjWgmmaPlan.for_shape(hidden, o.shape[1], tokens, kind, sms)
-    return OProjPlan.for_shape(hidden, o.shape[1], tokens, kind, sms)
+        plan: OProjPlan | OProjWgmmaPlan = OProjWgmmaPlan.for_shape(hidden, o.shape[1], tokens, kind, sms)
+    else:
+        plan = OProjPlan.for_shape(hidden, o.shape[1], tokens, kind, sms)
+    # The plan counted SMs; whether the GPU's GPCs hold more clusters than wait is the driver's to say.
+    index = o.device.index if o.device.index is not None else torch.cuda.current_device()
+    plan.check_resident(cluster_residency.max_active_clusters(index, plan.cluster, *plan.residency))
+    return plan
 
 
 def apply(

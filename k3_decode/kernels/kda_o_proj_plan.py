@@ -66,6 +66,7 @@ ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
 MAX_CTAS_PER_SM = 4  # 4 x 128 threads x 128 registers = an SM's 64K registers
 H200_SMS = 132
 SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory
+DRIVER_SMEM_BYTES = 1024  # the driver's shared memory beside each CTA
 ARRIVAL_TOP = 1 << 31  # the arrival word's top bit flips once per launch (see kda_o_proj.py)
 CHOICE = Path(__file__).with_name("kda_o_proj_choice.toml")
 
@@ -245,6 +246,17 @@ class AttnResEpilogue:
         """Shared memory of the AttnRes exchanges, one set per epilogue row (attn_res.py allocate_exchange: two
         barriers, the sources area of up to 20 partials per slot, the norm area), with alignment."""
         return (2 * 8 + (self.attn.slots * 20 + self.attn.slots) * 4 + 64) * self.epilogue_rows
+
+    def check_resident(self, at_once: int) -> None:
+        """Raises, naming the fix, unless `at_once` (the clusters of this grid the GPU holds at once: the driver's
+        count, cluster_residency.max_active_clusters of `residency`) outnumbers the epilogue clusters that wait for
+        the grid; otherwise every resident cluster could be one that waits, for a cluster that never starts."""
+        if at_once <= self.epilogue_clusters:
+            raise ValueError(
+                f"{self.tag}: this GPU holds {at_once} of its clusters of {self.cluster} CTAs at once (the driver's "
+                f"occupancy calculator), not more than the {self.epilogue_clusters} that wait for the grid, so the "
+                f"launch could hang; {self.residency_fix}"
+            )
 
     @property
     def arrival_master(self) -> int:
@@ -455,7 +467,7 @@ class OProjPlan(AttnResEpilogue, WeightStream):
             stream = self.mma.smem_bytes
         else:  # W's rows unpadded: a load instruction reads 512 contiguous bytes of one row
             stream = self.stage_bytes + (self.rows_per_cta * self.k * 2 + 128) * self.w_smem
-        return stream + exchange + 1024
+        return stream + exchange + DRIVER_SMEM_BYTES
 
     @property
     def resident_ctas_per_sm(self) -> int:
@@ -467,6 +479,16 @@ class OProjPlan(AttnResEpilogue, WeightStream):
     @property
     def resident_clusters(self) -> int:
         return self.sm_count * self.resident_ctas_per_sm // self.cluster
+
+    @property
+    def residency(self) -> tuple[int, int, int]:
+        """(threads, CTAs an SM, dynamic shared memory a CTA) for cluster_residency.max_active_clusters: the
+        registers are capped for ctas_per_sm (ptxas's minnctapersm) and the shared memory fits resident_ctas_per_sm."""
+        return self.threads, self.resident_ctas_per_sm, self.cta_smem_bytes - DRIVER_SMEM_BYTES
+
+    @property
+    def residency_fix(self) -> str:
+        return "serve fewer rows with the fused o_proj at this TP size (providers.toml [o_proj])"
 
     @property
     def launch_smem_bytes(self) -> int | None:

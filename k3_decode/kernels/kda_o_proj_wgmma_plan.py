@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
 from k3_decode.kernels.kda_o_proj_plan import (
+    DRIVER_SMEM_BYTES,
     H200_SMS,
     MAX_BATCH,
     SMEM_PER_SM,
@@ -46,7 +47,6 @@ MAX_EPILOGUE_CLUSTERS = 32
 # 32 epilogue clusters) in one wave.
 CTAS_PER_SM = 3
 MAX_STAGES = 8  # k tiles in flight a CTA: 8 x 8 KB of W is more than an SM needs to cover HBM latency
-DRIVER_BYTES = 1024  # the driver's shared memory per CTA
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class OProjWgmmaPlan(AttnResEpilogue):
     def stages(self) -> int:
         """Ring stages: as many k tiles as fit beside the exchange areas with ctas_per_sm CTAs an SM, at most
         MAX_STAGES and the k tiles there are."""
-        room = SMEM_PER_SM // self.ctas_per_sm - DRIVER_BYTES - BARRIER_BYTES - self.exchange_bytes - 128
+        room = SMEM_PER_SM // self.ctas_per_sm - DRIVER_SMEM_BYTES - BARRIER_BYTES - self.exchange_bytes - 128
         return min(MAX_STAGES, self.k // self.k_tile, room // self.stage_bytes)
 
     @property
@@ -154,8 +154,20 @@ class OProjWgmmaPlan(AttnResEpilogue):
 
     @property
     def resident_clusters(self) -> int:
-        per_sm = min(self.ctas_per_sm, SMEM_PER_SM // (self.smem_bytes + DRIVER_BYTES))
+        per_sm = min(self.ctas_per_sm, SMEM_PER_SM // (self.smem_bytes + DRIVER_SMEM_BYTES))
         return self.sm_count * per_sm // self.cluster
+
+    @property
+    def residency(self) -> tuple[int, int, int]:
+        """(threads, CTAs an SM, dynamic shared memory a CTA) for cluster_residency.max_active_clusters: registers
+        are capped for ctas_per_sm (ptxas's minnctapersm) and the ring is sized for it."""
+        return WARPGROUP, self.ctas_per_sm, self.smem_bytes
+
+    @property
+    def residency_fix(self) -> str:
+        if self.ctas_per_sm < CTAS_PER_SM:
+            return f"size its ring for {CTAS_PER_SM} CTAs an SM (kda_o_proj_choice.toml wgmma_ctas_per_sm)"
+        return "serve the mma.sync build at these rows (kda_o_proj_choice.toml wgmma_batches)"
 
     @property
     def tag(self) -> str:

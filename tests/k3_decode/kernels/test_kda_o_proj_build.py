@@ -248,6 +248,19 @@ def test_a_grid_whose_resident_clusters_cannot_outnumber_the_waiting_ones_is_ref
         OProjPlan.for_shape(7168, 6144, 64, N1, w_smem=True)
 
 
+def test_the_driver_count_the_op_checks_is_asked_about_the_plans_own_residency():
+    """kda_o_proj_op.plan_for asks the driver how many of the plan's clusters fit at once (cluster_residency) with
+    the plan's threads, CTAs an SM and shared memory, and the plan refuses where that does not outnumber the waiting
+    clusters; the broken case: as many as wait."""
+    for batch, w_smem in ((4, False), (32, False), (64, False), (64, True)):
+        p = OProjPlan.for_shape(7168, 1536, batch, N1, w_smem=w_smem)
+        threads, per_sm, smem = p.residency
+        assert (threads, per_sm) == (128, p.resident_ctas_per_sm) and smem + 1024 == p.cta_smem_bytes, p.tag
+        p.check_resident(p.epilogue_clusters + 1)
+        with pytest.raises(ValueError, match=r"could hang; serve fewer rows with the fused o_proj"):
+            p.check_resident(p.epilogue_clusters)
+
+
 def test_late_runs_are_what_the_registers_do_not_hold_before_the_wait():
     """The runs of W a CTA's stream loads after griddepcontrol.wait, per row: on CUDA cores the K past the first
     `depth` steps of 256 columns (TP8: 768 of 1536; TP16 holds all 768); on tensor cores each warp's K slice past its

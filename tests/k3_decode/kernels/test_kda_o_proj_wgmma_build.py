@@ -15,8 +15,8 @@ from harness.kernels_cmd import KernelArtifacts, judge, parse_expectations
 from k3_decode.config import K3
 from k3_decode.kernels.attn_res_plan import AttnResKind
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaOProjBuild, KdaOProjWgmmaBuild
-from k3_decode.kernels.kda_o_proj_plan import SMEM_PER_SM, choice, wgmma_at
-from k3_decode.kernels.kda_o_proj_wgmma_plan import CTAS_PER_SM, DRIVER_BYTES, MIN_BATCH, OProjWgmmaPlan
+from k3_decode.kernels.kda_o_proj_plan import DRIVER_SMEM_BYTES, SMEM_PER_SM, choice, wgmma_at
+from k3_decode.kernels.kda_o_proj_wgmma_plan import CTAS_PER_SM, MIN_BATCH, OProjWgmmaPlan
 
 N1_ADD = AttnResKind.from_tag("n1-add-norm")
 TP8, TP16 = K3.shard(8).kda_o_proj, K3.shard(16).kda_o_proj
@@ -47,7 +47,7 @@ def test_the_grid_is_112_stream_ctas_and_up_to_32_epilogue_clusters():
 def test_the_ring_fits_three_ctas_an_sm_and_the_grid_one_wave(tp_shape, batch):
     p = plan(tp_shape, batch, AttnResKind.from_tag("n8-add-norm"))
     assert 2 <= p.stages <= min(8, p.k // p.k_tile)
-    assert CTAS_PER_SM * (p.smem_bytes + DRIVER_BYTES) <= SMEM_PER_SM
+    assert CTAS_PER_SM * (p.smem_bytes + DRIVER_SMEM_BYTES) <= SMEM_PER_SM
     assert p.smem_bytes >= p.stream.smem_bytes + p.exchange_bytes  # the ring, then the exchanges
     assert p.ctas <= 132 * CTAS_PER_SM and p.resident_clusters > p.epilogue_clusters
     assert p.epilogue_clusters * p.epilogue_rows >= batch > (p.epilogue_clusters - 1) * p.epilogue_rows
@@ -70,12 +70,24 @@ def test_a_shape_it_cannot_take_is_refused_in_one_line(args, says):
     assert "\n" not in str(err.value)
 
 
-def test_a_ring_for_two_ctas_an_sm_holds_more_stages_and_still_more_clusters_than_wait():
+def test_a_ring_for_two_ctas_an_sm_holds_more_stages_and_passes_the_sm_count_but_not_the_drivers():
+    """Counting SMs, 132 x 2 // 7 = 37 clusters of the two-a-SM build fit at once, more than the 32 that wait at
+    B64, so the plan passes; on one H100 it hung there and at B32 (b8e3e11). What the op checks before launching is
+    the driver's count (cluster_residency), which the GPU test holds at most 32 there: this is the refusal then."""
     three, two = plan(TP8, 64), OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, ctas_per_sm=2)
     assert (three.ctas_per_sm, two.ctas_per_sm) == (3, 2) and two.stages > three.stages
-    assert 2 * (two.smem_bytes + DRIVER_BYTES) <= SMEM_PER_SM < 3 * (two.smem_bytes + DRIVER_BYTES)
-    assert two.resident_clusters == 132 * 2 // 7 > two.epilogue_clusters == 32  # not all 48 at once: still no deadlock
+    assert 2 * (two.smem_bytes + DRIVER_SMEM_BYTES) <= SMEM_PER_SM < 3 * (two.smem_bytes + DRIVER_SMEM_BYTES)
+    assert two.resident_clusters == 132 * 2 // 7 > two.epilogue_clusters == 32
     assert two.tag.endswith("/c2") and three.tag.endswith("/c3")
+    assert two.residency == (128, 2, two.smem_bytes) and three.residency == (128, 3, three.smem_bytes)
+    two.check_resident(33)
+    with pytest.raises(ValueError) as err:
+        two.check_resident(32)
+    says = str(err.value)
+    assert "holds 32 of its clusters of 7 CTAs at once" in says and "not more than the 32 that wait" in says
+    assert "wgmma_ctas_per_sm" in says and "\n" not in says
+    with pytest.raises(ValueError, match=r"serve the mma\.sync build at these rows"):
+        three.check_resident(20)
     with pytest.raises(ValueError, match=r"sized for \(2, 3\) CTAs an SM, got 4"):
         OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, ctas_per_sm=4)
 

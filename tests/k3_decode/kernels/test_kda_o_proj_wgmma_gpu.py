@@ -17,14 +17,16 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from k3_decode.config import K3
-from k3_decode.kernels import kda_o_proj_op
+from k3_decode.kernels import kda_o_proj_op, kda_o_proj_plan
 from k3_decode.kernels.attn_res_plan import AttnResKind
-from k3_decode.kernels.kda_o_proj_plan import wgmma_at
+from k3_decode.kernels.cluster_residency import max_active_clusters
+from k3_decode.kernels.kda_o_proj_plan import OProjPlan, wgmma_at
 from k3_decode.kernels.kda_o_proj_wgmma_plan import OProjWgmmaPlan
 from k3_decode.kernels.providers import not_built_reason
 from k3_decode.stock import attn_res as stock_attn_res
@@ -109,17 +111,56 @@ def test_the_plan_the_op_picks_follows_the_choice_and_the_argument():
     assert isinstance(served, OProjWgmmaPlan) == wgmma_at(64)
 
 
+def two_per_sm_choice(tmp_path) -> Path:
+    """kda_o_proj_choice.toml with the wgmma build's ring sized for two CTAs an SM."""
+    text = kda_o_proj_plan.CHOICE.read_text()
+    assert text.count("\nwgmma_ctas_per_sm = 3\n") == 1, "the served choice names its wgmma_ctas_per_sm"
+    two = tmp_path / "kda_o_proj_choice-2-per-sm.toml"
+    two.write_text(text.replace("\nwgmma_ctas_per_sm = 3\n", "\nwgmma_ctas_per_sm = 2\n"))
+    return two
+
+
+def test_the_driver_holds_fewer_clusters_than_the_sm_count_and_the_op_refuses_a_grid_that_could_hang(
+    tmp_path, monkeypatch
+):
+    """On one H100 (b8e3e11) the wgmma build sized for two CTAs an SM finished at TP8 B21-B24 (21-24 epilogue
+    clusters waiting) and hung at B32 and B64 (32), where the SM count gives 37 clusters at once. The driver's count
+    (cluster_residency) must tell those apart, and the served builds must pass it; the op then refuses B32 at two an
+    SM in one line before anything is compiled or launched."""
+    hidden, k = K3.shard(8).kda_o_proj
+    kind = AttnResKind.from_tag("n1-add-norm")
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+
+    def at_once(p) -> int:
+        return max_active_clusters(torch.cuda.current_device(), p.cluster, *p.residency)
+
+    counts = {}
+    for batch, per_sm in ((24, 2), (32, 2), (64, 2), (64, 3), (32, 3)):
+        p = OProjWgmmaPlan.for_shape(hidden, k, batch, kind, sms, ctas_per_sm=per_sm)
+        counts[(batch, per_sm)] = n = at_once(p)
+        print(
+            f"METRIC wgmma o_proj TP8 B{batch}, {per_sm} CTAs an SM: {n} clusters at once by the driver, "
+            f"{p.resident_clusters} by the SM count, {p.epilogue_clusters} wait"
+        )
+    mma = OProjPlan.for_shape(hidden, k, 64, kind, sms)
+    print(f"METRIC mma.sync o_proj TP8 B64: {at_once(mma)} clusters at once, {mma.epilogue_clusters} wait")
+    assert counts[(24, 2)] > 24 and counts[(32, 2)] <= 32 and counts[(64, 2)] <= 32, counts
+    assert counts[(64, 3)] > 32 and counts[(32, 3)] > 32 and at_once(mma) > mma.epilogue_clusters, counts
+
+    monkeypatch.setattr(kda_o_proj_plan, "CHOICE", two_per_sm_choice(tmp_path))
+    o, w, _, _ = operands(hidden, k, 32, 0)
+    buffers, _, _ = make_buffers(32, kind.num_blocks, torch.Generator().manual_seed(0))
+    before = kda_o_proj_op.launch_count()
+    with pytest.raises(ValueError, match=r"could hang; size its ring for 3 CTAs an SM") as err:
+        kda_o_proj_op.apply(o, w, buffers, site_of(kind), after_weights(), EPS, None, True)
+    assert "\n" not in str(err.value) and kda_o_proj_op.launch_count() == before
+
+
 @pytest.mark.parametrize("tp", [8, 16])
 def test_timing_against_the_mma_sync_build_and_the_stock_pair(tp: int, tmp_path, monkeypatch):
     """Per call; the wgmma build also with its ring sized for two CTAs an SM (kda_o_proj_choice.toml
     wgmma_ctas_per_sm = 2: more stages, the grid no longer resident at once at B64), printed beside the served one."""
-    from k3_decode.kernels import kda_o_proj_plan
-
-    served = kda_o_proj_plan.CHOICE
-    two = tmp_path / "kda_o_proj_choice-2-per-sm.toml"
-    text = served.read_text()
-    assert text.count("\nwgmma_ctas_per_sm = 3\n") == 1, "the served choice names its wgmma_ctas_per_sm"
-    two.write_text(text.replace("\nwgmma_ctas_per_sm = 3\n", "\nwgmma_ctas_per_sm = 2\n"))
+    served, two = kda_o_proj_plan.CHOICE, two_per_sm_choice(tmp_path)
     copy = copy_bandwidth()
     l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
     hidden, k = K3.shard(tp).kda_o_proj
@@ -154,12 +195,17 @@ def test_timing_against_the_mma_sync_build_and_the_stock_pair(tp: int, tmp_path,
             us = {}
             for name, fn, choice_file in runs:  # the plan is made (and compiled) at the first call, inside the timing
                 monkeypatch.setattr(kda_o_proj_plan, "CHOICE", choice_file)
-                us[name] = _graph_seconds_per_call(fn, 4 * copies) * 1e6
+                try:
+                    us[name] = _graph_seconds_per_call(fn, 4 * copies) * 1e6
+                except ValueError as refused:  # two an SM where the driver holds too few clusters (test above)
+                    assert name == "wgmma2" and "could hang" in str(refused), (name, refused)
+                    us[name] = math.nan
             monkeypatch.setattr(kda_o_proj_plan, "CHOICE", served)
             print(
                 f"METRIC o_proj + AttnRes TP{tp} B{batch} {kind.tag} (graph replays, per call): wgmma "
                 f"{us['wgmma']:.1f} us ({weight_bytes / (us['wgmma'] * 1e-6) / copy:.1%} of copy for W; two CTAs an "
-                f"SM {us['wgmma2']:.1f}), mma.sync {us['mma']:.1f} us, stock cuBLAS + Triton {us['stock']:.1f} us"
+                f"SM {us['wgmma2']:.1f} (nan: refused)), mma.sync {us['mma']:.1f} us, stock cuBLAS + Triton "
+                f"{us['stock']:.1f} us"
             )
             if wgmma_at(batch) and us["wgmma"] > SLOWER_LIMIT * min(us["mma"], us["stock"]):
                 slower.append(f"B{batch} {kind.tag}: {us['wgmma']:.1f} us")
