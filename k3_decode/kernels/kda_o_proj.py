@@ -43,7 +43,9 @@ Deadlock freedom. A waiting CTA waits only for arrivals, and a CTA arrives after
 (griddepcontrol.wait), its own loads and a CTA barrier, so every resident CTA reaches its arrival. A CTA not yet
 resident needs a free slot; the waiting clusters hold at most E <= 32 cluster slots and every other cluster frees
 its slots as soon as it has arrived, so the grid finishes whenever the device can hold more than E clusters at once:
-33 of the grid's 64 (231 CTAs, two per SM on 116 SMs). By registers an H200 holds at least four CTAs of 128
+33 of the grid's 64. How many it holds is the driver's count, which kda_o_proj_op checks before every new shape
+(cluster_residency.py): a cluster's CTAs share one GPC, so SMs x CTAs an SM / 7 overstates it (at four an SM the
+driver holds 69 of this grid's clusters on an H200). By registers an H200 holds at least four CTAs of 128
 threads per SM (ptxas caps registers at 128 for that, and the build checks it; builds under 97 registers fit five,
 which a capped launch forbids: OProjPlan.launch_smem_bytes), so the whole grid of 448 CTAs at once, but what an
 SM's shared-memory carveout allows after the previous kernel is not this launch's to choose. With one cluster per

@@ -57,9 +57,9 @@ ONE_PASS_N_TILES = MAX_BATCH // TILE_N
 # 9 rows the mma.sync build (CUDA cores to 4 rows) serves.
 WGMMA_MIN_BATCH = WGMMA_STREAM_MIN_BATCH
 # CTAs an SM the wgmma build's shared memory is sized for (kda_o_proj_choice.toml wgmma_ctas_per_sm): three (168
-# registers, the whole grid resident at once, 4-7 ring stages) or two (6-8 stages, but at B64 the 336 CTAs no longer
-# fit at once: the later epilogue clusters start as stream CTAs leave). One SM holds at most three warpgroups of the
-# eight-block kinds' 156 registers.
+# registers, the whole grid resident at once, 4-7 ring stages) or two (6-8 stages, but the driver holds only 32
+# of its clusters at once, so the op refuses it where 32 wait, from 32 rows: cluster_residency.py). One SM holds
+# at most three warpgroups of the eight-block kinds' 156 registers.
 WGMMA_CTAS_PER_SM = 3
 WGMMA_CTAS_PER_SM_CHOICES = (2, 3)
 ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order

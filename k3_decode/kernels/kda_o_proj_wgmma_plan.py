@@ -15,6 +15,9 @@ both of the AttnRes kernel's size (attn_res_plan.ClusterPlan: 7 CTAs of 128 thre
 The launch has one shared-memory size for both kinds (the stream's ring), sized so `ctas_per_sm` fit an SM (three by
 default: the whole grid, 336 CTAs at B64, then fits the device at once; two give the ring more stages). Only the E
 epilogue clusters ever wait, so the grid finishes whenever more than E clusters fit (the argument of kda_o_proj.py).
+How many fit is the driver's count (cluster_residency.py, which kda_o_proj_op checks before launching): the SM count
+`resident_clusters` here is only an upper bound, since a cluster's CTAs share one GPC (two a SM: 37 by the count,
+32 by the driver, and the launch hung with 32 waiting).
 """
 
 from __future__ import annotations
