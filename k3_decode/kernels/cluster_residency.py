@@ -11,6 +11,8 @@ It is asked about an empty kernel (PTX the driver compiles) with the launch's cl
 dynamic shared-memory request padded so that no SM holds more than `ctas_per_sm` of it: the build's registers are
 capped for at least that many (ptxas's minnctapersm, checked in CI) and its own shared memory fits that many, so the
 real kernel holds at least as many clusters as the answer: a lower bound, the direction a deadlock argument needs.
+It is an idle GPU's count: beside a running kernel (programmatic dependent launch) fewer may fit, so passing it is
+necessary, not sufficient, and the plans keep a margin of their own (kda_o_proj_plan.WAITING_SHARE).
 """
 
 from __future__ import annotations
