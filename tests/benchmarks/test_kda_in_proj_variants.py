@@ -1,10 +1,12 @@
 """kda_in_proj_choice.toml's wgmma batches and providers.toml's [in_proj] rows against the committed KDA layer runs
-that decided them: the TMA + wgmma projection served exactly where it saved layer time in every round, at TP8 and
-TP16, and at TP8 the provider's row ranges take no batch beyond those and the 1-8 its other builds win per call."""
+that decided them: the TMA + wgmma projection served exactly where it saved layer time in every round of each set, at
+TP8 and TP16, and at TP8 the provider's row ranges take no batch beyond those and the 1-8 its other builds win per
+call."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,13 @@ ROUNDS = [
     *((H200 / f"inproj-late-trigger-base-{i}.json", H200 / f"inproj-late-trigger-{i}.json") for i in (1, 2)),
     (H100 / "inproj-wgmma-base-1.json", H100 / "inproj-wgmma-1.json"),
 ]
+# Layer 6 at TP8 and TP16, B24 and B32, on one H100 at b8e3e11, 60 rounds each: the same stream at B16-B64 (and
+# providers.toml's TP8 [in_proj] rows 1-8, 16-64) against the tree, whose wgmma o_proj served B32-B64 on both sides (a
+# different base from the first set's): two rounds at B32 alone, two at B24 and B32.
+SECOND_ROUNDS = [
+    *((H100 / f"inproj-b32-base-{i}.json", H100 / f"inproj-b32-{i}.json") for i in (1, 2)),
+    *((H100 / f"inproj-b24-base-{i}.json", H100 / f"inproj-b24-{i}.json") for i in (1, 2)),
+]
 
 
 def load(path: Path) -> dict:
@@ -35,8 +44,8 @@ def rows_at(tp: int) -> int:
 
 
 def wgmma_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], bool]:
-    """Per measured (TP, batch): whether serving the wgmma projection saved layer time in every round, after checking
-    that each variant ran it there and no base did."""
+    """Per measured (TP, batch): whether serving the wgmma projection saved layer time in every round that timed it,
+    after checking that each variant ran it there and no base did."""
     per_round = []
     for base, variant in rounds:
         for path, on in ((base, False), (variant, True)):
@@ -45,7 +54,8 @@ def wgmma_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], boo
         layer, saved = bench.layer_savings(load(base), load(variant))
         assert layer == 6, variant.name
         per_round.append(saved)
-    return {key: all(saved[key] > 0 for saved in per_round) for key in per_round[0]}
+    keys = sorted(set().union(*per_round))
+    return {key: all(saved[key] > 0 for saved in per_round if key in saved) for key in keys}
 
 
 def served(tp: int, batch: int) -> bool:
@@ -56,24 +66,41 @@ def served(tp: int, batch: int) -> bool:
 
 
 MEASURED = {(8, 16): True, (8, 32): False, (8, 64): True, (16, 16): True, (16, 32): False, (16, 64): True}
+SECOND_MEASURED = {(8, 24): True, (8, 32): False, (16, 24): False, (16, 32): False}
+SETS = {"first": (ROUNDS, MEASURED), "second": (SECOND_ROUNDS, SECOND_MEASURED)}
+# The batches the wgmma build serves per TP size: the measured wins, B17-B31 at TP8 following B16 and B24, B33-B63
+# following B64 at both.
+WGMMA = {8: [*range(16, 32), *range(33, 65)], 16: [16, *range(33, 65)]}
 
 
-def test_the_wgmma_projection_serves_exactly_the_batches_that_saved_in_every_round():
-    verdicts = wgmma_verdicts(ROUNDS)
-    assert verdicts == MEASURED
+@pytest.mark.parametrize("name", sorted(SETS))
+def test_the_wgmma_projection_serves_exactly_the_batches_that_saved_in_every_round(name: str):
+    rounds, measured = SETS[name]
+    verdicts = wgmma_verdicts(rounds)
+    assert verdicts == measured
     for (tp, batch), won in verdicts.items():
         assert served(tp, batch) == won, f"TP{tp} B{batch}"
+
+
+def test_the_second_set_ran_beside_the_wgmma_o_proj_at_b32_on_both_sides():
+    """Its base differs from the first set's: the tree's wgmma o_proj served B32 in base and variant alike (B24 kept
+    the mma.sync build)."""
+    for base, variant in SECOND_ROUNDS:
+        for path in (base, variant):
+            for (tp, batch), cell in bench.cells_by_key(load(path)).items():
+                assert cell["o_proj_variant"]["wgmma"] is (batch == 32), (path.name, tp, batch)
 
 
 @pytest.mark.parametrize("tp", [8, 16])
 def test_the_provider_takes_no_batch_beyond_the_wgmma_ones_and_the_rows_its_other_builds_win(tp: int):
     """Every batch the wgmma build serves is one the provider takes (the choice file alone cannot serve it), and at
     TP8 the provider takes nothing else above 8 rows: there the CUDA-core and tensor-core builds beat cuBLAS per
-    call only to B8 (providers.toml's why), so B9-B15 and B17-B32 stay stock. B33-B63 follow B64, as at TP16."""
+    call only to B8 (providers.toml's why), so B9-B15 and B32 stay stock. B17-B31 follow B16 and B24 at TP8,
+    B33-B63 follow B64 at both sizes; TP16 B24 lost, so TP16 serves the stream at B16 and B33-B64 only."""
     limit = served_rows("in_proj", "cute-kda-in-proj", tp)
     assert limit is not None
     wgmma = [b for b in range(1, 65) if kernel_for_rows(b, rows_at(tp)) == "wgmma"]
-    assert wgmma == [16, *range(33, 65)]
+    assert wgmma == WGMMA[tp]
     assert all(limit.serves(b) for b in wgmma)
     if tp == 8:
         assert [b for b in range(1, 65) if limit.serves(b) and b not in wgmma] == list(range(1, 9))
@@ -89,13 +116,15 @@ def test_the_served_tp16_batches_drop_the_split_k_launch_at_b64():
         assert b["paths"]["specialized"]["in_proj"] == "stock"
 
 
-def turned_over(key: tuple[int, int], tmp_path: Path) -> list[tuple[Path, Path]]:
+def turned_over(
+    measured_rounds: list[tuple[Path, Path]], key: tuple[int, int], tmp_path: Path
+) -> list[tuple[Path, Path]]:
     """The rounds with the verdict at `key` turned over by mirroring the variant's layer speedup about the base's
     (which flips the sign of the time saved): where it lost in some round, those losses become gains; where it saved
     in every round, every gain becomes a loss."""
-    won = wgmma_verdicts(ROUNDS)[key]
+    won = wgmma_verdicts(measured_rounds)[key]
     rounds = []
-    for i, (base, variant) in enumerate(ROUNDS):
+    for i, (base, variant) in enumerate(measured_rounds):
         doc, base_cells = load(variant), bench.cells_by_key(load(base))
         _, saved = bench.layer_savings(load(base), doc)
         for run in doc["runs"]:
@@ -109,17 +138,23 @@ def turned_over(key: tuple[int, int], tmp_path: Path) -> list[tuple[Path, Path]]
     return rounds
 
 
-@pytest.mark.parametrize("key", sorted(MEASURED), ids=[f"tp{tp}-b{b}" for tp, b in sorted(MEASURED)])
-def test_rounds_with_a_verdict_turned_over_contradict_the_served_table(key: tuple[int, int], tmp_path: Path):
-    """Broken cases: TP16 B32's and TP8 B32's losses mirrored into gains would have served them, and the gains at
-    TP8 and TP16 B16 and B64 mirrored into losses would have kept them off; the served tables contradict each."""
-    verdicts = wgmma_verdicts(turned_over(key, tmp_path))
-    assert verdicts[key] is not MEASURED[key]
-    assert {k: v for k, v in verdicts.items() if k != key} == {k: v for k, v in MEASURED.items() if k != key}
+CELLS = [(name, key) for name in sorted(SETS) for key in sorted(SETS[name][1])]
+
+
+@pytest.mark.parametrize(("name", "key"), CELLS, ids=[f"{name}-tp{tp}-b{b}" for name, (tp, b) in CELLS])
+def test_rounds_with_a_verdict_turned_over_contradict_the_served_table(name: str, key: tuple[int, int], tmp_path: Path):
+    """Broken cases: the losses at TP8 and TP16 B32 (both sets) and TP16 B24 mirrored into gains would have served
+    them, and the gains at TP8 and TP16 B16 and B64 and at TP8 B24 mirrored into losses would have kept them off; the
+    served tables contradict each."""
+    rounds, measured = SETS[name]
+    verdicts = wgmma_verdicts(turned_over(rounds, key, tmp_path))
+    assert verdicts[key] is not measured[key]
+    assert {k: v for k, v in verdicts.items() if k != key} == {k: v for k, v in measured.items() if k != key}
     assert served(*key) != verdicts[key]
 
 
-def test_a_base_that_ran_the_wgmma_projection_is_not_a_base():
-    _, variant = ROUNDS[0]
-    with pytest.raises(AssertionError, match=r"inproj-late-trigger-1\.json"):
+@pytest.mark.parametrize("name", sorted(SETS))
+def test_a_base_that_ran_the_wgmma_projection_is_not_a_base(name: str):
+    _, variant = SETS[name][0][0]
+    with pytest.raises(AssertionError, match=re.escape(variant.name)):
         wgmma_verdicts([(variant, variant)])

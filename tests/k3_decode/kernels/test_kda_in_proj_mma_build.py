@@ -218,8 +218,8 @@ def test_the_op_picks_the_build_from_its_data(tmp_path, monkeypatch):
     from k3_decode.kernels import kda_in_proj_choice, kda_in_proj_op
 
     pick = kda_in_proj_op.kernel_for_rows
-    shipped = [pick(b, 6288) for b in (1, 4, 5, 16, 32, 64)]  # the wgmma stream at TP8 B16 and B33-B64
-    assert shipped == ["cuda_core", "cuda_core", "tensor_core", "wgmma", "tensor_core", "wgmma"]
+    shipped = [pick(b, 6288) for b in (1, 4, 5, 16, 24, 32, 64)]  # the wgmma stream at TP8 B16-B31 and B33-B64
+    assert shipped == ["cuda_core", "cuda_core", "tensor_core", "wgmma", "wgmma", "tensor_core", "wgmma"]
     assert pick(1, 3216) == "tensor_core" and pick(4, 1024) == "cuda_core" and pick(5, 1024) == "tensor_core"
     # The choice is the data file's: a changed table changes it.
     table = tmp_path / "choice.toml"

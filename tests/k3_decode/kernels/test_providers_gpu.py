@@ -47,7 +47,7 @@ def _requests() -> int:
     test_the_projection_stays_stock_where_its_kernel_does_not_serve steps), and two more that no other test touches
     before the agreement test. Derived, not written down: it was 34 while TP16's limit was 16, and raising that
     limit to 32 left the stock-above test asking for requests the executor did not hold; with TP8's row ranges
-    (1-8, 16, 33-64) it is TP8's 32."""
+    (1-8, 16-31, 33-64) it is TP8's 32."""
     unserved = [rows for rows in map(_unserved, (8, 16)) if rows is not None]
     return max(unserved, default=2) + 2
 

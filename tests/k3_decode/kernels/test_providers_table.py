@@ -31,7 +31,7 @@ def table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 def test_the_shipped_projection_serves_its_tp8_ranges_and_tp16_whole():
     tp8 = providers.served_rows("in_proj", "cute-kda-in-proj", 8)
-    assert tp8 is not None and tp8.ranges == ((1, 8), (16, 16), (33, 64))
+    assert tp8 is not None and tp8.ranges == ((1, 8), (16, 31), (33, 64))
     assert providers.served_rows("in_proj", "cute-kda-in-proj", 16).ranges == ((1, 64),)
     # max_rows entries are unchanged: o_proj at one block and from two blocks on
     assert providers.served_rows("o_proj", "cute-kda-o-proj", 8) == RowLimit.of(

@@ -359,10 +359,11 @@ def test_the_shipped_limits_name_the_provider_tp_and_measurement():
     from k3_decode.kernels.providers import max_rows, served_rows
 
     tp8 = served_rows("in_proj", "cute-kda-in-proj", 8)
-    assert tp8 is not None and tp8.ranges == ((1, 8), (16, 16), (33, 64))  # the wgmma stream at B16 and B33-B64
+    assert tp8 is not None and tp8.ranges == ((1, 8), (16, 31), (33, 64))  # the wgmma stream at B16-B31, B33-B64
     assert tp8.why.startswith("rows cute-kda-in-proj serves at TP8 (cuBLAS is faster at the other sizes")
     # a limit with gaps has no "most rows": asking for one is refused rather than read as 1..64
-    with pytest.raises(ValueError, match=r"\[in_proj\] serves 1-8, 16, 33-64 rows at TP8, not 1..N; ask served_rows"):
+    refused = r"\[in_proj\] serves 1-8, 16-31, 33-64 rows at TP8, not 1..N; ask served_rows"
+    with pytest.raises(ValueError, match=refused):
         max_rows("in_proj", "cute-kda-in-proj", 8)
     assert max_rows("in_proj", "cute-kda-in-proj", 16)[0] == 64  # the wgmma stream takes B33-B64 there
     assert served_rows("in_proj", "cute-kda-in-proj", 16).ranges == ((1, 64),)
@@ -378,11 +379,11 @@ def test_the_shipped_limits_name_the_provider_tp_and_measurement():
 
 @pytest.mark.parametrize(
     ("rows", "path"),
-    [(8, "specialized"), (12, "stock"), (16, "specialized"), (24, "stock"), (32, "stock"), (48, "specialized")],
+    [(8, "specialized"), (12, "stock"), (16, "specialized"), (24, "specialized"), (32, "stock"), (48, "specialized")],
 )
 def test_the_shipped_projection_runs_stock_between_its_tp8_ranges(rows: int, path: str):
     """The shipped provider through the whole chain (providers.toml -> the provider's served_rows -> the registry ->
-    start-up -> the plan): at TP8 the projection is specialized at 1-8, 16 and 33-64 rows and stock between, with the
+    start-up -> the plan): at TP8 the projection is specialized at 1-8, 16-31 and 33-64 rows and stock between, with the
     ranges and the measurement in the ledger; at TP16 specialized at every prepared size. The op table's expected
     paths (what tests and perf cells declare) agree with the plan."""
     from k3_decode.kernels.providers import CuteKdaInProjProvider
@@ -400,8 +401,8 @@ def test_the_shipped_projection_runs_stock_between_its_tp8_ranges(rows: int, pat
         assert got[(1, "attn_res")].path == "specialized"
         if want == "stock":
             assert got[(1, "in_proj")].reason.startswith(
-                f"{rows} rows outside the 1-8, 16, 33-64 rows cute-kda-in-proj serves at TP8 (cuBLAS is faster at the "
-                "other sizes"
+                f"{rows} rows outside the 1-8, 16-31, 33-64 rows cute-kda-in-proj serves at TP8 (cuBLAS is faster at "
+                "the other sizes"
             )
         expected = planner.table.expected_paths(K3, [0, 1], rows, planner.op_rows, planner.op_stock)
         assert expected == {key: d.path for key, d in got.items()}
