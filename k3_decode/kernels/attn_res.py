@@ -202,23 +202,75 @@ class AttnResKernel:
     ):
         """Mix this thread's 8 columns of the bank blocks (BF16) and the new prefix p (FP32, BF16 values) over the
         cluster, norm, and store the output, the prefix (when delta changed it) and the saved block of row `row`."""
+        self.mix_and_store_rows([bank], [p], w_mix, w_out, [areas], out, prefix, blocks, [row], [None], save_index,
+                                vec, tidx, rank, eps)  # fmt: skip
+
+    @cute.jit
+    def mix_and_store_rows(
+        self,
+        banks: list,
+        ps: list,
+        w_mix: cute.TensorSSA,
+        w_out: cute.TensorSSA | None,
+        areas: list,
+        out: cute.Tensor,
+        prefix: cute.Tensor,
+        blocks: cute.Tensor,
+        rows: list,
+        stored: list,
+        save_index: Int32,
+        vec: Int32,
+        tidx: Int32,
+        rank: Int32,
+        eps: Float32,
+    ):
+        """mix_and_store of several rows, each with its own exchange areas, phase by phase: every row's logit
+        partials are pushed before the first row's wait, and every row's norm partial before the first row's norm
+        wait, so the rows' exchanges overlap instead of following one another. stored[j]: None, or a condition (the
+        same in every CTA of the cluster) without which row j is exchanged but not stored."""
         kind, plan = self.kind, self.plan
-        bars, sources_area, norm_area = areas
-        sources = [b.to(Float32) for b in bank] + [p]
-
-        alphas = [Float32(1.0)]
+        n = len(rows)
+        sources = [[b.to(Float32) for b in banks[j]] + [ps[j]] for j in range(n)]
         if const_expr(kind.num_blocks > 0):
-            alphas = self._softmax_weights(sources, w_mix, sources_area, bars, tidx, rank, eps)
-        mixed = sources[0] * alphas[0]
-        for s in cutlass.range_constexpr(1, kind.sources):
-            mixed = mixed + sources[s] * alphas[s]
+            for j in cutlass.range_constexpr(n):
+                self._push_logit_partials(sources[j], w_mix, areas[j][1], areas[j][0], tidx, rank)
+        mixed = []
+        for j in cutlass.range_constexpr(n):
+            alphas = [Float32(1.0)]
+            if const_expr(kind.num_blocks > 0):
+                alphas = self._alphas(areas[j][1], areas[j][0], eps)
+            m = sources[j][0] * alphas[0]
+            for s in cutlass.range_constexpr(1, kind.sources):
+                m = m + sources[j][s] * alphas[s]
+            if const_expr(kind.out_norm):
+                squares = (m * m).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                self._push_sum(Float32(squares), areas[j][2], areas[j][0] + 1, tidx, rank)
+            mixed.append(m)
+        for j in cutlass.range_constexpr(n):
+            result = mixed[j]
+            if const_expr(kind.out_norm):
+                total = self._summed(areas[j][2], areas[j][0] + 1)
+                result = mixed[j] * cute.math.rsqrt(total * (1.0 / plan.hidden) + eps) * w_out
+            if const_expr(stored[j] is None):
+                self._store_row(result, ps[j], out, prefix, blocks, rows[j], save_index, vec)
+            else:
+                if stored[j]:
+                    self._store_row(result, ps[j], out, prefix, blocks, rows[j], save_index, vec)
 
-        result = mixed
-        if const_expr(kind.out_norm):
-            squares = (mixed * mixed).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            total = self._cluster_sum(Float32(squares), norm_area, bars + 1, tidx, rank)
-            result = mixed * cute.math.rsqrt(total * (1.0 / plan.hidden) + eps) * w_out
-
+    @cute.jit
+    def _store_row(
+        self,
+        result: cute.TensorSSA,
+        p: cute.TensorSSA,
+        out: cute.Tensor,
+        prefix: cute.Tensor,
+        blocks: cute.Tensor,
+        row: Int32,
+        save_index: Int32,
+        vec: Int32,
+    ):
+        """The output, the prefix (when delta changed it) and the saved block of `row`."""
+        kind = self.kind
         _store8(result.to(BFloat16), out[row, None], vec)
         if const_expr(kind.delta != "none"):
             _store8(p.to(BFloat16), prefix[row, None], vec)
@@ -226,10 +278,11 @@ class AttnResKernel:
             _store8(p.to(BFloat16), blocks[row, save_index, None], vec)
 
     @cute.jit
-    def _softmax_weights(
-        self, sources: list, w_mix: cute.TensorSSA, area: cute.Tensor, bar: Any, tidx: Int32, rank: Int32, eps: Float32
-    ) -> list:
-        """[alpha_0, ..., alpha_n], bit-identical in every thread of the cluster."""
+    def _push_logit_partials(
+        self, sources: list, w_mix: cute.TensorSSA, area: cute.Tensor, bar: Any, tidx: Int32, rank: Int32
+    ):
+        """Each warp's partial logits and squares of every source, pushed to every CTA of the cluster (`_alphas`
+        waits for them)."""
         plan, k = self.plan, self.kind.sources
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         partial = [_warp_sum(Float32((s * w_mix).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))) for s in sources]
@@ -243,8 +296,13 @@ class AttnResKernel:
                 words = tuple(partial[4 * q + j].bitcast(Int32) for j in range(4))
                 dst = area.iterator + cute.assume(slot * self.partials + 4 * q, divby=4)
                 cute.arch.store_async_dsmem(dst, words, bar, lane)
-        cute.arch.mbarrier_wait(bar, 0)
 
+    @cute.jit
+    def _alphas(self, area: cute.Tensor, bar: Any, eps: Float32) -> list:
+        """[alpha_0, ..., alpha_n] from every warp's pushed partials, bit-identical in every thread of the cluster."""
+        plan, k = self.plan, self.kind.sources
+        lane = cute.arch.lane_idx()
+        cute.arch.mbarrier_wait(bar, 0)
         # Lane i totals partial i over every (CTA, warp) in a fixed order; lane s then holds source s's logit.
         total = Float32(0.0)
         if lane < 2 * k:
@@ -264,8 +322,8 @@ class AttnResKernel:
         return [cute.arch.shuffle_sync(alpha, s) for s in range(k)]
 
     @cute.jit
-    def _cluster_sum(self, x: Float32, area: cute.Tensor, bar: Any, tidx: Int32, rank: Int32) -> Float32:
-        """The sum of `x` over every thread of the cluster, bit-identical everywhere."""
+    def _push_sum(self, x: Float32, area: cute.Tensor, bar: Any, tidx: Int32, rank: Int32):
+        """Each warp's sum of `x`, pushed to every CTA of the cluster (`_summed` waits for them)."""
         plan = self.plan
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         x = _warp_sum(x)
@@ -273,6 +331,12 @@ class AttnResKernel:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, plan.slots * 4)
         if lane < plan.cluster:
             cute.arch.store_async_dsmem(area.iterator + (rank * plan.warps + warp), x.bitcast(Int32), bar, lane)
+
+    @cute.jit
+    def _summed(self, area: cute.Tensor, bar: Any) -> Float32:
+        """The sum of what `_push_sum` pushed over every thread of the cluster, bit-identical everywhere."""
+        plan = self.plan
+        lane = cute.arch.lane_idx()
         cute.arch.mbarrier_wait(bar, 0)
         y = Float32(0.0)
         if lane < plan.slots:

@@ -264,6 +264,7 @@ class KdaOProjBuild:
             + "/warm" * p.warm_l2
             + "/w-smem" * p.w_smem
             + "/w-l2" * p.w_l2
+            + "/paired" * p.paired_rows
         )
 
     @property
@@ -383,8 +384,10 @@ class KdaOProjWgmmaBuild:
     @property
     def name(self) -> str:
         p = self.plan
-        return f"kda_o_proj_wgmma/tp{self.tp}/b{p.batch}/{p.kind.tag}" + f"/{p.ctas_per_sm}-per-sm" * (
-            p.ctas_per_sm != OPROJ_WGMMA_CTAS_PER_SM
+        return (
+            f"kda_o_proj_wgmma/tp{self.tp}/b{p.batch}/{p.kind.tag}"
+            + f"/{p.ctas_per_sm}-per-sm" * (p.ctas_per_sm != OPROJ_WGMMA_CTAS_PER_SM)
+            + "/paired" * p.paired_rows
         )
 
     @property
@@ -672,8 +675,10 @@ class K3KernelBuilds:
         warm = spec.get("warm", {"batches": [], "kinds": []})
         staged = spec.get("w_smem", {"batches": [], "kinds": []})
         in_l2 = spec.get("w_l2", {"batches": [], "kinds": []})
+        paired = spec.get("paired", {"batches": [], "kinds": []})
         variant_kinds = {}
-        for key, table in (("both_streams", both), ("warm", warm), ("w_smem", staged), ("w_l2", in_l2)):
+        variants = (("both_streams", both), ("warm", warm), ("w_smem", staged), ("w_l2", in_l2), ("paired", paired))
+        for key, table in variants:
             variant_kinds[key] = [AttnResKind.from_tag(tag) for tag in table["kinds"]]
             if any(kind not in kinds for kind in variant_kinds[key]):
                 raise ValueError(f"builds.toml kda_o_proj.{key}.kinds must be among kinds, got {table['kinds']}")
@@ -717,6 +722,10 @@ class K3KernelBuilds:
             for batch in in_l2["batches"]:
                 for kind in variant_kinds["w_l2"]:
                     add(tp, plan_at(batch, kind, w_smem=False, w_l2=True))
+            # Each epilogue cluster's two rows exchanged together (paired_rows), with the served stream.
+            for batch in paired["batches"]:
+                for kind in variant_kinds["paired"]:
+                    add(tp, plan_at(batch, kind, paired_rows=True))
         return builds
 
     def kda_o_proj_wgmma_builds(self) -> list[KdaOProjWgmmaBuild]:
@@ -725,18 +734,25 @@ class K3KernelBuilds:
         dims = load_dims(self.table["model"])
         spec = self.table["kda_o_proj_wgmma"]
         two = spec.get("two_per_sm", {"batches": [], "kinds": []})
+        paired = spec.get("paired", {"batches": [], "kinds": []})
         kinds = _after_attention_kinds(dims, spec["kinds"], "kda_o_proj_wgmma.kinds")
         two_kinds = _after_attention_kinds(dims, two["kinds"], "kda_o_proj_wgmma.two_per_sm.kinds")
-        cells = [(b, kind, OPROJ_WGMMA_CTAS_PER_SM) for b in spec["batches"] for kind in kinds]  # (batch, kind, per SM)
-        cells += [(b, kind, 2) for b in two["batches"] for kind in two_kinds]  # the ring sized for two CTAs an SM
+        paired_kinds = _after_attention_kinds(dims, paired["kinds"], "kda_o_proj_wgmma.paired.kinds")
+        per_sm = OPROJ_WGMMA_CTAS_PER_SM
+        # (batch, kind, CTAs an SM, paired rows); None: as kda_o_proj_choice.toml says
+        cells = [(b, kind, per_sm, None) for b in spec["batches"] for kind in kinds]
+        cells += [(b, kind, 2, None) for b in two["batches"] for kind in two_kinds]  # the ring sized for two an SM
+        cells += [(b, kind, per_sm, True) for b in paired["batches"] for kind in paired_kinds]
         builds = []
         for tp in spec["tp"]:
             try:
                 hidden, k = dims.shard(tp).kda_o_proj
             except ShardError as exc:
                 raise ValueError(f"builds.toml kda_o_proj_wgmma.tp: {exc}") from None
-            for batch, kind, per_sm in cells:
-                plan = OProjWgmmaPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], ctas_per_sm=per_sm)
+            for batch, kind, per_sm, pair in cells:
+                plan = OProjWgmmaPlan.for_shape(
+                    hidden, k, batch, kind, spec["sm_count"], ctas_per_sm=per_sm, paired_rows=pair
+                )
                 builds.append(KdaOProjWgmmaBuild(tp, plan, dims.num_attn_res_blocks))
         return builds
 

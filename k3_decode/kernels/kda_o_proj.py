@@ -396,11 +396,26 @@ class KdaOProjKernel:
         early = [self._row_inputs(prefix, blocks, loaded[j], vec) for j in range(plan.preloaded_rows)]
         self._wait_for_grid(arrivals, seen, tidx)
         trace_stamp(self.trace, launches, rank + cluster * plan.cluster, 4, tidx)  # CTA `rank` of `cluster`
-        for j in cutlass.range_constexpr(plan.epilogue_rows):
-            if rows[j] < plan.batch:  # the same in every CTA of the cluster (its exchanges need all of them)
-                bank, old = early[j] if j < plan.preloaded_rows else self._row_inputs(prefix, blocks, loaded[j], vec)
-                self._apply(attn_out, prefix, blocks, out, bank, old, w_mix, w_out, areas[j], save_index, eps, tidx,
-                            rank, rows[j], vec)  # fmt: skip
+        if const_expr(plan.paired_rows):
+            # Both rows' o_proj outputs are read at once and their exchanges overlap (mix_and_store_rows); a second
+            # row past the batch is computed from the clamped row's inputs and exchanged like the first, so every
+            # CTA of the cluster takes the same path, but not stored.
+            inputs = [
+                early[j] if j < plan.preloaded_rows else self._row_inputs(prefix, blocks, loaded[j], vec)
+                for j in range(plan.epilogue_rows)
+            ]
+            ps = [self._delta_row(attn_out, inputs[j][1], loaded[j], vec) for j in range(plan.epilogue_rows)]
+            stored = [None] + [rows[j] < plan.batch for j in range(1, plan.epilogue_rows)]
+            self.attn.mix_and_store_rows([i[0] for i in inputs], ps, w_mix, w_out, areas, out, prefix, blocks, rows,
+                                         stored, save_index, vec, tidx, rank, eps)  # fmt: skip
+        else:
+            for j in cutlass.range_constexpr(plan.epilogue_rows):
+                if rows[j] < plan.batch:  # the same in every CTA of the cluster (its exchanges need all of them)
+                    bank, old = (
+                        early[j] if j < plan.preloaded_rows else self._row_inputs(prefix, blocks, loaded[j], vec)
+                    )
+                    self._apply(attn_out, prefix, blocks, out, bank, old, w_mix, w_out, areas[j], save_index, eps,
+                                tidx, rank, rows[j], vec)  # fmt: skip
 
     @cute.jit
     def _row_inputs(self, prefix: cute.Tensor, blocks: cute.Tensor, row: Int32, vec: Int32) -> tuple:
@@ -429,11 +444,18 @@ class KdaOProjKernel:
         vec: Int32,
     ):
         """One row's AttnRes after attention from its preloaded bank and old prefix and its o_proj row."""
+        p = self._delta_row(attn_out, old, row, vec)
+        attn = self.attn
+        attn.mix_and_store(bank, p, w_mix, w_out, areas, out, prefix, blocks, row, save_index, vec, tidx, rank, eps)
+
+    @cute.jit
+    def _delta_row(self, attn_out: cute.Tensor, old: cute.TensorSSA, row: Int32, vec: Int32) -> cute.TensorSSA:
+        """The new prefix of this thread's 8 columns of `row` (FP32 holding BF16 values): the o_proj row, added to
+        the old prefix where the kind adds."""
         p = self._attention_row(attn_out, row, vec).to(Float32)
         if const_expr(self.plan.kind.delta == "add"):
             p = (old + p).to(BFloat16).to(Float32)
-        attn = self.attn
-        attn.mix_and_store(bank, p, w_mix, w_out, areas, out, prefix, blocks, row, save_index, vec, tidx, rank, eps)
+        return p
 
     @cute.jit
     def _attention_row(self, attn_out: cute.Tensor, row: Int32, vec: Int32) -> cute.TensorSSA:

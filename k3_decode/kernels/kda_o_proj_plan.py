@@ -72,9 +72,10 @@ CHOICE = Path(__file__).with_name("kda_o_proj_choice.toml")
 
 
 @dataclass(frozen=True)
-class OnePassRule:
-    """Batches first..last (inclusive, above 32 rows) run the tensor-core stream in one pass of up to
-    ONE_PASS_N_TILES batch tiles where the AttnRes after attention mixes at most max_blocks bank blocks."""
+class BlocksRule:
+    """Batches first..last (inclusive, above 32 rows) where the AttnRes after attention mixes at most max_blocks bank
+    blocks: where kda_o_proj_choice.toml's one_pass runs the tensor-core stream in one pass of up to
+    ONE_PASS_N_TILES batch tiles, or its paired_rows has each epilogue cluster exchange its two rows together."""
 
     first: int
     last: int
@@ -89,12 +90,13 @@ class OProjChoice:
     """kda_o_proj_choice.toml: how the launch and the stream are chosen where a choice waits for measurement."""
 
     cap_batches: tuple[tuple[int, int], ...]
-    one_pass: tuple[OnePassRule, ...]
+    one_pass: tuple[BlocksRule, ...]
     warm_batches: tuple[tuple[int, int], ...] = ()
     w_smem_batches: tuple[tuple[int, int], ...] = ()
     w_l2_batches: tuple[tuple[int, int], ...] = ()
     wgmma_batches: tuple[tuple[int, int], ...] = ()
     wgmma_ctas_per_sm: int = WGMMA_CTAS_PER_SM
+    paired_rows: tuple[BlocksRule, ...] = ()
 
 
 def choice(path: Path | None = None) -> OProjChoice:
@@ -116,6 +118,12 @@ def one_pass_at(batch: int, num_blocks: int, path: Path | None = None) -> bool:
     """Whether kda_o_proj_choice.toml (or `path`) runs the stream in one pass at `batch` where the AttnRes after
     attention mixes `num_blocks` bank blocks."""
     return any(rule.matches(batch, num_blocks) for rule in choice(path).one_pass)
+
+
+def paired_at(batch: int, num_blocks: int, path: Path | None = None) -> bool:
+    """Whether kda_o_proj_choice.toml (or `path`) has each epilogue cluster exchange its two rows together at
+    `batch` where the AttnRes after attention mixes `num_blocks` bank blocks (either build)."""
+    return any(rule.matches(batch, num_blocks) for rule in choice(path).paired_rows)
 
 
 def warm_at(batch: int, path: Path | None = None) -> bool:
@@ -162,6 +170,7 @@ def _choice(path: Path) -> OProjChoice:
     caps, rules = table.get("cap_batches"), table.get("one_pass")
     warm, staged = table.get("warm_batches", []), table.get("w_smem_batches", [])
     in_l2, wgmma = table.get("w_l2_batches", []), table.get("wgmma_batches", [])
+    paired = table.get("paired_rows", [])
     known = {
         "cap_batches",
         "one_pass",
@@ -170,13 +179,14 @@ def _choice(path: Path) -> OProjChoice:
         "w_l2_batches",
         "wgmma_batches",
         "wgmma_ctas_per_sm",
+        "paired_rows",
     }
     if not {"cap_batches", "one_pass"} <= set(table) <= known or not all(
-        isinstance(v, list) for v in (caps, rules, warm, staged, in_l2, wgmma)
+        isinstance(v, list) for v in (caps, rules, warm, staged, in_l2, wgmma, paired)
     ):
         raise ValueError(
             f"{path.name} holds the lists cap_batches and one_pass (and warm_batches, w_smem_batches, w_l2_batches, "
-            f"wgmma_batches) and nothing else, got {sorted(table)}"
+            f"wgmma_batches, paired_rows, and wgmma_ctas_per_sm) and nothing else, got {sorted(table)}"
         )
     per_sm = table.get("wgmma_ctas_per_sm", WGMMA_CTAS_PER_SM)
     if per_sm not in WGMMA_CTAS_PER_SM_CHOICES or isinstance(per_sm, bool):
@@ -185,16 +195,8 @@ def _choice(path: Path) -> OProjChoice:
             f"shared memory is sized for), got {per_sm!r}"
         )
     cap_batches = tuple(_span(span, 1, f"{path.name}: cap_batches[{i}]") for i, span in enumerate(caps))
-    one_pass = []
-    for i, rule in enumerate(rules):
-        where = f"{path.name}: one_pass[{i}]"
-        if not isinstance(rule, dict) or set(rule) != {"batches", "max_blocks"}:
-            raise ValueError(f"{where} is {{ batches = [first, last], max_blocks = N }}, got {rule!r}")
-        first, last = _span(rule["batches"], WIDE_N_TILES * TILE_N + 1, f"{where} batches")
-        blocks = rule["max_blocks"]
-        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0:
-            raise ValueError(f"{where} max_blocks is a count of bank blocks, got {blocks!r}")
-        one_pass.append(OnePassRule(first, last, blocks))
+    one_pass = _blocks_rules(rules, f"{path.name}: one_pass")
+    paired_rows = _blocks_rules(paired, f"{path.name}: paired_rows")
     warm_batches = tuple(_span(span, 1, f"{path.name}: warm_batches[{i}]") for i, span in enumerate(warm))
     w_smem_batches = tuple(_span(span, 1, f"{path.name}: w_smem_batches[{i}]") for i, span in enumerate(staged))
     w_l2_batches = tuple(_span(span, 1, f"{path.name}: w_l2_batches[{i}]") for i, span in enumerate(in_l2))
@@ -207,7 +209,24 @@ def _choice(path: Path) -> OProjChoice:
     wgmma_batches = tuple(
         _span(span, WGMMA_MIN_BATCH, f"{path.name}: wgmma_batches[{i}]") for i, span in enumerate(wgmma)
     )
-    return OProjChoice(cap_batches, tuple(one_pass), warm_batches, w_smem_batches, w_l2_batches, wgmma_batches, per_sm)
+    return OProjChoice(
+        cap_batches, one_pass, warm_batches, w_smem_batches, w_l2_batches, wgmma_batches, per_sm, paired_rows
+    )
+
+
+def _blocks_rules(rules: list, where: str) -> tuple[BlocksRule, ...]:
+    """{ batches = [first, last], max_blocks = N } rules above 32 rows (where an epilogue cluster takes two)."""
+    out = []
+    for i, rule in enumerate(rules):
+        at = f"{where}[{i}]"
+        if not isinstance(rule, dict) or set(rule) != {"batches", "max_blocks"}:
+            raise ValueError(f"{at} is {{ batches = [first, last], max_blocks = N }}, got {rule!r}")
+        first, last = _span(rule["batches"], WIDE_N_TILES * TILE_N + 1, f"{at} batches")
+        blocks = rule["max_blocks"]
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0:
+            raise ValueError(f"{at} max_blocks is a count of bank blocks, got {blocks!r}")
+        out.append(BlocksRule(first, last, blocks))
+    return tuple(out)
 
 
 class AttnResEpilogue:
@@ -247,6 +266,18 @@ class AttnResEpilogue:
         barriers, the sources area of up to 20 partials per slot, the norm area), with alignment."""
         return (2 * 8 + (self.attn.slots * 20 + self.attn.slots) * 4 + 64) * self.epilogue_rows
 
+    def pairing(self, paired: bool | None) -> bool:
+        """Whether this plan's epilogue clusters exchange their rows together: `paired`, or where None what
+        kda_o_proj_choice.toml's paired_rows says; only where a cluster takes two rows (above 32)."""
+        if paired is None:
+            return self.epilogue_rows == 2 and paired_at(self.batch, self.kind.num_blocks)
+        if paired and self.epilogue_rows != 2:
+            raise ValueError(
+                f"{self.tag}: paired rows are an epilogue cluster's two rows, and this plan gives each "
+                f"{self.epilogue_rows}; pair from 33 rows"
+            )
+        return paired
+
     def check_resident(self, at_once: int) -> None:
         """Raises, naming the fix, unless `at_once` (the clusters of this grid the GPU holds at once: the driver's
         count, cluster_residency.max_active_clusters of `residency`) outnumbers the epilogue clusters that wait for
@@ -281,6 +312,7 @@ class OProjPlan(AttnResEpilogue, WeightStream):
     warm_l2: bool = False  # the CTA warms L2 with its late_runs before griddepcontrol.wait
     w_smem: bool = False  # the CTA bulk-copies its rows of W into shared memory before the wait
     w_l2: bool = False  # the CTA's rows of W go to L2 by the copy engine before the wait, none to registers
+    paired_rows: bool = False  # each epilogue cluster exchanges its two rows together (AttnResEpilogue.paired)
 
     @classmethod
     def for_shape(
@@ -295,6 +327,7 @@ class OProjPlan(AttnResEpilogue, WeightStream):
         warm: bool | None = None,
         w_smem: bool | None = None,
         w_l2: bool | None = None,
+        paired_rows: bool | None = None,
     ) -> OProjPlan:
         """The plan for one shape: the most rows per warp (the most reuse of each staged o vector) whose grid is
         whole clusters and fits on the SMs at once (one wave, MAX_CTAS_PER_SM per SM). `capped` and `one_pass`: None
@@ -358,7 +391,7 @@ class OProjPlan(AttnResEpilogue, WeightStream):
             raise ValueError(f"the fused o_proj's stream holds all of W before its wait at {plan.tag}: nothing to warm")
         elif warm and not plan.warmable:
             raise ValueError(f"the fused o_proj's two-pass stream is not warmed ({plan.tag}): see OProjPlan.warmable")
-        plan = replace(plan, warm_l2=warm)
+        plan = replace(plan, warm_l2=warm, paired_rows=plan.pairing(paired_rows))
         if plan.tensor_cores and plan.rows_per_cta != TILE_M:
             raise ValueError(
                 f"the fused o_proj kernel's tensor-core stream needs {TILE_M} rows per CTA, the plan gives "
@@ -520,4 +553,5 @@ class OProjPlan(AttnResEpilogue, WeightStream):
             + "/warm" * self.warm_l2
             + "/w-smem" * self.w_smem
             + "/w-l2" * self.w_l2
+            + "/paired" * self.paired_rows
         )

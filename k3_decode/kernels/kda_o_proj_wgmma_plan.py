@@ -22,7 +22,7 @@ How many fit is the driver's count (cluster_residency.py, which kda_o_proj_op ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan
 from k3_decode.kernels.kda_o_proj_plan import (
@@ -61,6 +61,7 @@ class OProjWgmmaPlan(AttnResEpilogue):
     sm_count: int = H200_SMS
     k_tile: int = 64
     ctas_per_sm: int = CTAS_PER_SM  # CTAs an SM the shared memory is sized for (and ptxas's register cap)
+    paired_rows: bool = False  # each epilogue cluster exchanges its two rows together (AttnResEpilogue.pairing)
 
     @classmethod
     def for_shape(
@@ -71,6 +72,7 @@ class OProjWgmmaPlan(AttnResEpilogue):
         kind: AttnResKind,
         sm_count: int = H200_SMS,
         ctas_per_sm: int | None = None,
+        paired_rows: bool | None = None,
     ) -> OProjWgmmaPlan:
         """The plan for one shape; raises, naming the problem, for one this build cannot take. `ctas_per_sm`: None
         takes kda_o_proj_choice.toml's wgmma_ctas_per_sm."""
@@ -95,6 +97,7 @@ class OProjWgmmaPlan(AttnResEpilogue):
         if ctas_per_sm not in WGMMA_CTAS_PER_SM_CHOICES:
             raise ValueError(f"the wgmma o_proj is sized for {WGMMA_CTAS_PER_SM_CHOICES} CTAs an SM, got {ctas_per_sm}")
         plan = cls(hidden, k, batch, kind, sm_count, ctas_per_sm=ctas_per_sm)
+        plan = replace(plan, paired_rows=plan.pairing(paired_rows))
         if plan.stages < 2:
             raise ValueError(f"{plan.tag}: fewer than two ring stages fit {ctas_per_sm} CTAs an SM")
         why = plan.stream.problem()
@@ -174,4 +177,7 @@ class OProjWgmmaPlan(AttnResEpilogue):
 
     @property
     def tag(self) -> str:
-        return f"o-proj-wgmma/h{self.hidden}/k{self.k}/b{self.batch}/{self.kind.tag}/s{self.stages}/c{self.ctas_per_sm}"
+        return (
+            f"o-proj-wgmma/h{self.hidden}/k{self.k}/b{self.batch}/{self.kind.tag}/s{self.stages}/c{self.ctas_per_sm}"
+            + "/paired" * self.paired_rows
+        )

@@ -95,8 +95,11 @@ class WgmmaStreamPlan:
 
     @property
     def stored_values(self) -> int:
-        """Accumulator values per thread the epilogue's code stores (4 a live group of 8 columns), masked to B."""
-        return 4 * self.live_groups
+        """Accumulator values per thread the epilogue's code stores, masked to B: a live group of 8 columns holds 2
+        adjacent columns a thread in each of 2 rows, and the compiler drops the second column's stores where no
+        thread's can be a batch row (group g's least second column, 8g + 1, is at least B: B = 33 stores 18, not
+        20)."""
+        return sum(2 * (1 + (8 * g + 1 < self.batch)) for g in range(self.live_groups))
 
     @property
     def partial_bytes(self) -> int:

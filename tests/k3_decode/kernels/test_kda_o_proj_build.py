@@ -27,10 +27,12 @@ from k3_decode.kernels.kda_o_proj_plan import (
     capped_batches,
     choice,
     one_pass_at,
+    paired_at,
     w_l2_at,
     w_smem_at,
     warm_at,
 )
+from k3_decode.kernels.kda_o_proj_wgmma_plan import OProjWgmmaPlan
 from k3_decode.kernels.kda_step_plan import KdaStepPlan
 from tests.k3_decode.kernels.helpers import (
     REPO,
@@ -148,6 +150,12 @@ def test_the_cap_is_served_only_where_the_step_is_not_spread():
         ("cap_batches = []\none_pass = []\nw_l2_batches = [[1, 8]]", r"w_l2_batches\[0\] reaches 8 rows.*1\.\.4"),
         ("cap_batches = []\none_pass = []\nw_l2_batches = [[0, 2]]", r"w_l2_batches\[0\] .* range within 1\.\.64"),
         ("cap_batches = []\none_pass = []\nw_l2_batches = 2", "the lists"),
+        (
+            "cap_batches = []\none_pass = []\npaired_rows = [{ batches = [16, 64], max_blocks = 1 }]",
+            r"paired_rows\[0\] batches .* 33\.\.64",
+        ),
+        ("cap_batches = []\none_pass = []\npaired_rows = [[33, 64]]", r"paired_rows\[0\] is \{ batches"),
+        ("cap_batches = []\none_pass = []\npaired_rows = true", "the lists"),
     ],
 )
 def test_a_malformed_choice_file_is_an_error_naming_it(tmp_path, text, says):
@@ -174,6 +182,25 @@ def test_a_choice_file_serves_what_it_says(tmp_path):
     in_l2 = tmp_path / "in_l2.toml"
     in_l2.write_text("cap_batches = []\none_pass = []\nw_l2_batches = [[1, 2]]\n")
     assert [w_l2_at(b, in_l2) for b in (1, 2, 4)] == [True, True, False]
+    assert not any(paired_at(b, 1, path) for b in (33, 64))  # paired_rows may be left out: none
+    paired = tmp_path / "paired.toml"
+    paired.write_text("cap_batches = []\none_pass = []\npaired_rows = [{ batches = [40, 64], max_blocks = 1 }]\n")
+    assert [paired_at(b, 1, paired) for b in (33, 40, 64)] == [False, True, True]
+    assert not paired_at(64, 8, paired)
+
+
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma-sync", "wgmma"])
+def test_paired_rows_are_an_epilogue_clusters_two_rows_and_nothing_else(wgmma):
+    """A plan pairs rows only where each epilogue cluster takes two (above 32 rows); below, asking is an error
+    naming where pairing starts, and the tag names a paired plan."""
+    hidden, k = K3.shard(8).kda_o_proj
+    make = OProjWgmmaPlan.for_shape if wgmma else OProjPlan.for_shape
+    paired = make(hidden, k, 33, N1, paired_rows=True)
+    assert paired.paired_rows and paired.epilogue_rows == 2 and paired.tag.endswith("/paired")
+    assert not make(hidden, k, 33, N1, paired_rows=False).tag.endswith("/paired")
+    assert not make(hidden, k, 64, N1).paired_rows  # the served file pairs nothing
+    with pytest.raises(ValueError, match=r"paired rows are an epilogue cluster's two rows.*pair from 33 rows"):
+        make(hidden, k, 32, N1, paired_rows=True)
 
 
 @pytest.mark.parametrize("tp", [8, 16])
@@ -399,13 +426,20 @@ def test_the_arrival_master_is_what_the_plan_adds():
 def test_builds_are_every_tp_batch_and_listed_kind_at_the_ranks_shape():
     builds = o_proj_builds()
     kinds = {AttnResKind.from_tag(t) for t in ("n1-restart-norm", "n1-add-norm", "n8-restart-norm", "n8-add-norm")}
-    assert {(b.tp, b.plan.batch, b.plan.kind) for b in builds} == {
+    assert {(b.tp, b.plan.batch, b.plan.kind) for b in builds if not b.plan.paired_rows} == {
         (tp, batch, kind) for tp in (8, 16) for batch in (1, 2, 4, 8, 16, 32, 64) for kind in kinds
     }
     assert kinds <= after_attention_kinds()
     assert {b.tp: (b.plan.hidden, b.plan.k) for b in builds} == {8: K3.shard(8).kda_o_proj, 16: K3.shard(16).kda_o_proj}
     assert {b.kernel for b in builds} == {"kda_o_proj"} and {b.capacity for b in builds} == {8}
-    assert len({b.name for b in builds}) == len(builds) == 56 + 4 + 14 + 20 + 12
+    assert len({b.name for b in builds}) == len(builds) == 56 + 4 + 14 + 20 + 12 + 8
+    # builds.toml's paired: B33 and B64 at the one-block kinds, with the stream the choice file serves (one pass)
+    assert {b.name for b in builds if b.plan.paired_rows} == {
+        f"kda_o_proj/tp{tp}/b{batch}/{tag}/one-pass/paired"
+        for tp in (8, 16)
+        for batch in (33, 64)
+        for tag in ("n1-restart-norm", "n1-add-norm")
+    }
     assert "kda_o_proj/tp16/b4/n8-add-norm" in {b.name for b in builds}
     # builds.toml's both_streams: at B64 for the one-block kinds, one pass and two, whichever the choice file serves
     one_block = [(tp, 64, tag) for tp in (8, 16) for tag in ("n1-restart-norm", "n1-add-norm")]
@@ -504,7 +538,8 @@ def test_build_tags_count_what_the_code_must_hold():
 def test_expectations_judge_every_o_proj_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_o_proj/*")  # every named tag exists
-    assert len(builds) == 56 + 4 + 14 + 20 + 12  # the stream not served at B64 for n1; 14 warm; 20 staged; 12 to L2
+    # the stream not served at B64 for n1; 14 warm; 20 staged; 12 to L2; 8 paired
+    assert len(builds) == 56 + 4 + 14 + 20 + 12 + 8
     spec = expectations["kda_o_proj"]
     assert spec.max_registers == 128 and spec.max_frame_bytes == 0 and len(spec.rules) >= 45
 

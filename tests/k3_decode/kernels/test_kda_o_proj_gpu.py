@@ -383,10 +383,15 @@ def one_pass_choice(tmp_path, monkeypatch, one_pass: bool) -> None:
     monkeypatch.setattr(kda_o_proj_plan, "CHOICE", choice)
 
 
-def choice_on_and_off(tp: int, cases: list, serve: Callable[[bool], None], check: Callable, label: str) -> None:
+def choice_on_and_off(
+    tp: int, cases: list, serve: Callable[[bool], None], check: Callable, label: str, wgmma: bool = False
+) -> None:
     """A choice of kda_o_proj_choice.toml off and on (`serve(on)` serves a choice file; `check(plan, on)` asserts
     the plan took it) at each case (batch, kind): the same o_proj bits and MLP input both ways, and both timed per
-    call in graph replays (W from HBM), printed for the layer benchmark to confirm (speed is not asserted here)."""
+    call in graph replays (W from HBM), printed for the layer benchmark to confirm (speed is not asserted here).
+    `wgmma`: of the wgmma build instead of the mma.sync one."""
+    from k3_decode.kernels.kda_o_proj_wgmma_plan import OProjWgmmaPlan
+
     hidden, k = K3.shard(tp).kda_o_proj
     copy = copy_bandwidth()
     l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
@@ -399,14 +404,14 @@ def choice_on_and_off(tp: int, cases: list, serve: Callable[[bool], None], check
         serve(on)
         for batch, kind in cases:
             o, _, _, _ = operands(hidden, k, batch, tp + batch)
-            check(OProjPlan.for_shape(hidden, k, batch, kind), on)
+            check((OProjWgmmaPlan if wgmma else OProjPlan).for_shape(hidden, k, batch, kind), on)
             buffers, _, _ = make_buffers(batch, kind.num_blocks, torch.Generator().manual_seed(batch))
             site = site_of(kind)
-            results[(batch, kind.tag, on)] = kda_o_proj_op.apply(o, weights[0], buffers, site, mix, EPS, wgmma=False)
+            results[(batch, kind.tag, on)] = kda_o_proj_op.apply(o, weights[0], buffers, site, mix, EPS, wgmma=wgmma)
             attn_out = torch.empty(batch, hidden, dtype=torch.bfloat16, device=DEV)
 
             def fused(i: int, o=o, ws=weights, buffers=buffers, site=site, attn_out=attn_out) -> None:
-                kda_o_proj_op.apply(o, ws[i % len(ws)], buffers, site, mix, EPS, attn_out=attn_out, wgmma=False)
+                kda_o_proj_op.apply(o, ws[i % len(ws)], buffers, site, mix, EPS, attn_out=attn_out, wgmma=wgmma)
 
             timed[(batch, kind.tag, on)] = _graph_seconds_per_call(fused, 4 * copies)
     torch.cuda.synchronize()

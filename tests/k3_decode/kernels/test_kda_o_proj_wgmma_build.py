@@ -135,9 +135,15 @@ def failed_checks(build: KdaOProjWgmmaBuild, art: KernelArtifacts) -> list[str]:
 def test_ci_builds_every_tp_batch_and_kind_builds_toml_lists():
     names = {b.name for b in _builds()}
     kinds = ("n1-restart-norm", "n1-add-norm", "n8-add-norm")
-    served = {f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}" for tp in (8, 16) for b in (16, 32, 64) for k in kinds}
+    served = {f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}" for tp in (8, 16) for b in (16, 32, 33, 64) for k in kinds}
     two = {f"kda_o_proj_wgmma/tp{tp}/b64/{k}/2-per-sm" for tp in (8, 16) for k in ("n1-add-norm", "n8-add-norm")}
-    assert names == served | two
+    paired = {
+        f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}/paired"
+        for tp in (8, 16)
+        for b in (33, 64)
+        for k in ("n1-restart-norm", "n1-add-norm")
+    }
+    assert names == served | two | paired
     assert {b.plan.ctas_per_sm for b in _builds() if b.name in two} == {2}
 
 
@@ -190,3 +196,37 @@ def test_the_rules_fail_the_mma_sync_build_in_its_place():
         "ptx '^.minnctapersm 3$'",
     ):
         assert rule in failed, failed
+
+
+def exchange_order(ptx: str) -> str:
+    """After the epilogue's poll of the arrival word (the code's first acquire load), each DSMEM push (st.async) as
+    P and each barrier wait (mbarrier.try_wait) as W, in code order."""
+    tail = ptx[ptx.index("ld.acquire.gpu.global") :]
+    return "".join("P" if m.group(0) == "st.async" else "W" for m in re.finditer(r"st\.async|mbarrier\.try_wait", tail))
+
+
+@pytest.mark.parametrize(
+    "plain",
+    ["kda_o_proj_wgmma/tp8/b64/n1-add-norm", "kda_o_proj/tp16/b64/n1-restart-norm/one-pass"],
+    ids=["wgmma", "mma-sync"],
+)
+def test_paired_rows_push_both_rows_before_either_waits(plain: str):
+    """kda_o_proj_choice.toml paired_rows in the code, either build: one row at a time pushes a row's logit
+    partials, waits, pushes its norm partial, waits, then the next row (PWPW PWPW); paired, both rows' logit
+    partials go out before the first wait and the second row's norm partial before the first norm wait (PPWPWPWW).
+    The plain build is the broken case: its order must not pass for paired."""
+    pytest.importorskip("cutlass")
+    builds = {b.name: b for b in K3_KERNEL_BUILDS.builds("sm_90a")}
+    one_at_a_time = exchange_order(builds[plain].compile("sm_90a").ptx)
+    paired = exchange_order(builds[plain + "/paired"].compile("sm_90a").ptx)
+    assert one_at_a_time == "PWPW" * 2 and paired == "PPWPWPWW", (one_at_a_time, paired)
+
+
+def test_paired_rows_of_the_eight_block_kinds_spill():
+    """Why builds.toml pairs only the one-block kinds (and a paired_rows rule should say max_blocks = 1): two rows
+    of the eight-block epilogue's 9 sources held at once leave the wgmma build a frame. The build must fail on it."""
+    pytest.importorskip("cutlass")
+    plan = OProjWgmmaPlan.for_shape(*TP8, 64, AttnResKind.from_tag("n8-add-norm"), 132, paired_rows=True)
+    build = KdaOProjWgmmaBuild(8, plan, 8)
+    failed = failed_checks(build, build.compile("sm_90a"))
+    assert "local-memory frame bytes" in failed, failed

@@ -42,7 +42,9 @@ from tests.k3_decode.kernels.test_kda_o_proj_gpu import (
     bits,
     check_against_the_oracle,
     check_graph_replays,
+    choice_on_and_off,
     run_back_to_back,
+    served_choice_with,
 )
 
 pytestmark = [
@@ -154,6 +156,25 @@ def test_the_driver_holds_fewer_clusters_than_the_sm_count_and_the_op_refuses_a_
     with pytest.raises(ValueError, match=r"could hang; size its ring for 3 CTAs an SM") as err:
         kda_o_proj_op.apply(o, w, buffers, site_of(kind), after_weights(), EPS, None, True)
     assert "\n" not in str(err.value) and kda_o_proj_op.launch_count() == before
+
+
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma-sync", "wgmma"])
+@pytest.mark.parametrize("tp", [8, 16])
+def test_paired_rows_give_one_row_at_a_times_bits_and_are_timed_beside_it(tp: int, wgmma: bool, tmp_path, monkeypatch):
+    """kda_o_proj_choice.toml's paired_rows (not served): above 32 rows each epilogue cluster reads both its rows'
+    o_proj outputs at once and overlaps their exchanges (attn_res.py mix_and_store_rows) instead of one row after
+    the other. The same arithmetic per row in the same order, so the same o_proj bits and MLP input at B33 (the last
+    cluster's second row past the batch: exchanged, not stored) and B64, the one-block kinds, in both builds; timed
+    beside each other for the layer benchmark to decide."""
+
+    def check(plan, on: bool) -> None:
+        assert plan.paired_rows == on and plan.epilogue_rows == 2, plan.tag
+
+    def serve(on: bool) -> None:
+        served_choice_with(tmp_path, monkeypatch, "paired_rows", "{ batches = [33, 64], max_blocks = 1 }" if on else "")
+
+    cases = [(batch, AttnResKind.from_tag(tag)) for batch in (33, 64) for tag in ("n1-add-norm", "n1-restart-norm")]
+    choice_on_and_off(tp, cases, serve, check, "paired-rows wgmma" if wgmma else "paired-rows mma.sync", wgmma)
 
 
 @pytest.mark.parametrize("tp", [8, 16])
