@@ -146,8 +146,11 @@ def test_the_driver_holds_fewer_clusters_than_the_sm_count_and_the_op_refuses_a_
         )
     mma = OProjPlan.for_shape(hidden, k, 64, kind, sms)
     print(f"METRIC mma.sync o_proj TP8 B64: {at_once(mma)} clusters at once, {mma.epilogue_clusters} wait")
-    assert counts[(24, 2)] > 24 and counts[(32, 2)] <= 32 and counts[(64, 2)] <= 32, counts
-    assert counts[(64, 3)] > 32 and counts[(32, 3)] > 32 and at_once(mma) > mma.epilogue_clusters, counts
+    if sms == 132:  # the H100 SXM and H200 this was seen on; other parts have other GPCs
+        assert counts[(24, 2)] > 24 and counts[(32, 2)] <= 32 and counts[(64, 2)] <= 32, counts
+        assert counts[(64, 3)] > 32 and counts[(32, 3)] > 32 and at_once(mma) > mma.epilogue_clusters, counts
+    if counts[(32, 2)] > 32:
+        pytest.skip(f"this GPU ({sms} SMs) holds {counts[(32, 2)]} clusters of the two-a-SM ring: nothing to refuse")
 
     monkeypatch.setattr(kda_o_proj_plan, "CHOICE", two_per_sm_choice(tmp_path))
     o, w, _, _ = operands(hidden, k, 32, 0)
