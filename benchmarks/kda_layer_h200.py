@@ -936,6 +936,51 @@ def compare_lines(base: Mapping[str, Any], variant: Mapping[str, Any], dims: Mod
     return out
 
 
+def round_savings(
+    pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]],
+) -> tuple[int, dict[tuple[int, int], list[float | None]]]:
+    """The layer the (base, variant) pairs timed and, per (TP, batch), the layer time each pair's variant saved
+    (layer_savings), None where a pair did not time the cell. Raises ValueError for pairs of different layers."""
+    layers, per_pair = set(), []
+    for base, variant in pairs:
+        layer, saved = layer_savings(base, variant)
+        layers.add(layer)
+        per_pair.append(saved)
+    if len(layers) != 1:
+        raise ValueError(f"the rounds time different layers ({sorted(layers)}); give one stack's rounds")
+    keys = sorted(set().union(*per_pair))
+    return layers.pop(), {key: [saved.get(key) for saved in per_pair] for key in keys}
+
+
+def every_round(saved: Sequence[float | None]) -> str:
+    """The rule the choice files are bound by: a variant serves a cell where it saved layer time in every round that
+    timed it."""
+    timed = [s for s in saved if s is not None]
+    if timed and all(s > 0 for s in timed):
+        return "saved in every round"
+    if timed and all(s < 0 for s in timed):
+        return "lost in every round"
+    return "mixed"
+
+
+def rounds_lines(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> list[str]:
+    """A markdown table of several rounds of a variant against its base: per cell the layer time each round saved
+    (us; -: not timed in that round), their mean and the every-round verdict."""
+    layer, saved = round_savings(pairs)
+    heads = " | ".join(f"round {i + 1}" for i in range(len(pairs)))
+    out = [
+        f"{len(pairs)} rounds, layer {layer}: layer time the variant saved (us; negative: lost; -: not timed)",
+        "",
+        f"| TP | B | {heads} | mean | verdict |",
+        "|---|---|" + "---|" * len(pairs) + "---|---|",
+    ]
+    for (tp, batch), per_round in saved.items():
+        timed = [s for s in per_round if s is not None]
+        cells = " | ".join("-" if s is None else f"{s:+.2f}" for s in per_round)
+        out.append(f"| {tp} | {batch} | {cells} | {sum(timed) / len(timed):+.2f} | {every_round(per_round)} |")
+    return out
+
+
 def markdown(results: Mapping[str, Any]) -> str:
     """The tables of docs/kda-layer-h200.md, from a results file (every number there traces to the JSON)."""
     bw = results["copy_bandwidth"]["bandwidth_bytes_per_s"]
@@ -1087,6 +1132,13 @@ def parser() -> argparse.ArgumentParser:
         metavar=("BASE", "VARIANT"),
         help="print a variant run's layer speedups and savings against its base (two results files) and exit",
     )
+    ap.add_argument(
+        "--rounds",
+        nargs="+",
+        metavar="FILE",
+        help="BASE VARIANT [BASE VARIANT ...]: print the layer time each round's variant saved per cell, and whether "
+        "it saved in every round that timed the cell (the rule the choice files are bound by), and exit",
+    )
     return ap
 
 
@@ -1140,6 +1192,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n".join(compare_lines(*docs, dims)))
         except (OSError, ValueError, KeyError, StackConfigError) as exc:
             print(f"kda_layer_h200.py --compare: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if args.rounds:
+        try:
+            if len(args.rounds) % 2:
+                raise ValueError(f"--rounds takes BASE VARIANT pairs, got {len(args.rounds)} files")
+            docs = [json.loads(Path(p).read_text()) for p in args.rounds]
+            stacks = {doc.get("stack", STACK) for doc in docs}
+            if len(stacks) != 1:
+                raise ValueError(f"the rounds time different stacks ({sorted(stacks)})")
+            print("\n".join(rounds_lines(list(zip(docs[::2], docs[1::2], strict=True)))))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"kda_layer_h200.py --rounds: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 2
         return 0
     if not args.out:

@@ -770,6 +770,41 @@ def test_compare_refuses_files_that_do_not_pair(tmp_path, capsys):
         bench.layer_savings(json.loads(six.read_text()), doc)
 
 
+def test_rounds_print_each_rounds_saving_and_the_every_round_verdict(tmp_path, capsys):
+    """--rounds over the committed projection rounds (two pairs timing B32 only, two timing B24 and B32): a cell a
+    pair did not time is '-', the verdict counts only the rounds that timed it. Broken case: one of TP8 B24's rounds
+    turned into a loss takes its every-round verdict away."""
+    v = VARIANTS_H100
+    files = [v / f"inproj-{n}.json" for r in ("b32", "b24") for i in (1, 2) for n in (f"{r}-base-{i}", f"{r}-{i}")]
+    assert bench.main(["--rounds", *map(str, files)]) == 0
+    out = capsys.readouterr().out
+    assert "| 8 | 24 | - | - | +3.75 | +4.70 | +4.23 | saved in every round |" in out
+    assert "| 16 | 24 | - | - | -4.18 | -3.97 | -4.07 | lost in every round |" in out
+    assert "| 8 | 32 | +0.81 | +1.20 | -0.33 | -0.73 | +0.24 | mixed |" in out
+    docs = [json.loads(f.read_text()) for f in files]
+    for run in docs[-1]["runs"]:
+        for cell in run["cells"]:
+            if (cell["tp"], cell["batch"]) == (8, 24):
+                cell["layer_speedup"]["speedup"] = 1.0  # below the base's: the last round lost there
+    _, saved = bench.round_savings(list(zip(docs[::2], docs[1::2], strict=True)))
+    assert saved[(8, 24)][:2] == [None, None] and saved[(8, 24)][3] < 0 and bench.every_round(saved[(8, 24)]) == "mixed"
+    lost = tmp_path / "lost.json"
+    lost.write_text(json.dumps(docs[-1]))
+    assert bench.main(["--rounds", *map(str, files[:-1]), str(lost)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 8 | 24 |"))
+    assert row.endswith("| mixed |"), row
+
+
+def test_rounds_refuse_an_odd_count_and_mixed_stacks_in_one_line(capsys):
+    v = VARIANTS_H100
+    assert bench.main(["--rounds", str(v / "inproj-b32-base-1.json")]) == 2
+    err = capsys.readouterr().err
+    assert "BASE VARIANT pairs, got 1 files" in err and err.count("\n") == 1
+    assert bench.main(["--rounds", str(v / "budget-base-1.json"), str(v / "late-1536-1.json")]) == 2
+    assert "different stacks" in capsys.readouterr().err
+    assert bench.every_round([None, None]) == "mixed"  # a cell no round timed has no verdict
+
+
 def test_each_timed_layer_stands_for_the_kda_layers_on_its_side_of_the_mixing_rows():
     assert bench.kda_layers_like(K3, 6) + bench.kda_layers_like(K3, 86) == K3.layer_kinds.count("kda") == 69
     assert (bench.kda_layers_like(K3, 6), bench.kda_layers_like(K3, 86)) == (9, 60)
