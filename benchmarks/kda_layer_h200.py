@@ -956,9 +956,11 @@ def every_round(saved: Sequence[float | None]) -> str:
     """The rule the choice files are bound by: a variant serves a cell where it saved layer time in every round that
     timed it."""
     timed = [s for s in saved if s is not None]
-    if timed and all(s > 0 for s in timed):
+    if not timed:
+        return "not timed"
+    if all(s > 0 for s in timed):
         return "saved in every round"
-    if timed and all(s < 0 for s in timed):
+    if all(s < 0 for s in timed):
         return "lost in every round"
     return "mixed"
 

@@ -17,6 +17,7 @@ necessary, not sufficient, and the plans keep a margin of their own (kda_o_proj_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -67,19 +68,37 @@ def max_active_clusters(device_index: int, cluster: int, threads: int, ctas_per_
         "cuDeviceGetAttribute",
     )
     request = padded_request(smem_bytes, ctas_per_sm, sm_bytes, reserved)
-    # The primary context (torch's), made current here and only here: no stream work, so a CUDA graph being
-    # captured on another stream meanwhile records nothing of this.
+    # The primary context (torch's), made current here and undone here; the calls below do no stream work. The op
+    # asks once per shape, at its first, eager launch of that shape, which compiles the kernel too, so never while a
+    # CUDA graph is being captured.
     context = _value(cuda.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-    _value(cuda.cuCtxPushCurrent(context), "cuCtxPushCurrent")
+    undo: list[tuple[str, Callable[[], tuple]]] = [
+        ("cuDevicePrimaryCtxRelease", lambda: cuda.cuDevicePrimaryCtxRelease(dev))
+    ]
     try:
+        _value(cuda.cuCtxPushCurrent(context), "cuCtxPushCurrent")
+        undo.append(("cuCtxPopCurrent", cuda.cuCtxPopCurrent))
         module = _value(cuda.cuModuleLoadData(_PROBE_PTX.encode() + b"\0"), "cuModuleLoadData")
+        undo.append(("cuModuleUnload", lambda: cuda.cuModuleUnload(module)))
+        count = _clusters_at_once(module, cluster, threads, request)
+    except BaseException:
+        for _, call in reversed(undo):
+            call()  # every step undone; the error in flight is the one to report
+        raise
+    _undo_all(undo)
+    return count
+
+
+def _undo_all(undo: list[tuple[str, Callable[[], tuple]]]) -> None:
+    """Every cleanup call, last first, all of them even if one fails; then the first failure, if any."""
+    failures = []
+    for name, call in reversed(undo):
         try:
-            return _clusters_at_once(module, cluster, threads, request)
-        finally:
-            _value(cuda.cuModuleUnload(module), "cuModuleUnload")
-    finally:
-        _value(cuda.cuCtxPopCurrent(), "cuCtxPopCurrent")
-        _value(cuda.cuDevicePrimaryCtxRelease(dev), "cuDevicePrimaryCtxRelease")
+            _value(call(), name)
+        except RuntimeError as exc:
+            failures.append(exc)
+    if failures:
+        raise failures[0]
 
 
 def _clusters_at_once(module: Any, cluster: int, threads: int, request: int) -> int:

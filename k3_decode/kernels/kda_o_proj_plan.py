@@ -57,10 +57,14 @@ ONE_PASS_N_TILES = MAX_BATCH // TILE_N
 # 9 rows the mma.sync build (CUDA cores to 4 rows) serves.
 WGMMA_MIN_BATCH = WGMMA_STREAM_MIN_BATCH
 # CTAs an SM the wgmma build's shared memory is sized for (kda_o_proj_choice.toml wgmma_ctas_per_sm): three (168
-# registers, the whole grid resident at once, 4-7 ring stages) or two (6-8 stages, but the driver holds only 32
-# of its clusters at once, so the op refuses it where 32 wait, from 32 rows: cluster_residency.py). One SM holds
-# at most three warpgroups of the eight-block kinds' 156 registers.
+# registers, 4-7 ring stages; the driver holds 47 of its clusters at once on an H100/H200, against 48 at B64) or two
+# (6-8 stages, but the driver holds only 32, so the op refuses it at B25-B32 and B49-B64: resident_margin,
+# cluster_residency.py). One SM holds at most three warpgroups of the eight-block kinds' 156 registers.
 WGMMA_CTAS_PER_SM = 3
+# The bank blocks up to which an epilogue cluster's two rows may be exchanged together (kda_o_proj_choice.toml
+# paired_rows): the one-block kinds fit both rows' sources in registers (71-128, no frame); the eight-block kinds
+# spilled 32-360 bytes in both builds, and CI builds none between.
+PAIRED_MAX_BLOCKS = 1
 WGMMA_CTAS_PER_SM_CHOICES = (2, 3)
 ROWS_PER_WARP = (4, 3, 2, 1)  # tried in this order
 MAX_CTAS_PER_SM = 4  # 4 x 128 threads x 128 registers = an SM's 64K registers
@@ -197,6 +201,12 @@ def _choice(path: Path) -> OProjChoice:
     cap_batches = tuple(_span(span, 1, f"{path.name}: cap_batches[{i}]") for i, span in enumerate(caps))
     one_pass = _blocks_rules(rules, f"{path.name}: one_pass")
     paired_rows = _blocks_rules(paired, f"{path.name}: paired_rows")
+    for i, rule in enumerate(paired_rows):
+        if rule.max_blocks > PAIRED_MAX_BLOCKS:
+            raise ValueError(
+                f"{path.name}: paired_rows[{i}] max_blocks is at most {PAIRED_MAX_BLOCKS}: paired rows of more bank "
+                f"blocks spill (builds.toml builds none), got {rule.max_blocks}"
+            )
     warm_batches = tuple(_span(span, 1, f"{path.name}: warm_batches[{i}]") for i, span in enumerate(warm))
     w_smem_batches = tuple(_span(span, 1, f"{path.name}: w_smem_batches[{i}]") for i, span in enumerate(staged))
     w_l2_batches = tuple(_span(span, 1, f"{path.name}: w_l2_batches[{i}]") for i, span in enumerate(in_l2))
@@ -280,13 +290,14 @@ class AttnResEpilogue:
 
     def check_resident(self, at_once: int) -> None:
         """Raises, naming the fix, unless `at_once` (the clusters of this grid the GPU holds at once: the driver's
-        count, cluster_residency.max_active_clusters of `residency`) outnumbers the epilogue clusters that wait for
-        the grid; otherwise every resident cluster could be one that waits, for a cluster that never starts."""
-        if at_once <= self.epilogue_clusters:
+        count, cluster_residency.max_active_clusters of `residency`) holds the epilogue clusters that wait for the
+        grid and `resident_margin` more; with none more every resident cluster could be one that waits, for a
+        cluster that never starts."""
+        if at_once < self.epilogue_clusters + self.resident_margin:
             raise ValueError(
                 f"{self.tag}: this GPU holds {at_once} of its clusters of {self.cluster} CTAs at once (the driver's "
-                f"occupancy calculator), not more than the {self.epilogue_clusters} that wait for the grid, so the "
-                f"launch could hang; {self.residency_fix}"
+                f"occupancy calculator), fewer than the {self.epilogue_clusters} that wait for the grid and "
+                f"{self.resident_margin} more, so the launch could hang or crawl; {self.residency_fix}"
             )
 
     @property
@@ -522,6 +533,12 @@ class OProjPlan(AttnResEpilogue, WeightStream):
     @property
     def residency_fix(self) -> str:
         return "serve fewer rows with the fused o_proj at this TP size (providers.toml [o_proj])"
+
+    @property
+    def resident_margin(self) -> int:
+        """Clusters the driver must hold beside the waiting ones: one, so that the grid can finish; every cluster
+        streams W here, and at most 1 / WAITING_SHARE of them wait."""
+        return 1
 
     @property
     def launch_smem_bytes(self) -> int | None:

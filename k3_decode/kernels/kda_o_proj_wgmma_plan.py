@@ -9,15 +9,16 @@ wait for the grid, which makes 8 rows a cluster at B64, one after another. So th
 both of the AttnRes kernel's size (attn_res_plan.ClusterPlan: 7 CTAs of 128 threads, one warpgroup):
 - stream clusters 0..S-1 (S = 112 / 7 = 16 at K3's 7168 rows): CTA c streams W's rows [64c, 64c + 64), stores
   attn_out's columns of them, and arrives on the grid's arrival word;
-- epilogue clusters S..S+E-1 (E = min(B, MAX_EPILOGUE_CLUSTERS)): each arrives at once, loads what does not depend
-  on o_proj (the AttnRes weights, its rows' bank blocks and old prefix), waits for every arrival and applies AttnRes
+- epilogue clusters S..S+E-1 (E = B up to MAX_EPILOGUE_CLUSTERS rows, then ceil(B / 2), two rows each): each
+  arrives at once, loads what does not depend on o_proj (the AttnRes weights, its rows' bank blocks and old
+  prefix), waits for every arrival and applies AttnRes
   to rows c - S, c - S + E, ... as kda_o_proj.py's epilogue does.
 The launch has one shared-memory size for both kinds (the stream's ring), sized so `ctas_per_sm` fit an SM (three by
-default: the whole grid, 336 CTAs at B64, then fits the device at once; two give the ring more stages). Only the E
-epilogue clusters ever wait, so the grid finishes whenever more than E clusters fit (the argument of kda_o_proj.py).
-How many fit is the driver's count (cluster_residency.py, which kda_o_proj_op checks before launching): the SM count
-`resident_clusters` here is only an upper bound, since a cluster's CTAs share one GPC (two a SM: 37 by the count,
-32 by the driver, and the launch hung with 32 waiting).
+default, 47 clusters at once by the driver on an H100/H200, nearly the 48 of B64; two give the ring more stages).
+Only the E epilogue clusters ever wait, so the grid finishes whenever more than E clusters fit (the argument of
+kda_o_proj.py). How many fit is the driver's count (cluster_residency.py, which kda_o_proj_op checks before
+launching, with `resident_margin` to spare): the SM count `resident_clusters` here is only an upper bound, since a
+cluster's CTAs share one GPC (two a SM: 37 by the count, 32 by the driver, and the launch hung with 32 waiting).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from k3_decode.kernels.wgmma_stream_plan import (
 # Rows of AttnRes run by at most this many waiting clusters; above 32 rows each takes two (B64: 32 clusters of 2).
 MAX_EPILOGUE_CLUSTERS = 32
 # CTAs an SM holds at once by default (kda_o_proj_choice.toml wgmma_ctas_per_sm): ptxas caps registers at 168 for
-# three warpgroups, and the ring is sized to three a SM, so 3 x 132 CTA slots hold the 336 CTAs of B64 (16 stream and
-# 32 epilogue clusters) in one wave.
+# three warpgroups, and the ring is sized to three a SM: 3 x 132 CTA slots by the SM count, 47 clusters at once by the
+# driver (a cluster's CTAs share a GPC), against B64's 48 (16 stream and 32 epilogue clusters).
 CTAS_PER_SM = 3
 MAX_STAGES = 8  # k tiles in flight a CTA: 8 x 8 KB of W is more than an SM needs to cover HBM latency
 
@@ -168,6 +169,15 @@ class OProjWgmmaPlan(AttnResEpilogue):
         """(threads, CTAs an SM, dynamic shared memory a CTA) for cluster_residency.max_active_clusters: registers
         are capped for ctas_per_sm (ptxas's minnctapersm) and the ring is sized for it."""
         return WARPGROUP, self.ctas_per_sm, self.smem_bytes
+
+    @property
+    def resident_margin(self) -> int:
+        """Clusters the driver must hold beside the waiting epilogue ones: half the stream clusters. One more would
+        let the grid finish, but the stream would then run a cluster at a time; and beside a running kernel (under
+        programmatic dependent launch) fewer fit than the driver counts for an idle GPU. Three CTAs an SM: 47 held
+        at once, 32 + 8 needed at B64. Two: 32 held, so B25-B32 and B49-B64 are refused (B32 and B64 hung on an
+        H100)."""
+        return -(-self.stream_clusters // 2)
 
     @property
     def residency_fix(self) -> str:

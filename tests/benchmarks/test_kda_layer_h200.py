@@ -802,7 +802,7 @@ def test_rounds_refuse_an_odd_count_and_mixed_stacks_in_one_line(capsys):
     assert "BASE VARIANT pairs, got 1 files" in err and err.count("\n") == 1
     assert bench.main(["--rounds", str(v / "budget-base-1.json"), str(v / "late-1536-1.json")]) == 2
     assert "different stacks" in capsys.readouterr().err
-    assert bench.every_round([None, None]) == "mixed"  # a cell no round timed has no verdict
+    assert bench.every_round([None, None]) == "not timed" and bench.every_round([None, -0.1]) == "lost in every round"
 
 
 def test_each_timed_layer_stands_for_the_kda_layers_on_its_side_of_the_mixing_rows():

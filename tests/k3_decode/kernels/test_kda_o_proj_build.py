@@ -156,6 +156,7 @@ def test_the_cap_is_served_only_where_the_step_is_not_spread():
         ),
         ("cap_batches = []\none_pass = []\npaired_rows = [[33, 64]]", r"paired_rows\[0\] is \{ batches"),
         ("cap_batches = []\none_pass = []\npaired_rows = true", "the lists"),
+        ("cap_batches = []\none_pass = []\npaired_rows = [{ batches = [33, 64], max_blocks = 2 }]", "at most 1"),
     ],
 )
 def test_a_malformed_choice_file_is_an_error_naming_it(tmp_path, text, says):
@@ -284,7 +285,7 @@ def test_the_driver_count_the_op_checks_is_asked_about_the_plans_own_residency()
         threads, per_sm, smem = p.residency
         assert (threads, per_sm) == (128, p.resident_ctas_per_sm) and smem + 1024 == p.cta_smem_bytes, p.tag
         p.check_resident(p.epilogue_clusters + 1)
-        with pytest.raises(ValueError, match=r"could hang; serve fewer rows with the fused o_proj"):
+        with pytest.raises(ValueError, match=r"could hang or crawl; serve fewer rows with the fused o_proj"):
             p.check_resident(p.epilogue_clusters)
 
 

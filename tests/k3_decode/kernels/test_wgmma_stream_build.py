@@ -237,7 +237,7 @@ def test_the_served_tiling_builds_pass_their_expectations():
     from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaInProjWgmmaBuild
 
     builds = [b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, KdaInProjWgmmaBuild)]
-    assert {(b.tp, b.plan.batch) for b in builds} == {(tp, b) for tp in (8, 16) for b in (16, 32, 64)}
+    assert {(b.tp, b.plan.batch) for b in builds} == {(tp, b) for tp in (8, 16) for b in (16, 17, 32, 33, 64)}
     for b in builds:
         assert _judged(b, b.compile("sm_90a")) == [], b.name
 
