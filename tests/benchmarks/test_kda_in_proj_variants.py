@@ -46,16 +46,13 @@ def rows_at(tp: int) -> int:
 def wgmma_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], bool]:
     """Per measured (TP, batch): whether serving the wgmma projection saved layer time in every round that timed it,
     after checking that each variant ran it there and no base did."""
-    per_round = []
     for base, variant in rounds:
         for path, on in ((base, False), (variant, True)):
             for key, cell in bench.cells_by_key(load(path)).items():
                 assert (cell.get("in_proj_kernel") == "wgmma") is on, (path.name, key)
-        layer, saved = bench.layer_savings(load(base), load(variant))
-        assert layer == 6, variant.name
-        per_round.append(saved)
-    keys = sorted(set().union(*per_round))
-    return {key: all(saved[key] > 0 for saved in per_round if key in saved) for key in keys}
+    layer, saved = bench.round_savings([(load(base), load(variant)) for base, variant in rounds])
+    assert layer == 6, [variant.name for _, variant in rounds]
+    return {key: bench.every_round(per_round) == "saved in every round" for key, per_round in saved.items()}
 
 
 def served(tp: int, batch: int) -> bool:
