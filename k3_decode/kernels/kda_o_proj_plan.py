@@ -323,7 +323,7 @@ class OProjPlan(AttnResEpilogue, WeightStream):
     warm_l2: bool = False  # the CTA warms L2 with its late_runs before griddepcontrol.wait
     w_smem: bool = False  # the CTA bulk-copies its rows of W into shared memory before the wait
     w_l2: bool = False  # the CTA's rows of W go to L2 by the copy engine before the wait, none to registers
-    paired_rows: bool = False  # each epilogue cluster exchanges its two rows together (AttnResEpilogue.paired)
+    paired_rows: bool = False  # each epilogue cluster exchanges its two rows together (AttnResEpilogue.pairing)
 
     @classmethod
     def for_shape(
