@@ -78,6 +78,8 @@ class ToolPlan:
     filter: bool = True  # instrument only the planned kernels (see sanitize.toml for why racecheck cannot)
     ignore_kernels: tuple[str, ...] = ()  # regexes of non-stock kernels whose reports are listed, not counted
     ignore_reason: str = ""
+    ignore_api_calls: tuple[str, ...] = ()  # regexes of driver calls whose API-error reports are listed, not counted
+    ignore_api_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -166,12 +168,16 @@ def load_plan(text: str | None = None) -> Plan:
             bool(t.get("filter", True)),
             tuple(t.get("ignore_kernels", [])),
             t.get("ignore_reason", ""),
+            tuple(t.get("ignore_api_calls", [])),
+            t.get("ignore_api_reason", ""),
         )
         for name, t in raw["tools"].items()
     }
     for name, t in tools.items():
         if t.ignore_kernels and not t.ignore_reason:
             raise ValueError(f"sanitize.toml: [tools.{name}] ignores kernels without an ignore_reason; say why")
+        if t.ignore_api_calls and not t.ignore_api_reason:
+            raise ValueError(f"sanitize.toml: [tools.{name}] ignores API calls without an ignore_api_reason; say why")
     unknown = sorted(set(tools) - set(TOOLS))
     if unknown:
         raise ValueError(f"sanitize.toml: unknown tool(s) {unknown}; use {', '.join(TOOLS)}")
@@ -186,6 +192,7 @@ _RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) e
 # Header lines that open no error report: the banner, summaries, and the host-side echo of a device fault.
 _AT_KERNEL = re.compile(r"\bat (?:0x[0-9a-f]+ in )?([A-Za-z_][\w:<>, ]*?)\+0x[0-9a-f]+")
 _NOT_A_REPORT = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY", "Target application")
+_API_CALL = re.compile(r"on CUDA API call to (\w+)")
 
 
 @dataclass
@@ -194,6 +201,19 @@ class Parsed:
     host_errors: list[str] = field(default_factory=list)  # "Program hit cudaError..." echoes of device faults
     summary_errors: int | None = None
     warnings: int = 0
+
+    def api_errors(self, calls: Collection[str]) -> tuple[dict[str, int], list[str]]:
+        """The host-side API-error reports on driver/runtime calls matching a regex of `calls`, counted per call,
+        and the host errors left."""
+        ignored: dict[str, int] = {}
+        left: list[str] = []
+        for line in self.host_errors:
+            m = _API_CALL.search(line)
+            if m and any(re.search(c, m.group(1)) for c in calls):
+                ignored[m.group(1)] = ignored.get(m.group(1), 0) + 1
+            else:
+                left.append(line)
+        return ignored, left
 
     def by_kernel(
         self, names: Sequence[str], patterns: Collection[str] = ()
@@ -291,6 +311,8 @@ class ToolResult:
     other_kernels: dict[str, int] = field(default_factory=dict)  # errors in kernels outside the plan (cuBLAS, torch)
     ignored_kernels: dict[str, int] = field(default_factory=dict)  # reports listed but not counted (see the plan)
     ignore_reason: str = ""
+    ignored_api_errors: dict[str, int] = field(default_factory=dict)  # API-error reports per call, not counted
+    ignore_api_reason: str = ""
     cells: dict[str, Any] = field(default_factory=dict)
     host_errors: list[str] = field(default_factory=list)
     log: str = ""
@@ -385,8 +407,10 @@ def judge(
         for n in expected
     }
     attributed = sum(k.errors for k in kernels.values()) + sum(len(v) for v in others.values())
-    # Errors the summary counts beyond the reports parsed (a print limit) count too, as unattributed.
-    unparsed = max(0, (parsed.summary_errors or 0) - len(parsed.reports))
+    ignored_api, host_errors = parsed.api_errors(plan.ignore_api_calls)
+    # Errors the summary counts beyond the reports parsed (a print limit, API errors) count too, as unattributed;
+    # the summary counts the API errors the plan ignores, so they come off.
+    unparsed = max(0, (parsed.summary_errors or 0) - len(parsed.reports) - sum(ignored_api.values()))
     total = attributed + len(unattributed) + unparsed
     result = ToolResult(
         tool,
@@ -401,8 +425,10 @@ def judge(
         other_kernels={k: len(v) for k, v in others.items()},
         ignored_kernels={k: len(v) for k, v in ignored.items()},
         ignore_reason=plan.ignore_reason if ignored else "",
+        ignored_api_errors=ignored_api,
+        ignore_api_reason=plan.ignore_api_reason if ignored_api else "",
         cells=(child or {}).get("cells", {}),
-        host_errors=parsed.host_errors[:MAX_MESSAGES],
+        host_errors=host_errors[:MAX_MESSAGES],
     )
     failed_cells = [f"{op}: {c['error']}" for op, c in result.cells.items() if c["status"] not in ("ok", "not_run")]
     missing = [n for n, k in kernels.items() if not k.launched and not k.not_run]
@@ -430,7 +456,7 @@ def judge(
         result.reason = (
             f"{tool}: planned kernels never launched: {', '.join(missing)} (a clean result would prove nothing)"
         )
-    elif exit_code not in (0, ERROR_EXIT if ignored else 0):
+    elif exit_code not in (0, ERROR_EXIT if ignored or ignored_api else 0):
         result.status, result.reason = "ERROR", f"{tool}: exit code {exit_code} with no error reported"
     elif not_run:
         result.status = "NOT_RUN"

@@ -388,6 +388,7 @@ class KdaOProjWgmmaBuild:
             f"kda_o_proj_wgmma/tp{self.tp}/b{p.batch}/{p.kind.tag}"
             + f"/{p.ctas_per_sm}-per-sm" * (p.ctas_per_sm != OPROJ_WGMMA_CTAS_PER_SM)
             + "/paired" * p.paired_rows
+            + "/w-l2" * p.w_l2
         )
 
     @property
@@ -413,6 +414,7 @@ class KdaOProjWgmmaBuild:
             "tile_copies": 2 * s.ahead + 2,
             "wgmmas": s.k_tile // 16,
             "out_stores": s.stored_values,
+            "l2_prefetches": int(p.w_l2),
         }
 
     def compile(self, arch: str) -> KernelArtifacts:
@@ -733,25 +735,27 @@ class K3KernelBuilds:
         [kda_o_proj_wgmma]."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_o_proj_wgmma"]
-        two = spec.get("two_per_sm", {"batches": [], "kinds": []})
-        paired = spec.get("paired", {"batches": [], "kinds": []})
+        none = {"batches": [], "kinds": []}
+        two, paired, in_l2 = (spec.get(key, none) for key in ("two_per_sm", "paired", "w_l2"))
         kinds = _after_attention_kinds(dims, spec["kinds"], "kda_o_proj_wgmma.kinds")
         two_kinds = _after_attention_kinds(dims, two["kinds"], "kda_o_proj_wgmma.two_per_sm.kinds")
         paired_kinds = _after_attention_kinds(dims, paired["kinds"], "kda_o_proj_wgmma.paired.kinds")
+        l2_kinds = _after_attention_kinds(dims, in_l2["kinds"], "kda_o_proj_wgmma.w_l2.kinds")
         per_sm = OPROJ_WGMMA_CTAS_PER_SM
-        # (batch, kind, CTAs an SM, paired rows); None: as kda_o_proj_choice.toml says
-        cells = [(b, kind, per_sm, None) for b in spec["batches"] for kind in kinds]
-        cells += [(b, kind, 2, None) for b in two["batches"] for kind in two_kinds]  # the ring sized for two an SM
-        cells += [(b, kind, per_sm, True) for b in paired["batches"] for kind in paired_kinds]
+        # (batch, kind, CTAs an SM, paired rows, W to L2); None: as kda_o_proj_choice.toml says
+        cells = [(b, kind, per_sm, None, None) for b in spec["batches"] for kind in kinds]
+        cells += [(b, kind, 2, None, None) for b in two["batches"] for kind in two_kinds]  # the ring for two an SM
+        cells += [(b, kind, per_sm, True, None) for b in paired["batches"] for kind in paired_kinds]
+        cells += [(b, kind, per_sm, None, True) for b in in_l2["batches"] for kind in l2_kinds]
         builds = []
         for tp in spec["tp"]:
             try:
                 hidden, k = dims.shard(tp).kda_o_proj
             except ShardError as exc:
                 raise ValueError(f"builds.toml kda_o_proj_wgmma.tp: {exc}") from None
-            for batch, kind, per_sm, pair in cells:
+            for batch, kind, per_sm, pair, l2 in cells:
                 plan = OProjWgmmaPlan.for_shape(
-                    hidden, k, batch, kind, spec["sm_count"], ctas_per_sm=per_sm, paired_rows=pair
+                    hidden, k, batch, kind, spec["sm_count"], ctas_per_sm=per_sm, paired_rows=pair, w_l2=l2
                 )
                 builds.append(KdaOProjWgmmaBuild(tp, plan, dims.num_attn_res_blocks))
         return builds

@@ -101,6 +101,7 @@ class OProjChoice:
     wgmma_batches: tuple[tuple[int, int], ...] = ()
     wgmma_ctas_per_sm: int = WGMMA_CTAS_PER_SM
     paired_rows: tuple[BlocksRule, ...] = ()
+    wgmma_w_l2_batches: tuple[tuple[int, int], ...] = ()
 
 
 def choice(path: Path | None = None) -> OProjChoice:
@@ -151,6 +152,12 @@ def wgmma_at(batch: int, path: Path | None = None) -> bool:
     return _within(batch, choice(path).wgmma_batches)
 
 
+def wgmma_w_l2_at(batch: int, path: Path | None = None) -> bool:
+    """Whether kda_o_proj_choice.toml (or `path`) has the wgmma build's stream CTAs prefetch into L2, before the
+    wait, the part of their rows of W the ring does not take then, at `batch`."""
+    return _within(batch, choice(path).wgmma_w_l2_batches)
+
+
 def wgmma_ctas_per_sm(path: Path | None = None) -> int:
     """CTAs of one SM the wgmma build's launch is sized for, as kda_o_proj_choice.toml (or `path`) says."""
     return choice(path).wgmma_ctas_per_sm
@@ -174,7 +181,7 @@ def _choice(path: Path) -> OProjChoice:
     caps, rules = table.get("cap_batches"), table.get("one_pass")
     warm, staged = table.get("warm_batches", []), table.get("w_smem_batches", [])
     in_l2, wgmma = table.get("w_l2_batches", []), table.get("wgmma_batches", [])
-    paired = table.get("paired_rows", [])
+    paired, wgmma_in_l2 = table.get("paired_rows", []), table.get("wgmma_w_l2_batches", [])
     known = {
         "cap_batches",
         "one_pass",
@@ -184,13 +191,15 @@ def _choice(path: Path) -> OProjChoice:
         "wgmma_batches",
         "wgmma_ctas_per_sm",
         "paired_rows",
+        "wgmma_w_l2_batches",
     }
     if not {"cap_batches", "one_pass"} <= set(table) <= known or not all(
-        isinstance(v, list) for v in (caps, rules, warm, staged, in_l2, wgmma, paired)
+        isinstance(v, list) for v in (caps, rules, warm, staged, in_l2, wgmma, paired, wgmma_in_l2)
     ):
         raise ValueError(
             f"{path.name} holds the lists cap_batches and one_pass (and warm_batches, w_smem_batches, w_l2_batches, "
-            f"wgmma_batches, paired_rows, and wgmma_ctas_per_sm) and nothing else, got {sorted(table)}"
+            f"wgmma_batches, paired_rows, wgmma_w_l2_batches, and wgmma_ctas_per_sm) and nothing else, got "
+            f"{sorted(table)}"
         )
     per_sm = table.get("wgmma_ctas_per_sm", WGMMA_CTAS_PER_SM)
     if per_sm not in WGMMA_CTAS_PER_SM_CHOICES or isinstance(per_sm, bool):
@@ -219,8 +228,19 @@ def _choice(path: Path) -> OProjChoice:
     wgmma_batches = tuple(
         _span(span, WGMMA_MIN_BATCH, f"{path.name}: wgmma_batches[{i}]") for i, span in enumerate(wgmma)
     )
+    wgmma_w_l2_batches = tuple(
+        _span(span, WGMMA_MIN_BATCH, f"{path.name}: wgmma_w_l2_batches[{i}]") for i, span in enumerate(wgmma_in_l2)
+    )
     return OProjChoice(
-        cap_batches, one_pass, warm_batches, w_smem_batches, w_l2_batches, wgmma_batches, per_sm, paired_rows
+        cap_batches,
+        one_pass,
+        warm_batches,
+        w_smem_batches,
+        w_l2_batches,
+        wgmma_batches,
+        per_sm,
+        paired_rows,
+        wgmma_w_l2_batches,
     )
 
 

@@ -35,7 +35,7 @@ from k3_decode.kernels.attn_res import AttnResKernel
 from k3_decode.kernels.kda_o_proj import KdaOProjKernel
 from k3_decode.kernels.kda_o_proj import compile_args as compile_args  # the same signature as the mma.sync build
 from k3_decode.kernels.kda_o_proj_wgmma_plan import OProjWgmmaPlan
-from k3_decode.kernels.primitives import launch_resident, trace_stamp
+from k3_decode.kernels.primitives import bulk_prefetch_l2, launch_resident, trace_stamp
 from k3_decode.kernels.wgmma_stream import WgmmaStream, make_ring, operands, ring_storage, tile_views
 from k3_decode.kernels.wgmma_stream_plan import MMA_K
 
@@ -71,7 +71,7 @@ class KdaOProjKernelWgmma(KdaOProjKernel):
         plan = self.plan
         tiled_mma, w_ring, x_ring, tma_w, w_tiles, tma_x, x_tiles = operands(plan.stream, w, o)
         self.storage = ring_storage(plan.stream, cute.cosize(w_ring), cute.cosize(x_ring))
-        operand_args = (tma_w, w_tiles, tma_x, x_tiles, tiled_mma, w_ring, x_ring)
+        operand_args = (tma_w, w_tiles, tma_x, x_tiles, tiled_mma, w_ring, x_ring, w)
         step_args = (attn_out, prefix, blocks, out, res_norm, res_proj, out_norm, arrivals, launches, save_index, eps)
         launch_resident(
             self.kernel(*operand_args, *step_args),
@@ -93,6 +93,7 @@ class KdaOProjKernelWgmma(KdaOProjKernel):
         tiled_mma: cute.TiledMma,
         w_ring: cute.ComposedLayout,
         x_ring: cute.ComposedLayout,
+        w: cute.Tensor,
         attn_out: cute.Tensor,
         prefix: cute.Tensor,
         blocks: cute.Tensor,
@@ -114,7 +115,7 @@ class KdaOProjKernelWgmma(KdaOProjKernel):
         storage = smem.allocate(self.storage)
         areas = [self.attn.allocate_exchange(smem, tidx) for _ in range(plan.epilogue_rows)]
         if cluster < plan.stream_clusters:  # the same for every CTA of a cluster
-            self._stream(tma_w, w_tiles, tma_x, x_tiles, tiled_mma, w_ring, x_ring, storage, attn_out, launches,
+            self._stream(tma_w, w_tiles, tma_x, x_tiles, tiled_mma, w_ring, x_ring, w, storage, attn_out, launches,
                          tidx, cta)  # fmt: skip
             cute.arch.sync_threads()  # every thread's o_proj stores precede thread 0's release below
             trace_stamp(self.trace, launches, cta, 2, tidx)
@@ -147,6 +148,7 @@ class KdaOProjKernelWgmma(KdaOProjKernel):
         tiled_mma: cute.TiledMma,
         w_ring: cute.ComposedLayout,
         x_ring: cute.ComposedLayout,
+        w: cute.Tensor,
         storage: Any,
         attn_out: cute.Tensor,
         launches: cute.Tensor,
@@ -177,6 +179,10 @@ class KdaOProjKernelWgmma(KdaOProjKernel):
                 bar = ring.producer_get_barrier(state)
                 cute.copy(tma_w, twg[(None, kt)], tws[(None, state.index)], tma_bar_ptr=bar)
             state.advance()
+        if const_expr(self.plan.w_l2):  # noqa: SIM102 -- a compile-time branch; the rest of each row of W to L2
+            if tidx < s.m_rows:
+                row = w[cta * s.m_rows + tidx, None]
+                bulk_prefetch_l2(row.iterator + self.plan.l2_first, self.plan.l2_columns * 2)
         cute.arch.griddepcontrol_wait()
         trace_stamp(self.trace, launches, cta, 1, tidx)
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid

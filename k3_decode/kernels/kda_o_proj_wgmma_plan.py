@@ -34,6 +34,7 @@ from k3_decode.kernels.kda_o_proj_plan import (
     WGMMA_CTAS_PER_SM_CHOICES,
     AttnResEpilogue,
     wgmma_ctas_per_sm,
+    wgmma_w_l2_at,
 )
 from k3_decode.kernels.wgmma_stream_plan import (
     BARRIER_BYTES,
@@ -63,6 +64,7 @@ class OProjWgmmaPlan(AttnResEpilogue):
     k_tile: int = 64
     ctas_per_sm: int = CTAS_PER_SM  # CTAs an SM the shared memory is sized for (and ptxas's register cap)
     paired_rows: bool = False  # each epilogue cluster exchanges its two rows together (AttnResEpilogue.pairing)
+    w_l2: bool = False  # stream CTAs prefetch into L2, before the wait, the columns of W past the ring's first tiles
 
     @classmethod
     def for_shape(
@@ -74,9 +76,11 @@ class OProjWgmmaPlan(AttnResEpilogue):
         sm_count: int = H200_SMS,
         ctas_per_sm: int | None = None,
         paired_rows: bool | None = None,
+        w_l2: bool | None = None,
     ) -> OProjWgmmaPlan:
-        """The plan for one shape; raises, naming the problem, for one this build cannot take. `ctas_per_sm`: None
-        takes kda_o_proj_choice.toml's wgmma_ctas_per_sm."""
+        """The plan for one shape; raises, naming the problem, for one this build cannot take. `ctas_per_sm`,
+        `paired_rows`, `w_l2`: None takes kda_o_proj_choice.toml's wgmma_ctas_per_sm, paired_rows and
+        wgmma_w_l2_batches."""
         attn = ClusterPlan.for_hidden(hidden)  # raises for a width AttnRes cannot split
         if attn.threads != WARPGROUP:  # then the rows are whole clusters of 64-row tiles too: 1024 a CTA of 8 columns
             raise ValueError(
@@ -101,6 +105,9 @@ class OProjWgmmaPlan(AttnResEpilogue):
         plan = replace(plan, paired_rows=plan.pairing(paired_rows))
         if plan.stages < 2:
             raise ValueError(f"{plan.tag}: fewer than two ring stages fit {ctas_per_sm} CTAs an SM")
+        plan = replace(plan, w_l2=wgmma_w_l2_at(batch) if w_l2 is None else w_l2)
+        if plan.w_l2 and plan.l2_columns == 0:
+            raise ValueError(f"{plan.tag}: the ring's first tiles hold all of K; there is no W left to send to L2")
         why = plan.stream.problem()
         if why is not None:
             raise ValueError(f"{plan.tag}: {why}")
@@ -122,6 +129,16 @@ class OProjWgmmaPlan(AttnResEpilogue):
         MAX_STAGES and the k tiles there are."""
         room = SMEM_PER_SM // self.ctas_per_sm - DRIVER_SMEM_BYTES - BARRIER_BYTES - self.exchange_bytes - 128
         return min(MAX_STAGES, self.k // self.k_tile, room // self.stage_bytes)
+
+    @property
+    def l2_first(self) -> int:
+        """The first column of W a stream CTA's ring does not take before the wait (w_l2 sends the rest to L2)."""
+        return self.stream.ahead * self.k_tile
+
+    @property
+    def l2_columns(self) -> int:
+        """Columns of each of a stream CTA's rows of W that w_l2 prefetches into L2: all after l2_first."""
+        return self.k - self.l2_first
 
     @property
     def stream(self) -> WgmmaStreamPlan:
@@ -190,4 +207,5 @@ class OProjWgmmaPlan(AttnResEpilogue):
         return (
             f"o-proj-wgmma/h{self.hidden}/k{self.k}/b{self.batch}/{self.kind.tag}/s{self.stages}/c{self.ctas_per_sm}"
             + "/paired" * self.paired_rows
+            + "/w-l2" * self.w_l2
         )

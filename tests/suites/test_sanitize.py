@@ -63,6 +63,32 @@ def test_racecheck_log_from_the_h200_is_attributed_per_kernel():
     assert strict.errors == 8 and len(strict.other_kernels) == 5
 
 
+def test_memcheck_lists_cuda_python_entry_point_lookups_and_counts_other_api_errors():
+    """Real output (compute-sanitizer 2025.3.1, H100, driver 580.159, 80c6ed2): cuda-python's first driver call
+    (the o_proj's cluster-residency query) fails 34 cuGetProcAddress lookups; the plan lists them, not counts them.
+    Without the rule, or with any other failed API call beside them, memcheck fails."""
+    log = (DATA / "memcheck-api-probes-h100.log").read_text()
+    child = json.loads((DATA / "memcheck-api-probes-h100.child.json").read_text())
+    kernels, plan = list(PLAN.kernels), PLAN.tools["memcheck"]
+    result = judge("memcheck", 86, log, child, kernels, plan, PLAN.patterns)
+    assert result.status == "PASSED", result.reason
+    assert result.ignored_api_errors == {"cuGetProcAddress_v2": 34} and result.ignore_api_reason
+    assert not result.host_errors and result.errors == 0
+    strict = judge("memcheck", 86, log, child, kernels, None, PLAN.patterns)
+    assert strict.status == "FAILED" and strict.unattributed_errors == 34 and not strict.ignored_api_errors
+    other = (
+        '========= Program hit CUDA_ERROR_INVALID_HANDLE (error 400) due to "invalid resource handle" on CUDA API'
+        " call to cuLaunchKernelEx.\n=========     Saved host backtrace up to driver entry point at error\n"
+    )
+    broken = log.replace("========= ERROR SUMMARY: 34 errors", other + "========= ERROR SUMMARY: 35 errors")
+    failed = judge("memcheck", 86, broken, child, kernels, plan, PLAN.patterns)
+    assert failed.status == "FAILED" and failed.unattributed_errors == 1
+    assert failed.host_errors and "cuLaunchKernelEx" in failed.host_errors[0]
+    # Alone, too: the rule names one driver call, not API errors at large.
+    clean = CLEAN.replace("K3SAN-END x", "K3SAN-END x\n" + other)
+    assert judge("memcheck", 86, clean.replace("0 errors", "1 errors"), child, kernels, plan).status == "FAILED"
+
+
 def test_memcheck_catches_the_red_team_kernel_in_the_h200_log():
     log = (DATA / "memcheck-redteam-h200.log").read_text()  # the first 60 lines of 100 reports, then the summary
     child = {"cells": {"k3san_oob_kernel": {"status": "ok", "error": "", "launched": ["k3san_oob_kernel"]}}}
@@ -102,6 +128,9 @@ def test_an_ignore_rule_needs_a_reason():
     text = (resources.files("suites").joinpath("sanitize.toml")).read_text()
     broken = text.replace('ignore_reason = "', 'ignored_reason = "')
     with pytest.raises(ValueError, match="without an ignore_reason"):
+        load_plan(broken)
+    broken = text.replace('ignore_api_reason = "', 'ignored_api_reason = "')
+    with pytest.raises(ValueError, match="without an ignore_api_reason"):
         load_plan(broken)
 
 

@@ -119,10 +119,10 @@ def test_plan_rejects_shapes_the_kernel_cannot_split():
 
 def test_builds_are_every_tp_and_batch_at_the_ranks_rows():
     builds = mma_builds()
-    assert {(b.tp, b.plan.batch) for b in builds} == {(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8, 16, 32, 64)}
+    assert {(b.tp, b.plan.batch) for b in builds} == {(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8, 16, 17, 32, 64)}
     assert {b.tp: b.plan.rows for b in builds} == {8: 6288, 16: 3216}
     assert {b.kernel for b in builds} == {"kda_in_proj_mma"} and {b.choice for b in builds} == {"tensor_core"}
-    assert len({b.name for b in builds}) == len(builds) == 14
+    assert len({b.name for b in builds}) == len(builds) == 16
 
 
 def test_build_tags_count_what_the_code_must_hold():

@@ -121,6 +121,35 @@ def test_the_choice_file_serves_it_by_batch_range(tmp_path):
         path.write_text(f"cap_batches = []\none_pass = []\nwgmma_batches = {bad}\n")
         with pytest.raises(ValueError, match=r"wgmma_batches\[0\] is a \[first, last\] range within 9\.\.64"):
             choice(path)
+    for i, bad in enumerate(("[[64, 32]]", "[[8, 64]]")):
+        path = tmp_path / f"bad-l2-{i}.toml"
+        path.write_text(f"cap_batches = []\none_pass = []\nwgmma_w_l2_batches = {bad}\n")
+        with pytest.raises(ValueError, match=r"wgmma_w_l2_batches\[0\] is a \[first, last\] range within 9\.\.64"):
+            choice(path)
+
+
+def test_w_l2_sends_each_stream_rows_columns_past_the_rings_first_tiles(tmp_path, monkeypatch):
+    """wgmma_w_l2_batches: a stream CTA's ring takes its first `ahead` k tiles of W before the wait; w_l2 sends the
+    rest of each of its rows to L2 (nothing twice, nothing left out), at the batches the choice file says."""
+    from k3_decode.kernels import kda_o_proj_plan
+
+    path = tmp_path / "w-l2.toml"
+    path.write_text("cap_batches = []\none_pass = []\nwgmma_w_l2_batches = [[48, 64]]\n")
+    monkeypatch.setattr(kda_o_proj_plan, "CHOICE", path)
+    for (hidden, k), batch in ((TP8, 64), (TP8, 48), ((7168, 768), 64)):
+        plan = OProjWgmmaPlan.for_shape(hidden, k, batch, N1_ADD, 132)
+        assert plan.w_l2 and plan.tag.endswith("/w-l2")
+        assert plan.l2_first == plan.stream.ahead * plan.k_tile and plan.l2_first + plan.l2_columns == k
+        assert 0 < plan.l2_columns < k and plan.l2_columns * 2 % 16 == 0  # a bulk prefetch moves 16-byte multiples
+    assert (
+        OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132).l2_first,
+        OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132).l2_columns,
+    ) == (256, 1280)
+    assert not OProjWgmmaPlan.for_shape(*TP8, 32, N1_ADD, 132).w_l2
+    assert OProjWgmmaPlan.for_shape(*TP8, 32, N1_ADD, 132, w_l2=True).w_l2  # the argument over the file
+    # A K the ring takes whole before the wait leaves nothing to send: refused, not a silent no-op.
+    with pytest.raises(ValueError, match="no W left to send to L2"):
+        OProjWgmmaPlan.for_shape(7168, 256, 64, N1_ADD, 132, w_l2=True)
 
 
 # --- the builds (CuTe DSL, no GPU) ---------------------------------------------------------------------------------
@@ -153,8 +182,16 @@ def test_ci_builds_every_tp_batch_and_kind_builds_toml_lists():
         for b in (33, 64)
         for k in ("n1-restart-norm", "n1-add-norm")
     }
-    assert names == served | two | paired
+    in_l2 = {
+        f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}/w-l2"
+        for tp in (8, 16)
+        for b in (32, 64)
+        for k in ("n1-add-norm", "n8-add-norm")
+    }
+    assert names == served | two | paired | in_l2
     assert {b.plan.ctas_per_sm for b in _builds() if b.name in two} == {2}
+    assert {b.plan.w_l2 for b in _builds() if b.name in in_l2} == {True}
+    assert not any(b.plan.w_l2 for b in _builds() if b.name not in in_l2)
 
 
 def test_every_build_passes_its_expectations():
@@ -172,6 +209,32 @@ def test_the_rules_fail_o_copied_before_the_dependency_wait():
     assert failed_checks(b, broken) == [
         "ptx 'cp.async.bulk.tensor.2d.shared::cta.global' before 'griddepcontrol.wait;'",
         "ptx 'griddepcontrol.wait;'",
+    ]
+
+
+def test_the_rules_fail_a_w_l2_build_without_its_prefetch_and_a_plain_one_with_it():
+    """Broken cases: the w_l2 build's prefetch gone (the ring would wait out HBM as before), and moved past the
+    dependency wait (too late to overlap anything); the plain build's code judged as w_l2 fails on the count."""
+    pytest.importorskip("cutlass")
+    l2 = next(b for b in _builds() if b.name == "kda_o_proj_wgmma/tp8/b64/n1-add-norm/w-l2")
+    art = artifacts(l2.name)
+    prefetch = re.search(r"^\s*cp\.async\.bulk\.prefetch\.L2\.global[^\n]*\n", art.ptx, re.M)
+    assert prefetch is not None
+    gone = dataclasses.replace(art, ptx=art.ptx[: prefetch.start()] + art.ptx[prefetch.end() :])
+    assert failed_checks(l2, gone) == [
+        "ptx 'cp.async.bulk.prefetch.L2.global'",
+        "ptx 'cp.async.bulk.prefetch.L2.global' before 'griddepcontrol.wait;'",
+    ]
+    wait = art.ptx.index("griddepcontrol.wait;")
+    assert prefetch.start() < wait
+    late = art.ptx[: prefetch.start()] + art.ptx[prefetch.end() : wait + 21] + prefetch.group(0) + art.ptx[wait + 21 :]
+    assert failed_checks(l2, dataclasses.replace(art, ptx=late)) == [
+        "ptx 'cp.async.bulk.prefetch.L2.global' before 'griddepcontrol.wait;'"
+    ]
+    plain = next(b for b in _builds() if b.name == "kda_o_proj_wgmma/tp8/b64/n1-add-norm")
+    assert failed_checks(l2, artifacts(plain.name)) == [
+        "ptx 'cp.async.bulk.prefetch.L2.global'",
+        "ptx 'cp.async.bulk.prefetch.L2.global' before 'griddepcontrol.wait;'",
     ]
 
 

@@ -184,6 +184,22 @@ def test_paired_rows_give_one_row_at_a_times_bits_and_are_timed_beside_it(tp: in
 
 
 @pytest.mark.parametrize("tp", [8, 16])
+def test_w_to_l2_changes_no_bit_and_is_timed_beside_the_plain_ring(tp: int, tmp_path, monkeypatch):
+    """kda_o_proj_choice.toml's wgmma_w_l2_batches (not served): the stream CTAs send the rest of their rows of W to
+    L2 before the wait, which changes when bytes arrive, never what is computed: the same o_proj bits and MLP input
+    as the plain ring at B32, B48 and B64, the lightest and heaviest add kinds; timed beside it per call."""
+
+    def check(plan, on: bool) -> None:
+        assert plan.w_l2 == on and plan.l2_columns > 0, plan.tag
+
+    def serve(on: bool) -> None:
+        served_choice_with(tmp_path, monkeypatch, "wgmma_w_l2_batches", "[32, 64]" if on else "")
+
+    cases = [(batch, AttnResKind.from_tag(tag)) for batch in (32, 48, 64) for tag in ("n1-add-norm", "n8-add-norm")]
+    choice_on_and_off(tp, cases, serve, check, "w-l2 wgmma", wgmma=True)
+
+
+@pytest.mark.parametrize("tp", [8, 16])
 def test_timing_against_the_mma_sync_build_and_the_stock_pair(tp: int, tmp_path, monkeypatch):
     """Per call; the wgmma build also with its ring sized for two CTAs an SM (kda_o_proj_choice.toml
     wgmma_ctas_per_sm = 2: more stages, the grid no longer resident at once at B64), printed beside the served one."""
@@ -228,11 +244,11 @@ def test_timing_against_the_mma_sync_build_and_the_stock_pair(tp: int, tmp_path,
                     assert name == "wgmma2" and "could hang" in str(refused), (name, refused)
                     us[name] = math.nan
             monkeypatch.setattr(kda_o_proj_plan, "CHOICE", served)
+            two_us = "refused" if math.isnan(us["wgmma2"]) else f"{us['wgmma2']:.1f} us"
             print(
                 f"METRIC o_proj + AttnRes TP{tp} B{batch} {kind.tag} (graph replays, per call): wgmma "
                 f"{us['wgmma']:.1f} us ({weight_bytes / (us['wgmma'] * 1e-6) / copy:.1%} of copy for W; two CTAs an "
-                f"SM {us['wgmma2']:.1f} (nan: refused)), mma.sync {us['mma']:.1f} us, stock cuBLAS + Triton "
-                f"{us['stock']:.1f} us"
+                f"SM {two_us}), mma.sync {us['mma']:.1f} us, stock cuBLAS + Triton {us['stock']:.1f} us"
             )
             if wgmma_at(batch) and us["wgmma"] > SLOWER_LIMIT * min(us["mma"], us["stock"]):
                 slower.append(f"B{batch} {kind.tag}: {us['wgmma']:.1f} us")
