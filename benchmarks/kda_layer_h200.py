@@ -90,6 +90,7 @@ from k3_decode.kernels import (  # noqa: E402
 from k3_decode.kernels.kda_o_proj_plan import (  # noqa: E402
     capped_at,
     one_pass_at,
+    paired_at,
     w_l2_at,
     w_smem_at,
     warm_at,
@@ -775,8 +776,8 @@ def kda_step_plan_tag(dims: ModelDims, tp: int, batch: int, sm_count: int) -> st
 def o_proj_variant(dims: ModelDims, layer: int, batch: int) -> dict[str, bool]:
     """What kda_o_proj_choice.toml serves the fused o_proj at `layer` and `batch` (its launch capped to ctas_per_sm
     CTAs an SM; its stream in one pass; L2 warmed with its late weight runs where it has any; W staged in shared
-    memory; W sent to L2 alone before the wait; the wgmma build; its W past the ring's first tiles sent to L2), so a
-    results file names the variant it timed."""
+    memory; W sent to L2 alone before the wait; the wgmma build; its W past the ring's first tiles sent to L2; each
+    epilogue cluster's two rows exchanged together), so a results file names the variant it timed."""
     blocks = dims.blocks_before(layer)
     return {
         "capped": capped_at(batch),
@@ -786,6 +787,7 @@ def o_proj_variant(dims: ModelDims, layer: int, batch: int) -> dict[str, bool]:
         "w_l2": w_l2_at(batch),
         "wgmma": wgmma_at(batch),
         "wgmma_w_l2": wgmma_w_l2_at(batch),
+        "paired_rows": paired_at(batch, blocks),
     }
 
 

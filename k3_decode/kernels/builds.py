@@ -180,6 +180,7 @@ class KdaInProjMmaBuild:
             "depth": p.depth,
             "passes": counts["passes"],
             "masked": p.masked,
+            "partial_ring_pass": p.partial_ring_pass,
             "weight_bytes": p.weight_bytes,
             "weight_loads_ahead": counts["weight_loads_ahead"],
             "global_loads": counts["weight_loads"] + counts["x_loads"],
@@ -697,6 +698,9 @@ class K3KernelBuilds:
                 raise ValueError(f"builds.toml kda_o_proj.tp: {exc}") from None
 
             def plan_at(batch: int, kind: AttnResKind, **choices: bool | None) -> OProjPlan:
+                # One row at a time in each epilogue cluster unless asked, whatever paired_rows serves: the paired
+                # variant is built on its own, so serving it renames and drops no build.
+                choices.setdefault("paired_rows", False)
                 return OProjPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], **choices)  # noqa: B023
 
             for batch in spec["batches"]:
@@ -742,11 +746,12 @@ class K3KernelBuilds:
         paired_kinds = _after_attention_kinds(dims, paired["kinds"], "kda_o_proj_wgmma.paired.kinds")
         l2_kinds = _after_attention_kinds(dims, in_l2["kinds"], "kda_o_proj_wgmma.w_l2.kinds")
         per_sm = OPROJ_WGMMA_CTAS_PER_SM
-        # (batch, kind, CTAs an SM, paired rows, W to L2); None: as kda_o_proj_choice.toml says
-        cells = [(b, kind, per_sm, None, None) for b in spec["batches"] for kind in kinds]
-        cells += [(b, kind, 2, None, None) for b in two["batches"] for kind in two_kinds]  # the ring for two an SM
-        cells += [(b, kind, per_sm, True, None) for b in paired["batches"] for kind in paired_kinds]
-        cells += [(b, kind, per_sm, None, True) for b in in_l2["batches"] for kind in l2_kinds]
+        # (batch, kind, CTAs an SM, paired rows, W to L2), each explicit: the plain build and every variant are built
+        # whatever kda_o_proj_choice.toml serves, so serving one (paired_rows at 48-64) renames and drops nothing.
+        cells = [(b, kind, per_sm, False, False) for b in spec["batches"] for kind in kinds]
+        cells += [(b, kind, 2, False, False) for b in two["batches"] for kind in two_kinds]  # the ring for two an SM
+        cells += [(b, kind, per_sm, True, False) for b in paired["batches"] for kind in paired_kinds]
+        cells += [(b, kind, per_sm, False, True) for b in in_l2["batches"] for kind in l2_kinds]
         builds = []
         for tp in spec["tp"]:
             try:

@@ -285,6 +285,12 @@ class InProjMmaPlan(MmaStream):
         return self.rows - (self.ctas - 1) * self.rows_per_cta
 
     @property
+    def partial_ring_pass(self) -> bool:
+        """Whether x is staged in a ring (x_stages) and the batch fills less than a pass: TP16's one 32-row pass at
+        17-31 rows, where ptxas spills 8-16 bytes (expectations.toml's frame allowance says why that stays)."""
+        return self.x_stages > 0 and self.batch % (self.max_n_tiles * TILE_N) != 0
+
+    @property
     def masked(self) -> bool:
         """Whether some lanes' rows lie past the CTA's rows (or R): they read the CTA's last row, their sums unused."""
         return self.rows_per_cta % TILE_M != 0 or self.last_rows != self.rows_per_cta

@@ -331,3 +331,79 @@ def test_rounds_where_the_wgmma_build_lost_at_b32_take_it_away(tmp_path):
     verdicts = wgmma_verdicts(inverted(WGMMA_ROUNDS, tmp_path, batch=32))
     assert not verdicts[(8, 32)] and not verdicts[(16, 32)] and verdicts[(8, 64)] and verdicts[(16, 64)]
     assert wgmma_problems(verdicts) == [f"TP{tp} B32: the wgmma build is served but did not save" for tp in (8, 16)]
+
+
+# Layer 6 on one H100, three rounds of 60 against the tree: paired_rows = [{ batches = [33, 64], max_blocks = 1 }]
+# (two rounds at 80c6ed2 at B33, B48, B64; one at 68dc34c at B32, B48, B64, beside the W-to-L2 rounds).
+PAIRED_ROUNDS = [(RESULTS / f"paired-base-{i}.json", RESULTS / f"paired-{i}.json") for i in (1, 2)] + [
+    (RESULTS / "oproj-base-68dc34c-a.json", RESULTS / "paired-3.json")
+]
+PAIRED_RULE = "paired_rows = [{ batches = [33, 64], max_blocks = 1 }]"
+
+
+def paired_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], bool]:
+    """Per measured (TP, batch) above 32 rows (where a cluster takes two rows): whether pairing saved layer time in
+    every round, after checking that each variant ran the rule and each base the tree without it."""
+    for base, variant in rounds:
+        assert PAIRED_RULE in load(variant)["variant"]["choice_files"]["kda_o_proj_choice.toml"], variant.name
+        assert load(base)["variant"] == {"name": "plain", "choice_files": {}}, base.name
+        assert load(base)["env"]["gpu"] == load(variant)["env"]["gpu"] == "NVIDIA H100 80GB HBM3"
+    return {key: won for key, won in saved_every_round(rounds).items() if key[1] > 32}
+
+
+def paired_problems(verdicts: dict[tuple[int, int], bool]) -> list[str]:
+    """A batch is served paired only where it saved at every TP size measured."""
+    problems = []
+    for batch in sorted({b for _, b in verdicts}):
+        won = all(w for (_, b), w in verdicts.items() if b == batch)
+        if kda_o_proj_plan.paired_at(batch, ONE_BLOCK) != won:
+            problems.append(f"B{batch}: paired rows {'saved in every round but are not' if won else 'are'} served")
+    return problems
+
+
+def test_paired_rows_serve_exactly_where_they_saved_layer_time_in_every_round():
+    """B48 and B64 saved in every round at both TP sizes (+0.0 to +2.6 us, never lost) and are served
+    (kda_o_proj_choice.toml paired_rows [48, 64], one block); B33 was mixed at both sizes and is not."""
+    verdicts = paired_verdicts(PAIRED_ROUNDS)
+    assert verdicts == {(tp, b): b != 33 for tp in (8, 16) for b in (33, 48, 64)}
+    assert paired_problems(verdicts) == []
+    assert not kda_o_proj_plan.paired_at(64, 8)  # the eight-block kinds spill paired: never served there
+
+
+def test_rounds_where_pairing_lost_at_b64_take_it_away(tmp_path):
+    """Broken case: the rounds with B64's gains mirrored into losses; B64's verdicts flip and the served rule, which
+    covers B64, no longer matches."""
+    verdicts = paired_verdicts(inverted(PAIRED_ROUNDS, tmp_path, batch=64))
+    assert not verdicts[(8, 64)] and not verdicts[(16, 64)] and verdicts[(8, 48)]
+    assert paired_problems(verdicts) == ["B64: paired rows are served"]
+
+
+# Layer 6 on one H100 at 68dc34c, two rounds of 60: wgmma_w_l2_batches = [[32, 64]] against the tree.
+WGMMA_W_L2_ROUNDS = [(RESULTS / f"oproj-base-68dc34c-{r}.json", RESULTS / f"wgmma-w-l2-{r}.json") for r in "ab"]
+
+
+def wgmma_w_l2_problems(verdicts: dict[int, bool], path: Path | None = None) -> list[str]:
+    return [
+        f"B{batch}: the wgmma build's W to L2 {'saved but is not served' if won else 'is served but did not save'}"
+        for batch, won in sorted(verdicts.items())
+        if kda_o_proj_plan.wgmma_w_l2_at(batch, path) != won
+    ]
+
+
+def test_the_wgmma_build_sends_w_to_l2_nowhere_because_it_lost_at_tp8_and_was_mixed_at_tp16():
+    """TP8 lost in both rounds at B32, B48 and B64; TP16 was mixed at every batch: no batch saved at both sizes in
+    every round, and the served file sends the wgmma build's W to L2 nowhere."""
+    for _, variant in WGMMA_W_L2_ROUNDS:
+        text = load(variant)["variant"]["choice_files"]["kda_o_proj_choice.toml"]
+        assert "wgmma_w_l2_batches = [[32, 64]]" in text, variant.name
+    verdicts = flag_verdicts(WGMMA_W_L2_ROUNDS, "wgmma_w_l2")
+    assert verdicts == {32: False, 48: False, 64: False}
+    assert wgmma_w_l2_problems(verdicts) == [] and choice().wgmma_w_l2_batches == ()
+
+
+def test_a_choice_file_serving_w_to_l2_fails_against_those_rounds(tmp_path):
+    """Broken case: the choice file the rounds timed, served, disagrees with every verdict."""
+    path = tmp_path / "served-w-l2.toml"
+    path.write_text(load(WGMMA_W_L2_ROUNDS[0][1])["variant"]["choice_files"]["kda_o_proj_choice.toml"])
+    problems = wgmma_w_l2_problems(flag_verdicts(WGMMA_W_L2_ROUNDS, "wgmma_w_l2"), path)
+    assert problems == [f"B{b}: the wgmma build's W to L2 is served but did not save" for b in (32, 48, 64)]

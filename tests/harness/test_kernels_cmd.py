@@ -125,6 +125,40 @@ def test_malformed_expectations_are_one_line_usage_errors(text, message):
     assert "\n" not in str(err.value)
 
 
+ALLOWING = GOOD.replace(
+    "max_frame_bytes = 0\n",
+    "max_frame_bytes = 0\n"
+    'frame_allowances = [{ when = { tp = 16, partial = true }, max_frame_bytes = 16, why = "measured" }]\n',
+    1,
+)
+
+
+def test_a_frame_allowance_raises_the_limit_only_for_the_builds_its_when_selects():
+    exp = parse_expectations(ALLOWING, "allowing.toml", "sm_90a")["k"]
+    assert exp.frame_limit({"tp": 16, "partial": True}, "b") == (16, "measured")
+    assert exp.frame_limit({"tp": 16, "partial": False}, "b") == (0, "spills and local arrays")
+    assert exp.frame_limit({"tp": 8, "partial": True}, "b")[0] == 0
+    with pytest.raises(UsageError, match="selects on tag 'partial'"):
+        exp.frame_limit({"tp": 16}, "b")
+
+
+@pytest.mark.parametrize(
+    "allowance, message",
+    [
+        ('{ max_frame_bytes = 16, why = "m" }', "non-empty `when`"),
+        ('{ when = {}, max_frame_bytes = 16, why = "m" }', "non-empty `when`"),
+        ('{ when = { tp = 16 }, max_frame_bytes = -1, why = "m" }', "non-negative integer"),
+        ("{ when = { tp = 16 }, max_frame_bytes = 16 }", "needs a `why`"),
+        ('{ when = { tp = 16 }, max_frame_bytes = 16, why = "m", speed = 1 }', "unknown key 'speed'"),
+    ],
+)
+def test_malformed_frame_allowances_are_one_line_usage_errors(allowance, message):
+    text = GOOD.replace("max_frame_bytes = 0\n", f"max_frame_bytes = 0\nframe_allowances = [{allowance}]\n", 1)
+    with pytest.raises(UsageError, match=re.escape(message)) as err:
+        parse_expectations(text, "bad.toml", "sm_90a")
+    assert "\n" not in str(err.value)
+
+
 def _rule(**kw) -> Rule:
     defaults = {"where": "ptx", "pattern": re.compile(r"ld\.global", re.M), "why": "w"}
     return Rule(**{**defaults, **kw})

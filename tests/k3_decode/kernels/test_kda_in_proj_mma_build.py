@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 import pytest
 
-from harness.kernels_cmd import cubin_resources, parse_expectations, select_builds
+from harness.kernels_cmd import cubin_resources, judge, parse_expectations, select_builds
 from k3_decode.config import K3
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaInProjMmaBuild
 from k3_decode.kernels.kda_in_proj_mma_plan import (
@@ -151,7 +152,7 @@ def test_build_tags_count_what_the_code_must_hold():
 
 def test_expectations_judge_every_mma_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
-    assert len(select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_in_proj_mma/*")) == 14
+    assert len(select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_in_proj_mma/*")) == 16
     section = expectations["kda_in_proj_mma"]
     assert section.max_registers == 168 and section.max_frame_bytes == 0 and len(section.rules) >= 20
 
@@ -166,7 +167,7 @@ def test_every_mma_build_compiles_and_meets_its_expectations(tmp_path):
     proc = build_command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "kda_in_proj_mma/*")
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)["subjects"]["K3_KERNEL_BUILDS"]
-    assert report["ok"] and len(report["builds"]) == 14
+    assert report["ok"] and len(report["builds"]) == 16
     assert all(b["ok"] and len(b["checks"]) >= 25 for b in report["builds"])
     for b in report["builds"]:  # facts read straight from the artifacts, independent of the expectations file
         name, tags = b["build"], b["tags"]
@@ -174,12 +175,47 @@ def test_every_mma_build_compiles_and_meets_its_expectations(tmp_path):
         sass = (out / name / "kernel.sass").read_text()
         (res,) = cubin_resources((out / name / "kernel.cubin").read_bytes()).values()
         assert re.search(r"^\.target sm_90a$", ptx, re.M) and "mma.sync.aligned.m16n8k16" in ptx, name
-        assert res.frame_bytes == 0 and not re.search(r"\b(LDL|STL)\b", sass), f"{name} spills"
+        spills = len(re.findall(r"\b(LDL|STL)\b", sass))
+        if tags["partial_ring_pass"]:  # TP16's 32-row pass short of 32 rows: the spill the allowance bounds
+            assert name == "kda_in_proj_mma/tp16/b17" and 0 < res.frame_bytes <= 16 and 0 < spills <= 16, (name, res)
+        else:
+            assert res.frame_bytes == 0 and spills == 0, f"{name} spills"
         assert res.registers * tags["threads"] <= REGISTERS_PER_SM, (name, res)  # one CTA fits an SM
         head, _, tail = sass.partition("ACQBULK")
         ahead = tags["weight_loads_ahead"]  # W only, before the wait
         assert tail and head.count("LDG.E.128") == ahead and "HMMA" not in head, name
         assert sass.count("HMMA.16816.F32.BF16") == tags["mmas"] and "FFMA" not in sass, name
+
+
+@dataclass(frozen=True)
+class Retagged:
+    """A build under another name with some of its tags replaced: its artifacts judged as another build's."""
+
+    name: str
+    kernel: str
+    tags: dict
+
+
+def test_partial_ring_pass_is_tp16s_one_pass_short_of_32_rows():
+    partial = {b: InProjMmaPlan.for_shape(3216, 7168, b, H200_SMS).partial_ring_pass for b in (16, 17, 24, 31, 32, 64)}
+    assert partial == {16: False, 17: True, 24: True, 31: True, 32: False, 64: False}
+    assert not any(InProjMmaPlan.for_shape(6288, 7168, b, H200_SMS).partial_ring_pass for b in (17, 24, 31))
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_the_spill_is_allowed_only_where_the_partial_ring_pass_is(tmp_path):
+    """TP16 B17's 16-byte frame passes under the allowance (expectations.toml, with the timings behind it); the same
+    code judged as a build that is not a partial ring pass fails on the frame and the spill count."""
+    expect = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
+    b17 = next(b for b in mma_builds() if b.name == "kda_in_proj_mma/tp16/b17")
+    art = b17.compile("sm_90a")
+    assert [
+        c.name for c in judge(b17, "sm_90a", art, "", expect[b17.kernel], tmp_path / "a").checks if not c.passed
+    ] == []
+    full = Retagged(b17.name, b17.kernel, {**b17.tags, "partial_ring_pass": False})
+    failed = [c.name for c in judge(full, "sm_90a", art, "", expect[b17.kernel], tmp_path / "b").checks if not c.passed]
+    assert failed == ["local-memory frame bytes", "sass " + repr(r"\b(LDL|STL)\b")], failed
 
 
 def _broken(text: str) -> str:

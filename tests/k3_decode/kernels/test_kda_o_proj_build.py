@@ -93,14 +93,14 @@ def test_a_capped_launch_lets_no_sm_hold_more_than_ctas_per_sm(tp, batch):
     launch asks for the kernel's own bytes (None)."""
     hidden, k = K3.shard(tp).kda_o_proj
     for kind in (N1, ADD8):
-        plan = OProjPlan.for_shape(hidden, k, batch, kind, H200_SMS, capped=True)
+        plan = OProjPlan.for_shape(hidden, k, batch, kind, H200_SMS, capped=True, paired_rows=False)
         request = plan.launch_smem_bytes
         assert request is not None and request % 128 == 0 and request > plan.cta_smem_bytes, plan.tag
         for overhead in (0, 1024):
             assert SMEM_PER_SM // (request + overhead) == plan.ctas_per_sm == 4, (plan.tag, overhead)
         assert plan.ctas <= plan.ctas_per_sm * H200_SMS  # the grid is still resident in one wave
         assert plan.tag.endswith("/cap")
-        plain = OProjPlan.for_shape(hidden, k, batch, kind, H200_SMS, capped=False)
+        plain = OProjPlan.for_shape(hidden, k, batch, kind, H200_SMS, capped=False, paired_rows=False)
         assert plain.launch_smem_bytes is None and plain != plan and not plain.tag.endswith("/cap")
 
 
@@ -199,7 +199,9 @@ def test_paired_rows_are_an_epilogue_clusters_two_rows_and_nothing_else(wgmma):
     paired = make(hidden, k, 33, N1, paired_rows=True)
     assert paired.paired_rows and paired.epilogue_rows == 2 and paired.tag.endswith("/paired")
     assert not make(hidden, k, 33, N1, paired_rows=False).tag.endswith("/paired")
-    assert not make(hidden, k, 64, N1).paired_rows  # the served file pairs nothing
+    # The served file pairs 48-64 rows at one block (kda_o_proj_choice.toml paired_rows)
+    assert make(hidden, k, 64, N1).paired_rows and not make(hidden, k, 47, N1).paired_rows
+    assert not make(hidden, k, 64, ADD8).paired_rows
     with pytest.raises(ValueError, match=r"paired rows are an epilogue cluster's two rows.*pair from 33 rows"):
         make(hidden, k, 32, N1, paired_rows=True)
 
@@ -240,8 +242,8 @@ def test_w_in_shared_memory_is_staged_whole_and_fits_beside_more_than_the_waitin
     could never run)."""
     hidden, k = K3.shard(tp).kda_o_proj
     for batch, kind in ((1, N1), (4, ADD8), (8, N1), (16, ADD8), (32, N1), (64, ADD8), (64, N1)):
-        plain = OProjPlan.for_shape(hidden, k, batch, kind, w_smem=False)
-        staged = OProjPlan.for_shape(hidden, k, batch, kind, w_smem=True)
+        plain = OProjPlan.for_shape(hidden, k, batch, kind, w_smem=False, paired_rows=False)
+        staged = OProjPlan.for_shape(hidden, k, batch, kind, w_smem=True, paired_rows=False)
         assert staged.w_smem and staged.tag == plain.tag + "/w-smem"
         assert staged.late_runs == () and not staged.warmable
         assert staged.resident_ctas_per_sm * staged.cta_smem_bytes <= SMEM_PER_SM
@@ -354,8 +356,8 @@ def test_one_pass_reads_w_once_with_every_batch_tile(tp):
     every row in one pass of up to eight, with the same K split (so a row's bits, the GPU test asks for them)."""
     hidden, k = K3.shard(tp).kda_o_proj
     for batch, tiles in ((33, 5), (40, 5), (64, 8)):
-        two = OProjPlan.for_shape(hidden, k, batch, N1, one_pass=False)
-        one = OProjPlan.for_shape(hidden, k, batch, N1, one_pass=True)
+        two = OProjPlan.for_shape(hidden, k, batch, N1, one_pass=False, paired_rows=False)
+        one = OProjPlan.for_shape(hidden, k, batch, N1, one_pass=True, paired_rows=False)
         assert len(two.mma.passes) == 2 and one.mma.passes == (batch,) and one.mma.n_tiles == tiles
         assert (one.mma.k_splits, one.mma.split_steps) == (two.mma.k_splits, two.mma.split_steps)
         assert one.tag == two.tag + "/one-pass" and one.epilogue_rows == two.epilogue_rows == 2

@@ -74,7 +74,8 @@ def test_a_ring_for_two_ctas_an_sm_holds_more_stages_and_passes_the_sm_count_but
     """Counting SMs, 132 x 2 // 7 = 37 clusters of the two-a-SM build fit at once, more than the 32 that wait at
     B64, so the plan passes; on one H100 it hung there and at B32 (b8e3e11). What the op checks before launching is
     the driver's count (cluster_residency), which the GPU test holds at most 32 there: this is the refusal then."""
-    three, two = plan(TP8, 64), OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, ctas_per_sm=2)
+    three = OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, paired_rows=False)
+    two = OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, ctas_per_sm=2, paired_rows=False)
     assert (three.ctas_per_sm, two.ctas_per_sm) == (3, 2) and two.stages > three.stages
     assert 2 * (two.smem_bytes + DRIVER_SMEM_BYTES) <= SMEM_PER_SM < 3 * (two.smem_bytes + DRIVER_SMEM_BYTES)
     assert two.resident_clusters == 132 * 2 // 7 > two.epilogue_clusters == 32
