@@ -312,7 +312,7 @@ def _rule(raw: Any, where: str) -> Rule:
 
 def _allowance(raw: Any, where: str) -> FrameAllowance:
     if not isinstance(raw, dict):
-        raise UsageError(f"{where}: must be a table {{ when = {{...}}, max_frame_bytes = N, why = \"...\" }}")
+        raise UsageError(f'{where}: must be a table {{ when = {{...}}, max_frame_bytes = N, why = "..." }}')
     if unknown := set(raw) - _ALLOWANCE_KEYS:
         raise UsageError(f"{where}: unknown key {sorted(unknown)[0]!r} — use {', '.join(sorted(_ALLOWANCE_KEYS))}")
     when = raw.get("when")
@@ -355,9 +355,7 @@ def parse_expectations(text: str, source: str, arch: str) -> dict[str, KernelExp
             max_frame_bytes=table["max_frame_bytes"],
             rules=tuple(_rule(r, f"{where} rule {i + 1}") for i, r in enumerate(rules)),
             why=str(table.get("why", "")),
-            frame_allowances=tuple(
-                _allowance(a, f"{where} frame allowance {i + 1}") for i, a in enumerate(allowances)
-            ),
+            frame_allowances=tuple(_allowance(a, f"{where} frame allowance {i + 1}") for i, a in enumerate(allowances)),
         )
     return out
 
