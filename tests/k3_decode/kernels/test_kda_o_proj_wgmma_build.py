@@ -213,15 +213,20 @@ def test_the_rules_fail_o_copied_before_the_dependency_wait():
     ]
 
 
+def without_first(art: KernelArtifacts, pattern: str) -> tuple[KernelArtifacts, re.Match[str]]:
+    """The artifacts with the PTX's first line matching `pattern` cut out, and that match."""
+    found = re.search(pattern, art.ptx, re.M)
+    assert found is not None, pattern
+    return dataclasses.replace(art, ptx=art.ptx[: found.start()] + art.ptx[found.end() :]), found
+
+
 def test_the_rules_fail_a_w_l2_build_without_its_prefetch_and_a_plain_one_with_it():
     """Broken cases: the w_l2 build's prefetch gone (the ring would wait out HBM as before), and moved past the
     dependency wait (too late to overlap anything); the plain build's code judged as w_l2 fails on the count."""
     pytest.importorskip("cutlass")
     l2 = next(b for b in _builds() if b.name == "kda_o_proj_wgmma/tp8/b64/n1-add-norm/w-l2")
     art = artifacts(l2.name)
-    prefetch = re.search(r"^\s*cp\.async\.bulk\.prefetch\.L2\.global[^\n]*\n", art.ptx, re.M)
-    assert prefetch is not None
-    gone = dataclasses.replace(art, ptx=art.ptx[: prefetch.start()] + art.ptx[prefetch.end() :])
+    gone, prefetch = without_first(art, r"^\s*cp\.async\.bulk\.prefetch\.L2\.global[^\n]*\n")
     assert failed_checks(l2, gone) == [
         "ptx 'cp.async.bulk.prefetch.L2.global'",
         "ptx 'cp.async.bulk.prefetch.L2.global' before 'griddepcontrol.wait;'",
@@ -244,9 +249,7 @@ def test_the_rules_fail_a_stream_that_never_arrives():
     pytest.importorskip("cutlass")
     b = next(b for b in _builds() if b.name == "kda_o_proj_wgmma/tp16/b32/n8-add-norm")
     art = artifacts(b.name)
-    first = re.search(r"^\s*atom\.global\.release\.add\.u32[^\n]*\n", art.ptx, re.M)
-    assert first is not None
-    broken = dataclasses.replace(art, ptx=art.ptx[: first.start()] + art.ptx[first.end() :])
+    broken, _ = without_first(art, r"^\s*atom\.global\.release\.add\.u32[^\n]*\n")
     failed = failed_checks(b, broken)
     assert "ptx 'batom.'" in failed and "ptx 'atom.global.release(.gpu)?.add.u32'" in failed, failed
 
