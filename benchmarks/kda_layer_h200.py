@@ -96,6 +96,7 @@ from k3_decode.kernels.kda_o_proj_plan import (  # noqa: E402
     warm_at,
     wgmma_at,
     wgmma_w_l2_at,
+    wgmma_w_l2_late_at,
 )
 from k3_decode.kernels.kda_step_plan import KdaStepPlan  # noqa: E402
 from k3_decode.kernels.providers import (  # noqa: E402
@@ -787,6 +788,7 @@ def o_proj_variant(dims: ModelDims, layer: int, batch: int) -> dict[str, bool]:
         "w_l2": w_l2_at(batch),
         "wgmma": wgmma_at(batch),
         "wgmma_w_l2": wgmma_w_l2_at(batch),
+        "wgmma_w_l2_late": wgmma_w_l2_late_at(batch),
         "paired_rows": paired_at(batch, blocks),
     }
 

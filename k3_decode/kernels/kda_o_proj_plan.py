@@ -102,6 +102,7 @@ class OProjChoice:
     wgmma_ctas_per_sm: int = WGMMA_CTAS_PER_SM
     paired_rows: tuple[BlocksRule, ...] = ()
     wgmma_w_l2_batches: tuple[tuple[int, int], ...] = ()
+    wgmma_w_l2_late_batches: tuple[tuple[int, int], ...] = ()
 
 
 def choice(path: Path | None = None) -> OProjChoice:
@@ -158,6 +159,12 @@ def wgmma_w_l2_at(batch: int, path: Path | None = None) -> bool:
     return _within(batch, choice(path).wgmma_w_l2_batches)
 
 
+def wgmma_w_l2_late_at(batch: int, path: Path | None = None) -> bool:
+    """Whether kda_o_proj_choice.toml (or `path`) has the wgmma build's stream CTAs prefetch into L2, right after
+    the wait, the part of their rows of W the ring does not take then, at `batch`."""
+    return _within(batch, choice(path).wgmma_w_l2_late_batches)
+
+
 def wgmma_ctas_per_sm(path: Path | None = None) -> int:
     """CTAs of one SM the wgmma build's launch is sized for, as kda_o_proj_choice.toml (or `path`) says."""
     return choice(path).wgmma_ctas_per_sm
@@ -182,6 +189,7 @@ def _choice(path: Path) -> OProjChoice:
     warm, staged = table.get("warm_batches", []), table.get("w_smem_batches", [])
     in_l2, wgmma = table.get("w_l2_batches", []), table.get("wgmma_batches", [])
     paired, wgmma_in_l2 = table.get("paired_rows", []), table.get("wgmma_w_l2_batches", [])
+    wgmma_late_l2 = table.get("wgmma_w_l2_late_batches", [])
     known = {
         "cap_batches",
         "one_pass",
@@ -192,13 +200,15 @@ def _choice(path: Path) -> OProjChoice:
         "wgmma_ctas_per_sm",
         "paired_rows",
         "wgmma_w_l2_batches",
+        "wgmma_w_l2_late_batches",
     }
     if not {"cap_batches", "one_pass"} <= set(table) <= known or not all(
-        isinstance(v, list) for v in (caps, rules, warm, staged, in_l2, wgmma, paired, wgmma_in_l2)
+        isinstance(v, list) for v in (caps, rules, warm, staged, in_l2, wgmma, paired, wgmma_in_l2, wgmma_late_l2)
     ):
         raise ValueError(
             f"{path.name} holds the lists cap_batches and one_pass (and warm_batches, w_smem_batches, w_l2_batches, "
-            f"wgmma_batches, paired_rows, wgmma_w_l2_batches, and wgmma_ctas_per_sm) and nothing else, got "
+            f"wgmma_batches, paired_rows, wgmma_w_l2_batches, wgmma_w_l2_late_batches, and wgmma_ctas_per_sm) and "
+            "nothing else, got "
             f"{sorted(table)}"
         )
     per_sm = table.get("wgmma_ctas_per_sm", WGMMA_CTAS_PER_SM)
@@ -231,6 +241,16 @@ def _choice(path: Path) -> OProjChoice:
     wgmma_w_l2_batches = tuple(
         _span(span, WGMMA_MIN_BATCH, f"{path.name}: wgmma_w_l2_batches[{i}]") for i, span in enumerate(wgmma_in_l2)
     )
+    wgmma_w_l2_late_batches = tuple(
+        _span(span, WGMMA_MIN_BATCH, f"{path.name}: wgmma_w_l2_late_batches[{i}]")
+        for i, span in enumerate(wgmma_late_l2)
+    )
+    both = [b for b in range(WGMMA_MIN_BATCH, MAX_BATCH + 1) if _within(b, wgmma_w_l2_batches)]
+    if any(_within(b, wgmma_w_l2_late_batches) for b in both):
+        raise ValueError(
+            f"{path.name}: wgmma_w_l2_batches and wgmma_w_l2_late_batches overlap; W goes to L2 before the wait or "
+            "after it, not both"
+        )
     return OProjChoice(
         cap_batches,
         one_pass,
@@ -241,6 +261,7 @@ def _choice(path: Path) -> OProjChoice:
         per_sm,
         paired_rows,
         wgmma_w_l2_batches,
+        wgmma_w_l2_late_batches,
     )
 
 

@@ -139,6 +139,14 @@ class KdaOProjKernelWgmma(KdaOProjKernel):
                 trace_stamp(True, launches, cta, 5, tidx)
 
     @cute.jit
+    def _w_to_l2(self, w: cute.Tensor, tidx: Int32, cta: Int32):
+        """Thread t < 64 sends the columns past the ring's first tiles of the CTA's row t of W to L2: one
+        cp.async.bulk.prefetch.L2 a row, by the copy engine, nothing to wait for."""
+        if tidx < self.plan.stream.m_rows:
+            row = w[cta * self.plan.stream.m_rows + tidx, None]
+            bulk_prefetch_l2(row.iterator + self.plan.l2_first, self.plan.l2_columns * 2)
+
+    @cute.jit
     def _stream(
         self,
         tma_w: cute.CopyAtom,
@@ -179,12 +187,12 @@ class KdaOProjKernelWgmma(KdaOProjKernel):
                 bar = ring.producer_get_barrier(state)
                 cute.copy(tma_w, twg[(None, kt)], tws[(None, state.index)], tma_bar_ptr=bar)
             state.advance()
-        if const_expr(self.plan.w_l2):  # noqa: SIM102 -- a compile-time branch; the rest of each row of W to L2
-            if tidx < s.m_rows:
-                row = w[cta * s.m_rows + tidx, None]
-                bulk_prefetch_l2(row.iterator + self.plan.l2_first, self.plan.l2_columns * 2)
+        if const_expr(self.plan.w_l2):  # the rest of each row of W to L2, beside the KDA step's last CTAs
+            self._w_to_l2(w, tidx, cta)
         cute.arch.griddepcontrol_wait()
         trace_stamp(self.trace, launches, cta, 1, tidx)
+        if const_expr(self.plan.w_l2_late):  # the same once the step is done: HBM is the stream's alone
+            self._w_to_l2(w, tidx, cta)
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel's wait still covers all of this grid
         if tidx + cta == 0:  # thread 0 of CTA 0 (both non-negative)
             cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")

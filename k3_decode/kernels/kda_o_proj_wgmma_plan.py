@@ -35,6 +35,7 @@ from k3_decode.kernels.kda_o_proj_plan import (
     AttnResEpilogue,
     wgmma_ctas_per_sm,
     wgmma_w_l2_at,
+    wgmma_w_l2_late_at,
 )
 from k3_decode.kernels.wgmma_stream_plan import (
     BARRIER_BYTES,
@@ -65,6 +66,7 @@ class OProjWgmmaPlan(AttnResEpilogue):
     ctas_per_sm: int = CTAS_PER_SM  # CTAs an SM the shared memory is sized for (and ptxas's register cap)
     paired_rows: bool = False  # each epilogue cluster exchanges its two rows together (AttnResEpilogue.pairing)
     w_l2: bool = False  # stream CTAs prefetch into L2, before the wait, the columns of W past the ring's first tiles
+    w_l2_late: bool = False  # the same prefetch right after the wait, once the KDA step no longer shares HBM
 
     @classmethod
     def for_shape(
@@ -77,10 +79,11 @@ class OProjWgmmaPlan(AttnResEpilogue):
         ctas_per_sm: int | None = None,
         paired_rows: bool | None = None,
         w_l2: bool | None = None,
+        w_l2_late: bool | None = None,
     ) -> OProjWgmmaPlan:
         """The plan for one shape; raises, naming the problem, for one this build cannot take. `ctas_per_sm`,
-        `paired_rows`, `w_l2`: None takes kda_o_proj_choice.toml's wgmma_ctas_per_sm, paired_rows and
-        wgmma_w_l2_batches."""
+        `paired_rows`, `w_l2`, `w_l2_late`: None takes kda_o_proj_choice.toml's wgmma_ctas_per_sm, paired_rows,
+        wgmma_w_l2_batches and wgmma_w_l2_late_batches."""
         attn = ClusterPlan.for_hidden(hidden)  # raises for a width AttnRes cannot split
         if attn.threads != WARPGROUP:  # then the rows are whole clusters of 64-row tiles too: 1024 a CTA of 8 columns
             raise ValueError(
@@ -105,8 +108,14 @@ class OProjWgmmaPlan(AttnResEpilogue):
         plan = replace(plan, paired_rows=plan.pairing(paired_rows))
         if plan.stages < 2:
             raise ValueError(f"{plan.tag}: fewer than two ring stages fit {ctas_per_sm} CTAs an SM")
-        plan = replace(plan, w_l2=wgmma_w_l2_at(batch) if w_l2 is None else w_l2)
-        if plan.w_l2 and plan.l2_columns == 0:
+        plan = replace(
+            plan,
+            w_l2=wgmma_w_l2_at(batch) if w_l2 is None else w_l2,
+            w_l2_late=wgmma_w_l2_late_at(batch) if w_l2_late is None else w_l2_late,
+        )
+        if plan.w_l2 and plan.w_l2_late:
+            raise ValueError(f"{plan.tag}: W goes to L2 before the wait (w_l2) or after it (w_l2_late), not both")
+        if (plan.w_l2 or plan.w_l2_late) and plan.l2_columns == 0:
             raise ValueError(f"{plan.tag}: the ring's first tiles hold all of K; there is no W left to send to L2")
         why = plan.stream.problem()
         if why is not None:
@@ -208,4 +217,5 @@ class OProjWgmmaPlan(AttnResEpilogue):
             f"o-proj-wgmma/h{self.hidden}/k{self.k}/b{self.batch}/{self.kind.tag}/s{self.stages}/c{self.ctas_per_sm}"
             + "/paired" * self.paired_rows
             + "/w-l2" * self.w_l2
+            + "/w-l2-late" * self.w_l2_late
         )

@@ -651,6 +651,7 @@ def test_a_cell_names_the_o_proj_variant_it_timed(monkeypatch, tmp_path):
         "w_l2": kda_o_proj_plan.w_l2_at(64),
         "wgmma": kda_o_proj_plan.wgmma_at(64),
         "wgmma_w_l2": kda_o_proj_plan.wgmma_w_l2_at(64),
+        "wgmma_w_l2_late": kda_o_proj_plan.wgmma_w_l2_late_at(64),
         "paired_rows": kda_o_proj_plan.paired_at(64, K3.blocks_before(6)),
     }
     assert bench.o_proj_variant(K3, 6, 64) == want
@@ -696,6 +697,7 @@ def test_a_choice_file_given_on_the_command_line_is_what_the_plans_serve(tmp_pat
         "w_l2": False,
         "wgmma": True,
         "wgmma_w_l2": False,
+        "wgmma_w_l2_late": False,
         "paired_rows": False,
     }
     assert not bench.o_proj_variant(K3, 6, 32)["wgmma"]

@@ -148,6 +148,16 @@ def test_w_l2_sends_each_stream_rows_columns_past_the_rings_first_tiles(tmp_path
     ) == (256, 1280)
     assert not OProjWgmmaPlan.for_shape(*TP8, 32, N1_ADD, 132).w_l2
     assert OProjWgmmaPlan.for_shape(*TP8, 32, N1_ADD, 132, w_l2=True).w_l2  # the argument over the file
+    late = OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, w_l2=False, w_l2_late=True)
+    assert late.w_l2_late and late.tag.endswith("/w-l2-late") and not late.w_l2
+    with pytest.raises(ValueError, match=r"before the wait .* or after it .*, not both"):
+        OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, w_l2=True, w_l2_late=True)
+    both = tmp_path / "both.toml"
+    both.write_text(
+        "cap_batches = []\none_pass = []\nwgmma_w_l2_batches = [[32, 48]]\nwgmma_w_l2_late_batches = [[48, 64]]\n"
+    )
+    with pytest.raises(ValueError, match="overlap"):
+        kda_o_proj_plan.choice(both)
     # A K the ring takes whole before the wait leaves nothing to send: refused, not a silent no-op.
     with pytest.raises(ValueError, match="no W left to send to L2"):
         OProjWgmmaPlan.for_shape(7168, 256, 64, N1_ADD, 132, w_l2=True)
@@ -189,7 +199,9 @@ def test_ci_builds_every_tp_batch_and_kind_builds_toml_lists():
         for b in (32, 64)
         for k in ("n1-add-norm", "n8-add-norm")
     }
-    assert names == served | two | paired | in_l2
+    late = {f"kda_o_proj_wgmma/tp{tp}/b{b}/n1-add-norm/w-l2-late" for tp in (8, 16) for b in (32, 64)}
+    assert names == served | two | paired | in_l2 | late
+    assert {b.plan.w_l2_late for b in _builds() if b.name in late} == {True}
     assert {b.plan.ctas_per_sm for b in _builds() if b.name in two} == {2}
     assert {b.plan.w_l2 for b in _builds() if b.name in in_l2} == {True}
     assert not any(b.plan.w_l2 for b in _builds() if b.name not in in_l2)
@@ -237,6 +249,13 @@ def test_the_rules_fail_a_w_l2_build_without_its_prefetch_and_a_plain_one_with_i
     assert failed_checks(l2, dataclasses.replace(art, ptx=late)) == [
         "ptx 'cp.async.bulk.prefetch.L2.global' before 'griddepcontrol.wait;'"
     ]
+    # The prefetch moved past the wait is what the w_l2_late build has: it passes as that build, and fails as w_l2.
+    late_build = next(b for b in _builds() if b.name == "kda_o_proj_wgmma/tp8/b64/n1-add-norm/w-l2-late")
+    late_art = artifacts(late_build.name)
+    assert failed_checks(late_build, late_art) == []
+    assert late_art.ptx.index("griddepcontrol.wait;") < late_art.ptx.index("cp.async.bulk.prefetch.L2.global")
+    assert failed_checks(l2, late_art) == ["ptx 'cp.async.bulk.prefetch.L2.global' before 'griddepcontrol.wait;'"]
+    assert failed_checks(late_build, art) == ["ptx 'cp.async.bulk.prefetch.L2.global' before 'griddepcontrol.wait;'"]
     plain = next(b for b in _builds() if b.name == "kda_o_proj_wgmma/tp8/b64/n1-add-norm")
     assert failed_checks(l2, artifacts(plain.name)) == [
         "ptx 'cp.async.bulk.prefetch.L2.global'",

@@ -183,20 +183,23 @@ def test_paired_rows_give_one_row_at_a_times_bits_and_are_timed_beside_it(tp: in
         check_against_the_oracle(tp, 33, kind, wgmma)
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["before-wait", "after-wait"])
 @pytest.mark.parametrize("tp", [8, 16])
-def test_w_to_l2_changes_no_bit_and_is_timed_beside_the_plain_ring(tp: int, tmp_path, monkeypatch):
-    """kda_o_proj_choice.toml's wgmma_w_l2_batches (not served): the stream CTAs send the rest of their rows of W to
-    L2 before the wait, which changes when bytes arrive, never what is computed: the same o_proj bits and MLP input
-    as the plain ring at B32, B48 and B64, the lightest and heaviest add kinds; timed beside it per call."""
+def test_w_to_l2_changes_no_bit_and_is_timed_beside_the_plain_ring(tp: int, late: bool, tmp_path, monkeypatch):
+    """kda_o_proj_choice.toml's wgmma_w_l2_batches / wgmma_w_l2_late_batches (not served): the stream CTAs send the
+    rest of their rows of W to L2 before (after) the wait, which changes when bytes arrive, never what is computed:
+    the same o_proj bits and MLP input as the plain ring at B32, B48 and B64, the lightest and heaviest add kinds;
+    timed beside it per call."""
+    key = "wgmma_w_l2_late_batches" if late else "wgmma_w_l2_batches"
 
     def check(plan, on: bool) -> None:
-        assert plan.w_l2 == on and plan.l2_columns > 0, plan.tag
+        assert (plan.w_l2_late if late else plan.w_l2) == on and plan.l2_columns > 0, plan.tag
 
     def serve(on: bool) -> None:
-        served_choice_with(tmp_path, monkeypatch, "wgmma_w_l2_batches", "[32, 64]" if on else "")
+        served_choice_with(tmp_path, monkeypatch, key, "[32, 64]" if on else "")
 
     cases = [(batch, AttnResKind.from_tag(tag)) for batch in (32, 48, 64) for tag in ("n1-add-norm", "n8-add-norm")]
-    choice_on_and_off(tp, cases, serve, check, "w-l2 wgmma", wgmma=True)
+    choice_on_and_off(tp, cases, serve, check, "w-l2-late wgmma" if late else "w-l2 wgmma", wgmma=True)
 
 
 @pytest.mark.parametrize("tp", [8, 16])
