@@ -382,12 +382,38 @@ def test_rounds_where_pairing_lost_at_b64_take_it_away(tmp_path):
 WGMMA_W_L2_ROUNDS = [(RESULTS / f"oproj-base-68dc34c-{r}.json", RESULTS / f"wgmma-w-l2-{r}.json") for r in "ab"]
 
 
-def wgmma_w_l2_problems(verdicts: dict[int, bool], path: Path | None = None) -> list[str]:
+# The same layer on one H100 at cdf051c, two rounds of 60: wgmma_w_l2_late_batches = [[32, 64]] against the tree.
+WGMMA_W_L2_LATE_ROUNDS = [
+    (RESULTS / f"oproj-base-cdf051c-{r}.json", RESULTS / f"wgmma-w-l2-late-{r}.json") for r in "ab"
+]
+
+
+def wgmma_w_l2_problems(verdicts: dict[int, bool], path: Path | None = None, late: bool = False) -> list[str]:
+    served_at = kda_o_proj_plan.wgmma_w_l2_late_at if late else kda_o_proj_plan.wgmma_w_l2_at
     return [
         f"B{batch}: the wgmma build's W to L2 {'saved but is not served' if won else 'is served but did not save'}"
         for batch, won in sorted(verdicts.items())
-        if kda_o_proj_plan.wgmma_w_l2_at(batch, path) != won
+        if served_at(batch, path) != won
     ]
+
+
+def test_the_wgmma_build_sends_w_to_l2_after_the_wait_nowhere_because_it_lost_everywhere():
+    """After the wait the prefetch lost in both rounds at every cell (TP8 -0.40 to -2.41 us, TP16 -0.22 to -1.16)."""
+    for _, variant in WGMMA_W_L2_LATE_ROUNDS:
+        text = load(variant)["variant"]["choice_files"]["kda_o_proj_choice.toml"]
+        assert "wgmma_w_l2_late_batches = [[32, 64]]" in text, variant.name
+    verdicts = flag_verdicts(WGMMA_W_L2_LATE_ROUNDS, "wgmma_w_l2_late")
+    assert verdicts == {32: False, 48: False, 64: False}
+    assert wgmma_w_l2_problems(verdicts, late=True) == [] and choice().wgmma_w_l2_late_batches == ()
+    assert all(saved < 0 for per_round in savings(WGMMA_W_L2_LATE_ROUNDS) for saved in per_round.values())
+
+
+def test_rounds_where_w_to_l2_after_the_wait_won_at_b64_would_serve_it(tmp_path):
+    """Broken case: both rounds with B64's losses mirrored into gains at both sizes; B64's verdict flips and the
+    served file (none) no longer matches."""
+    verdicts = flag_verdicts(inverted(WGMMA_W_L2_LATE_ROUNDS, tmp_path, batch=64), "wgmma_w_l2_late")
+    assert verdicts == {32: False, 48: False, 64: True}
+    assert wgmma_w_l2_problems(verdicts, late=True) == ["B64: the wgmma build's W to L2 saved but is not served"]
 
 
 def test_the_wgmma_build_sends_w_to_l2_nowhere_because_it_lost_at_tp8_and_was_mixed_at_tp16():
