@@ -95,6 +95,7 @@ from k3_decode.kernels.kda_o_proj_plan import (  # noqa: E402
     w_smem_at,
     warm_at,
     wgmma_at,
+    wgmma_ctas_per_sm_at,
     wgmma_w_l2_at,
     wgmma_w_l2_late_at,
 )
@@ -778,7 +779,8 @@ def o_proj_variant(dims: ModelDims, layer: int, batch: int) -> dict[str, bool]:
     """What kda_o_proj_choice.toml serves the fused o_proj at `layer` and `batch` (its launch capped to ctas_per_sm
     CTAs an SM; its stream in one pass; L2 warmed with its late weight runs where it has any; W staged in shared
     memory; W sent to L2 alone before the wait; the wgmma build; its W past the ring's first tiles sent to L2; each
-    epilogue cluster's two rows exchanged together), so a results file names the variant it timed."""
+    epilogue cluster's two rows exchanged together; the CTAs an SM the wgmma build's ring is sized for), so a results
+    file names the variant it timed."""
     blocks = dims.blocks_before(layer)
     return {
         "capped": capped_at(batch),
@@ -789,6 +791,7 @@ def o_proj_variant(dims: ModelDims, layer: int, batch: int) -> dict[str, bool]:
         "wgmma": wgmma_at(batch),
         "wgmma_w_l2": wgmma_w_l2_at(batch),
         "wgmma_w_l2_late": wgmma_w_l2_late_at(batch),
+        "wgmma_ctas_per_sm": wgmma_ctas_per_sm_at(batch),
         "paired_rows": paired_at(batch, blocks),
     }
 

@@ -103,6 +103,7 @@ class OProjChoice:
     paired_rows: tuple[BlocksRule, ...] = ()
     wgmma_w_l2_batches: tuple[tuple[int, int], ...] = ()
     wgmma_w_l2_late_batches: tuple[tuple[int, int], ...] = ()
+    wgmma_two_per_sm_batches: tuple[tuple[int, int], ...] = ()
 
 
 def choice(path: Path | None = None) -> OProjChoice:
@@ -170,6 +171,13 @@ def wgmma_ctas_per_sm(path: Path | None = None) -> int:
     return choice(path).wgmma_ctas_per_sm
 
 
+def wgmma_ctas_per_sm_at(batch: int, path: Path | None = None) -> int:
+    """CTAs of one SM the wgmma build's launch is sized for at `batch`: two within kda_o_proj_choice.toml's (or
+    `path`'s) wgmma_two_per_sm_batches, else its wgmma_ctas_per_sm."""
+    table = choice(path)
+    return 2 if _within(batch, table.wgmma_two_per_sm_batches) else table.wgmma_ctas_per_sm
+
+
 def _within(batch: int, ranges: tuple[tuple[int, int], ...]) -> bool:
     return any(first <= batch <= last for first, last in ranges)
 
@@ -190,6 +198,7 @@ def _choice(path: Path) -> OProjChoice:
     in_l2, wgmma = table.get("w_l2_batches", []), table.get("wgmma_batches", [])
     paired, wgmma_in_l2 = table.get("paired_rows", []), table.get("wgmma_w_l2_batches", [])
     wgmma_late_l2 = table.get("wgmma_w_l2_late_batches", [])
+    two_per_sm = table.get("wgmma_two_per_sm_batches", [])
     known = {
         "cap_batches",
         "one_pass",
@@ -201,14 +210,16 @@ def _choice(path: Path) -> OProjChoice:
         "paired_rows",
         "wgmma_w_l2_batches",
         "wgmma_w_l2_late_batches",
+        "wgmma_two_per_sm_batches",
     }
     if not {"cap_batches", "one_pass"} <= set(table) <= known or not all(
-        isinstance(v, list) for v in (caps, rules, warm, staged, in_l2, wgmma, paired, wgmma_in_l2, wgmma_late_l2)
+        isinstance(v, list)
+        for v in (caps, rules, warm, staged, in_l2, wgmma, paired, wgmma_in_l2, wgmma_late_l2, two_per_sm)
     ):
         raise ValueError(
             f"{path.name} holds the lists cap_batches and one_pass (and warm_batches, w_smem_batches, w_l2_batches, "
-            f"wgmma_batches, paired_rows, wgmma_w_l2_batches, wgmma_w_l2_late_batches, and wgmma_ctas_per_sm) and "
-            "nothing else, got "
+            f"wgmma_batches, paired_rows, wgmma_w_l2_batches, wgmma_w_l2_late_batches, wgmma_two_per_sm_batches, and "
+            "wgmma_ctas_per_sm) and nothing else, got "
             f"{sorted(table)}"
         )
     per_sm = table.get("wgmma_ctas_per_sm", WGMMA_CTAS_PER_SM)
@@ -251,6 +262,9 @@ def _choice(path: Path) -> OProjChoice:
             f"{path.name}: wgmma_w_l2_batches and wgmma_w_l2_late_batches overlap; W goes to L2 before the wait or "
             "after it, not both"
         )
+    wgmma_two_per_sm_batches = tuple(
+        _span(span, WGMMA_MIN_BATCH, f"{path.name}: wgmma_two_per_sm_batches[{i}]") for i, span in enumerate(two_per_sm)
+    )
     return OProjChoice(
         cap_batches,
         one_pass,
@@ -262,6 +276,7 @@ def _choice(path: Path) -> OProjChoice:
         paired_rows,
         wgmma_w_l2_batches,
         wgmma_w_l2_late_batches,
+        wgmma_two_per_sm_batches,
     )
 
 

@@ -33,7 +33,7 @@ from k3_decode.kernels.kda_o_proj_plan import (
     SMEM_PER_SM,
     WGMMA_CTAS_PER_SM_CHOICES,
     AttnResEpilogue,
-    wgmma_ctas_per_sm,
+    wgmma_ctas_per_sm_at,
     wgmma_w_l2_at,
     wgmma_w_l2_late_at,
 )
@@ -82,8 +82,8 @@ class OProjWgmmaPlan(AttnResEpilogue):
         w_l2_late: bool | None = None,
     ) -> OProjWgmmaPlan:
         """The plan for one shape; raises, naming the problem, for one this build cannot take. `ctas_per_sm`,
-        `paired_rows`, `w_l2`, `w_l2_late`: None takes kda_o_proj_choice.toml's wgmma_ctas_per_sm, paired_rows,
-        wgmma_w_l2_batches and wgmma_w_l2_late_batches."""
+        `paired_rows`, `w_l2`, `w_l2_late`: None takes kda_o_proj_choice.toml's (wgmma_two_per_sm_batches, else
+        wgmma_ctas_per_sm), paired_rows, wgmma_w_l2_batches and wgmma_w_l2_late_batches."""
         attn = ClusterPlan.for_hidden(hidden)  # raises for a width AttnRes cannot split
         if attn.threads != WARPGROUP:  # then the rows are whole clusters of 64-row tiles too: 1024 a CTA of 8 columns
             raise ValueError(
@@ -101,7 +101,7 @@ class OProjWgmmaPlan(AttnResEpilogue):
         if sm_count < 1:
             raise ValueError(f"sm_count must be at least 1, got {sm_count}")
         if ctas_per_sm is None:
-            ctas_per_sm = wgmma_ctas_per_sm()
+            ctas_per_sm = wgmma_ctas_per_sm_at(batch)
         if ctas_per_sm not in WGMMA_CTAS_PER_SM_CHOICES:
             raise ValueError(f"the wgmma o_proj is sized for {WGMMA_CTAS_PER_SM_CHOICES} CTAs an SM, got {ctas_per_sm}")
         plan = cls(hidden, k, batch, kind, sm_count, ctas_per_sm=ctas_per_sm)
@@ -208,7 +208,10 @@ class OProjWgmmaPlan(AttnResEpilogue):
     @property
     def residency_fix(self) -> str:
         if self.ctas_per_sm < CTAS_PER_SM:
-            return f"size its ring for {CTAS_PER_SM} CTAs an SM (kda_o_proj_choice.toml wgmma_ctas_per_sm)"
+            return (
+                f"size its ring for {CTAS_PER_SM} CTAs an SM at these rows (kda_o_proj_choice.toml wgmma_ctas_per_sm, "
+                "wgmma_two_per_sm_batches)"
+            )
         return "serve the mma.sync build at these rows (kda_o_proj_choice.toml wgmma_batches)"
 
     @property

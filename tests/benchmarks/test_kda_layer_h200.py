@@ -630,6 +630,7 @@ def test_a_cell_names_the_o_proj_variant_it_timed(monkeypatch, tmp_path):
         "cap_batches = [[16, 32]]\none_pass = [{ batches = [33, 64], max_blocks = 1 }]\nwarm_batches = [[1, 8]]\n"
         "w_smem_batches = [[32, 64]]\nw_l2_batches = [[2, 4]]\nwgmma_batches = [[16, 16], [48, 64]]\n"
         "wgmma_w_l2_batches = [[48, 56]]\npaired_rows = [{ batches = [48, 64], max_blocks = 1 }]\n"
+        "wgmma_two_per_sm_batches = [[33, 48]]\n"
     )
     monkeypatch.setattr(kda_o_proj_plan, "CHOICE", choice)
     assert [bench.o_proj_variant(K3, 6, b)["capped"] for b in (8, 16, 32, 64)] == [False, True, True, False]
@@ -642,6 +643,7 @@ def test_a_cell_names_the_o_proj_variant_it_timed(monkeypatch, tmp_path):
     assert [bench.o_proj_variant(K3, 6, b)["wgmma_w_l2"] for b in (32, 48, 64)] == [False, True, False]
     assert [bench.o_proj_variant(K3, layer, 64)["paired_rows"] for layer in (6, 86)] == [True, False]
     assert not bench.o_proj_variant(K3, 6, 47)["paired_rows"]
+    assert [bench.o_proj_variant(K3, 6, b)["wgmma_ctas_per_sm"] for b in (32, 33, 48, 49)] == [3, 2, 2, 3]
     monkeypatch.undo()
     want = {
         "capped": kda_o_proj_plan.capped_at(64),
@@ -652,6 +654,7 @@ def test_a_cell_names_the_o_proj_variant_it_timed(monkeypatch, tmp_path):
         "wgmma": kda_o_proj_plan.wgmma_at(64),
         "wgmma_w_l2": kda_o_proj_plan.wgmma_w_l2_at(64),
         "wgmma_w_l2_late": kda_o_proj_plan.wgmma_w_l2_late_at(64),
+        "wgmma_ctas_per_sm": kda_o_proj_plan.wgmma_ctas_per_sm_at(64),
         "paired_rows": kda_o_proj_plan.paired_at(64, K3.blocks_before(6)),
     }
     assert bench.o_proj_variant(K3, 6, 64) == want
@@ -698,6 +701,7 @@ def test_a_choice_file_given_on_the_command_line_is_what_the_plans_serve(tmp_pat
         "wgmma": True,
         "wgmma_w_l2": False,
         "wgmma_w_l2_late": False,
+        "wgmma_ctas_per_sm": 3,
         "paired_rows": False,
     }
     assert not bench.o_proj_variant(K3, 6, 32)["wgmma"]

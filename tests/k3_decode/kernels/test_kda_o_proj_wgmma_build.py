@@ -129,6 +129,28 @@ def test_the_choice_file_serves_it_by_batch_range(tmp_path):
             choice(path)
 
 
+def test_two_per_sm_batches_size_the_ring_for_two_ctas_an_sm_only_there(tmp_path, monkeypatch):
+    """wgmma_two_per_sm_batches: the plan is sized for two CTAs an SM within its ranges (more stages), three
+    elsewhere; the argument overrides the file; a range outside 9..64 is a one-line error."""
+    from k3_decode.kernels import kda_o_proj_plan
+
+    path = tmp_path / "two-range.toml"
+    path.write_text("cap_batches = []\none_pass = []\nwgmma_two_per_sm_batches = [[33, 48]]\n")
+    monkeypatch.setattr(kda_o_proj_plan, "CHOICE", path)
+    per_sm = {b: OProjWgmmaPlan.for_shape(*TP8, b, N1_ADD, 132).ctas_per_sm for b in (32, 33, 40, 48, 49, 64)}
+    assert per_sm == {32: 3, 33: 2, 40: 2, 48: 2, 49: 3, 64: 3}
+    two, three = (OProjWgmmaPlan.for_shape(*TP8, 48, N1_ADD, 132, ctas_per_sm=n) for n in (2, 3))
+    assert two.stages > three.stages and OProjWgmmaPlan.for_shape(*TP8, 40, N1_ADD, 132).tag.count("/c2") == 1
+    # At 33-48 rows the driver's 32 clusters of the two-an-SM build hold the waiting ones and the margin.
+    assert all(
+        OProjWgmmaPlan.for_shape(*TP8, b, N1_ADD, 132).epilogue_clusters + two.resident_margin <= 32 for b in (33, 48)
+    )
+    bad = tmp_path / "two-bad.toml"
+    bad.write_text("cap_batches = []\none_pass = []\nwgmma_two_per_sm_batches = [[4, 48]]\n")
+    with pytest.raises(ValueError, match=r"wgmma_two_per_sm_batches\[0\] is a \[first, last\] range within 9\.\.64"):
+        kda_o_proj_plan.choice(bad)
+
+
 def test_w_l2_sends_each_stream_rows_columns_past_the_rings_first_tiles(tmp_path, monkeypatch):
     """wgmma_w_l2_batches: a stream CTA's ring takes its first `ahead` k tiles of W before the wait; w_l2 sends the
     rest of each of its rows to L2 (nothing twice, nothing left out), at the batches the choice file says."""
