@@ -190,37 +190,30 @@ def _span(span: object, low: int, where: str) -> tuple[int, int]:
     raise ValueError(f"{where} is a [first, last] range within {low}..{MAX_BATCH}, got {span!r}")
 
 
+# The batch-range lists of kda_o_proj_choice.toml and the least batch each may name (the wgmma build's from 9 rows).
+_RANGE_KEYS = {
+    "cap_batches": 1,
+    "warm_batches": 1,
+    "w_smem_batches": 1,
+    "w_l2_batches": 1,
+    "wgmma_batches": WGMMA_MIN_BATCH,
+    "wgmma_w_l2_batches": WGMMA_MIN_BATCH,
+    "wgmma_w_l2_late_batches": WGMMA_MIN_BATCH,
+    "wgmma_two_per_sm_batches": WGMMA_MIN_BATCH,
+}
+_RULE_KEYS = ("one_pass", "paired_rows")
+
+
 @cache
 def _choice(path: Path) -> OProjChoice:
     table = tomllib.loads(path.read_text())
-    caps, rules = table.get("cap_batches"), table.get("one_pass")
-    warm, staged = table.get("warm_batches", []), table.get("w_smem_batches", [])
-    in_l2, wgmma = table.get("w_l2_batches", []), table.get("wgmma_batches", [])
-    paired, wgmma_in_l2 = table.get("paired_rows", []), table.get("wgmma_w_l2_batches", [])
-    wgmma_late_l2 = table.get("wgmma_w_l2_late_batches", [])
-    two_per_sm = table.get("wgmma_two_per_sm_batches", [])
-    known = {
-        "cap_batches",
-        "one_pass",
-        "warm_batches",
-        "w_smem_batches",
-        "w_l2_batches",
-        "wgmma_batches",
-        "wgmma_ctas_per_sm",
-        "paired_rows",
-        "wgmma_w_l2_batches",
-        "wgmma_w_l2_late_batches",
-        "wgmma_two_per_sm_batches",
-    }
-    if not {"cap_batches", "one_pass"} <= set(table) <= known or not all(
-        isinstance(v, list)
-        for v in (caps, rules, warm, staged, in_l2, wgmma, paired, wgmma_in_l2, wgmma_late_l2, two_per_sm)
-    ):
+    known = {*_RANGE_KEYS, *_RULE_KEYS, "wgmma_ctas_per_sm"}
+    lists = [table.get(key, []) for key in (*_RANGE_KEYS, *_RULE_KEYS)]
+    if not {"cap_batches", "one_pass"} <= set(table) <= known or not all(isinstance(v, list) for v in lists):
         raise ValueError(
             f"{path.name} holds the lists cap_batches and one_pass (and warm_batches, w_smem_batches, w_l2_batches, "
             f"wgmma_batches, paired_rows, wgmma_w_l2_batches, wgmma_w_l2_late_batches, wgmma_two_per_sm_batches, and "
-            "wgmma_ctas_per_sm) and nothing else, got "
-            f"{sorted(table)}"
+            f"wgmma_ctas_per_sm) and nothing else, got {sorted(table)}"
         )
     per_sm = table.get("wgmma_ctas_per_sm", WGMMA_CTAS_PER_SM)
     if per_sm not in WGMMA_CTAS_PER_SM_CHOICES or isinstance(per_sm, bool):
@@ -228,56 +221,31 @@ def _choice(path: Path) -> OProjChoice:
             f"{path.name}: wgmma_ctas_per_sm is one of {WGMMA_CTAS_PER_SM_CHOICES} (CTAs an SM the wgmma build's "
             f"shared memory is sized for), got {per_sm!r}"
         )
-    cap_batches = tuple(_span(span, 1, f"{path.name}: cap_batches[{i}]") for i, span in enumerate(caps))
-    one_pass = _blocks_rules(rules, f"{path.name}: one_pass")
-    paired_rows = _blocks_rules(paired, f"{path.name}: paired_rows")
+    ranges = {
+        key: tuple(_span(span, low, f"{path.name}: {key}[{i}]") for i, span in enumerate(table.get(key, [])))
+        for key, low in _RANGE_KEYS.items()
+    }
+    one_pass = _blocks_rules(table["one_pass"], f"{path.name}: one_pass")
+    paired_rows = _blocks_rules(table.get("paired_rows", []), f"{path.name}: paired_rows")
     for i, rule in enumerate(paired_rows):
         if rule.max_blocks > PAIRED_MAX_BLOCKS:
             raise ValueError(
                 f"{path.name}: paired_rows[{i}] max_blocks is at most {PAIRED_MAX_BLOCKS}: paired rows of more bank "
                 f"blocks spill (builds.toml builds none), got {rule.max_blocks}"
             )
-    warm_batches = tuple(_span(span, 1, f"{path.name}: warm_batches[{i}]") for i, span in enumerate(warm))
-    w_smem_batches = tuple(_span(span, 1, f"{path.name}: w_smem_batches[{i}]") for i, span in enumerate(staged))
-    w_l2_batches = tuple(_span(span, 1, f"{path.name}: w_l2_batches[{i}]") for i, span in enumerate(in_l2))
-    for i, (_, last) in enumerate(w_l2_batches):
+    for i, (_, last) in enumerate(ranges["w_l2_batches"]):
         if last > CUDA_CORE_MAX_BATCH:
             raise ValueError(
                 f"{path.name}: w_l2_batches[{i}] reaches {last} rows; W goes to L2 alone only on the CUDA-core "
                 f"stream, 1..{CUDA_CORE_MAX_BATCH} rows"
             )
-    wgmma_batches = tuple(
-        _span(span, WGMMA_MIN_BATCH, f"{path.name}: wgmma_batches[{i}]") for i, span in enumerate(wgmma)
-    )
-    wgmma_w_l2_batches = tuple(
-        _span(span, WGMMA_MIN_BATCH, f"{path.name}: wgmma_w_l2_batches[{i}]") for i, span in enumerate(wgmma_in_l2)
-    )
-    wgmma_w_l2_late_batches = tuple(
-        _span(span, WGMMA_MIN_BATCH, f"{path.name}: wgmma_w_l2_late_batches[{i}]")
-        for i, span in enumerate(wgmma_late_l2)
-    )
-    both = [b for b in range(WGMMA_MIN_BATCH, MAX_BATCH + 1) if _within(b, wgmma_w_l2_batches)]
-    if any(_within(b, wgmma_w_l2_late_batches) for b in both):
+    before, after = ranges["wgmma_w_l2_batches"], ranges["wgmma_w_l2_late_batches"]
+    if any(_within(b, before) and _within(b, after) for b in range(WGMMA_MIN_BATCH, MAX_BATCH + 1)):
         raise ValueError(
             f"{path.name}: wgmma_w_l2_batches and wgmma_w_l2_late_batches overlap; W goes to L2 before the wait or "
             "after it, not both"
         )
-    wgmma_two_per_sm_batches = tuple(
-        _span(span, WGMMA_MIN_BATCH, f"{path.name}: wgmma_two_per_sm_batches[{i}]") for i, span in enumerate(two_per_sm)
-    )
-    return OProjChoice(
-        cap_batches,
-        one_pass,
-        warm_batches,
-        w_smem_batches,
-        w_l2_batches,
-        wgmma_batches,
-        per_sm,
-        paired_rows,
-        wgmma_w_l2_batches,
-        wgmma_w_l2_late_batches,
-        wgmma_two_per_sm_batches,
-    )
+    return OProjChoice(one_pass=one_pass, paired_rows=paired_rows, wgmma_ctas_per_sm=per_sm, **ranges)
 
 
 def _blocks_rules(rules: list, where: str) -> tuple[BlocksRule, ...]:
