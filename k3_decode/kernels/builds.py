@@ -741,32 +741,30 @@ class K3KernelBuilds:
         [kda_o_proj_wgmma]."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_o_proj_wgmma"]
-        none = {"batches": [], "kinds": []}
-        two, paired, in_l2, late_l2 = (spec.get(key, none) for key in ("two_per_sm", "paired", "w_l2", "w_l2_late"))
+        # The plain build and each variant table (builds.toml key: its one choice off the plain plan), every choice
+        # explicit, so the builds are the same whatever kda_o_proj_choice.toml serves: serving one renames and drops
+        # nothing.
+        plain = {"ctas_per_sm": OPROJ_WGMMA_CTAS_PER_SM, "paired_rows": False, "w_l2": False, "w_l2_late": False}
+        variants = {
+            "two_per_sm": {"ctas_per_sm": 2},
+            "paired": {"paired_rows": True},
+            "w_l2": {"w_l2": True},
+            "w_l2_late": {"w_l2_late": True},
+        }
         kinds = _after_attention_kinds(dims, spec["kinds"], "kda_o_proj_wgmma.kinds")
-        two_kinds = _after_attention_kinds(dims, two["kinds"], "kda_o_proj_wgmma.two_per_sm.kinds")
-        paired_kinds = _after_attention_kinds(dims, paired["kinds"], "kda_o_proj_wgmma.paired.kinds")
-        l2_kinds = _after_attention_kinds(dims, in_l2["kinds"], "kda_o_proj_wgmma.w_l2.kinds")
-        late_kinds = _after_attention_kinds(dims, late_l2["kinds"], "kda_o_proj_wgmma.w_l2_late.kinds")
-        per_sm = OPROJ_WGMMA_CTAS_PER_SM
-        # (batch, kind, CTAs an SM, paired rows, W to L2 before / after the wait), each explicit: the plain build and
-        # every variant are built whatever kda_o_proj_choice.toml serves, so serving one renames and drops nothing.
-        cells = [(b, kind, per_sm, False, False, False) for b in spec["batches"] for kind in kinds]
-        cells += [(b, kind, 2, False, False, False) for b in two["batches"] for kind in two_kinds]  # two an SM
-        cells += [(b, kind, per_sm, True, False, False) for b in paired["batches"] for kind in paired_kinds]
-        cells += [(b, kind, per_sm, False, True, False) for b in in_l2["batches"] for kind in l2_kinds]
-        cells += [(b, kind, per_sm, False, False, True) for b in late_l2["batches"] for kind in late_kinds]
+        cells = [(b, kind, plain) for b in spec["batches"] for kind in kinds]
+        for key, change in variants.items():
+            table = spec.get(key, {"batches": [], "kinds": []})
+            for kind in _after_attention_kinds(dims, table["kinds"], f"kda_o_proj_wgmma.{key}.kinds"):
+                cells += [(b, kind, {**plain, **change}) for b in table["batches"]]
         builds = []
         for tp in spec["tp"]:
             try:
                 hidden, k = dims.shard(tp).kda_o_proj
             except ShardError as exc:
                 raise ValueError(f"builds.toml kda_o_proj_wgmma.tp: {exc}") from None
-            for batch, kind, per_sm, pair, l2, late in cells:
-                plan = OProjWgmmaPlan.for_shape(
-                    hidden, k, batch, kind, spec["sm_count"], ctas_per_sm=per_sm, paired_rows=pair, w_l2=l2,
-                    w_l2_late=late,
-                )  # fmt: skip
+            for batch, kind, choices in cells:
+                plan = OProjWgmmaPlan.for_shape(hidden, k, batch, kind, spec["sm_count"], **choices)
                 builds.append(KdaOProjWgmmaBuild(tp, plan, dims.num_attn_res_blocks))
         return builds
 
