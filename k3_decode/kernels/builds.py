@@ -741,12 +741,13 @@ class K3KernelBuilds:
         [kda_o_proj_wgmma]."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_o_proj_wgmma"]
-        # The plain build and each variant table (builds.toml key: its one choice off the plain plan), every choice
+        # The plain build and each variant table (builds.toml key: its choices off the plain plan), every choice
         # explicit, so the builds are the same whatever kda_o_proj_choice.toml serves: serving one renames and drops
         # nothing.
         plain = {"ctas_per_sm": OPROJ_WGMMA_CTAS_PER_SM, "paired_rows": False, "w_l2": False, "w_l2_late": False}
         variants = {
             "two_per_sm": {"ctas_per_sm": 2},
+            "two_per_sm_paired": {"ctas_per_sm": 2, "paired_rows": True},
             "paired": {"paired_rows": True},
             "w_l2": {"w_l2": True},
             "w_l2_late": {"w_l2_late": True},

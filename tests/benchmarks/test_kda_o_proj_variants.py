@@ -4,13 +4,23 @@ the one-pass stream at 64 rows served where it saved layer time in every round, 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from benchmarks import kda_layer_h200 as bench
 from k3_decode.kernels import kda_o_proj_plan
-from k3_decode.kernels.kda_o_proj_plan import capped_at, choice, one_pass_at, w_l2_at, w_smem_at, warm_at, wgmma_at
+from k3_decode.kernels.kda_o_proj_plan import (
+    capped_at,
+    choice,
+    one_pass_at,
+    w_l2_at,
+    w_smem_at,
+    warm_at,
+    wgmma_at,
+    wgmma_ctas_per_sm_at,
+)
 from k3_decode.kernels.providers import max_rows
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results/kda-layer-variants-h100"
@@ -127,7 +137,8 @@ def test_a_round_that_lost_at_tp16_b64_takes_the_verdict_away(tmp_path, monkeypa
     verdicts = one_pass_verdicts([ONE_PASS_ROUNDS[0], (base, worse)])
     assert verdicts[(16, 64)] is False and verdicts[(16, 48)] is True
     no_wgmma = tmp_path / "no-wgmma.toml"  # the tree before the wgmma build: the one-pass stream served at TP16 B64
-    no_wgmma.write_text(kda_o_proj_plan.CHOICE.read_text().replace("wgmma_batches = [[32, 64]]", "wgmma_batches = []"))
+    served = kda_o_proj_plan.CHOICE.read_text()
+    no_wgmma.write_text(re.sub(r"(?m)^wgmma_batches = .*$", "wgmma_batches = []", served, count=1))
     monkeypatch.setattr(kda_o_proj_plan, "CHOICE", no_wgmma)
     # (TP8 at 64 rows with no wgmma build would also run one pass where it lost: B48 and B64)
     assert one_pass_problems(verdicts) == [
@@ -298,17 +309,20 @@ def wgmma_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], boo
 
 
 def wgmma_problems(verdicts: dict[tuple[int, int], bool]) -> list[str]:
+    """These rounds timed the ring sized for three CTAs an SM: they judge the batches the tree serves that way (where
+    it serves two, the two-an-SM rounds below judge)."""
     return [
         f"TP{tp} B{batch}: the wgmma build {'saved in every round but is not' if won else 'is served but did not save'}"
         for (tp, batch), won in sorted(verdicts.items())
-        if (fused_at(tp, batch) and wgmma_at(batch)) != won
+        if wgmma_ctas_per_sm_at(batch) == 3 and (fused_at(tp, batch) and wgmma_at(batch)) != won
     ]
 
 
 def test_the_wgmma_build_serves_exactly_where_it_saved_layer_time_in_every_round():
     """TP8 and TP16 B32 and B64 saved in all three rounds (TP8 B64 also one launch fewer) and are served
-    (kda_o_proj_choice.toml wgmma_batches [[32, 64]], providers.toml's [o_proj] at 64 rows); B16 tied at both sizes
-    and keeps the mma.sync build. A range or a row limit moved without a measurement behind it fails here."""
+    (kda_o_proj_choice.toml wgmma_batches [32, 64], providers.toml's [o_proj] at 64 rows); B16 tied at both sizes, so
+    the three-an-SM build is not served there (B16 serves the two-an-SM build, which won: its own rounds below). A
+    range or a row limit moved without a measurement behind it fails here."""
     for base, variant in WGMMA_ROUNDS:
         assert load(variant)["variant"]["choice_files"]["kda_o_proj_choice.toml"].endswith(
             "wgmma_batches = [[16, 64]]\n"
@@ -376,6 +390,68 @@ def test_rounds_where_pairing_lost_at_b64_take_it_away(tmp_path):
     verdicts = paired_verdicts(inverted(PAIRED_ROUNDS, tmp_path, batch=64))
     assert not verdicts[(8, 64)] and not verdicts[(16, 64)] and verdicts[(8, 48)]
     assert paired_problems(verdicts) == ["B64: paired rows are served"]
+
+
+# Layer 6 on one H200 at fd64fec, rounds of 60 against the tree: the wgmma build sized for two CTAs an SM at B16 (the
+# wgmma build there too) and B33-B48 (three rounds at B16, 33, 40, 48), and at B16-B24 (two rounds at B20, 24).
+TWO_PER_SM_ROUNDS = [(H200 / f"two-per-sm-base-{i}.json", H200 / f"two-per-sm-{i}.json") for i in (1, 2, 3)] + [
+    (H200 / f"two-per-sm-24-base-{i}.json", H200 / f"two-per-sm-24-{i}.json") for i in (1, 2)
+]
+
+
+def two_per_sm_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], bool]:
+    """Per measured (TP, batch): whether the wgmma build at two CTAs an SM saved layer time in every round, after
+    checking that each variant ran it fused at every cell and each base ran the tree's o_proj, one GPU for all."""
+    gpus = set()
+    for base, variant in rounds:
+        assert load(base)["variant"] == {"name": "plain", "choice_files": {}}, base.name
+        for key, cell in bench.cells_by_key(load(variant)).items():
+            ran = cell["o_proj_variant"]
+            assert ran["wgmma"] and ran["wgmma_ctas_per_sm"] == 2 and o_proj_path(cell) == "specialized", key
+        for key, cell in bench.cells_by_key(load(base)).items():
+            ran = cell["o_proj_variant"]
+            assert ran["wgmma_ctas_per_sm"] == 3 and ran["wgmma"] == (key[1] >= 32), (base.name, key)
+        gpus |= {load(base)["env"]["gpu"], load(variant)["env"]["gpu"]}
+    assert gpus == {"NVIDIA H200"}
+    return saved_every_round(rounds)
+
+
+def two_per_sm_problems(verdicts: dict[tuple[int, int], bool]) -> list[str]:
+    """A batch serves the wgmma build at two CTAs an SM only where it saved at every TP size measured (the choice is
+    the same at both)."""
+    problems = []
+    for batch in sorted({b for _, b in verdicts}):
+        won = all(w for (_, b), w in verdicts.items() if b == batch)
+        served = wgmma_at(batch) and wgmma_ctas_per_sm_at(batch) == 2
+        if served != won:
+            problems.append(f"B{batch}: two CTAs an SM {'saved in every round but are not' if won else 'are'} served")
+    return problems
+
+
+def test_two_ctas_an_sm_serve_exactly_where_they_saved_layer_time_in_every_round():
+    """B16, B33, B40 and B48 saved at both TP sizes in every round (+0.05 to +4.02 us) and are served
+    (kda_o_proj_choice.toml wgmma_two_per_sm_batches [16, 16], [33, 48], and wgmma_batches [16, 16]); B20 (TP16
+    +0.52, -0.37) and B24 (TP8 +1.06, -0.90) were mixed and keep the mma.sync build."""
+    verdicts = two_per_sm_verdicts(TWO_PER_SM_ROUNDS)
+    assert set(verdicts) == {(tp, b) for tp in (8, 16) for b in (16, 20, 24, 33, 40, 48)}
+    assert {key for key, won in verdicts.items() if not won} == {(16, 20), (8, 24)}
+    assert two_per_sm_problems(verdicts) == []
+    # between the timed batches the range follows its ends; none reaches where the driver cannot hold the grid
+    assert [b for b in range(9, 65) if wgmma_ctas_per_sm_at(b) == 2] == [16, *range(33, 49)]
+
+
+def test_rounds_where_two_ctas_an_sm_lost_at_b40_take_them_away(tmp_path):
+    """Broken case: the rounds with B40's gains mirrored into losses; B40's verdicts flip and the served range, which
+    covers B40, no longer matches."""
+    verdicts = two_per_sm_verdicts(inverted(TWO_PER_SM_ROUNDS, tmp_path, batch=40))
+    assert not verdicts[(8, 40)] and not verdicts[(16, 40)] and verdicts[(8, 48)]
+    assert two_per_sm_problems(verdicts) == ["B40: two CTAs an SM are served"]
+
+
+def test_a_base_that_ran_two_ctas_an_sm_is_not_a_base():
+    _, variant = TWO_PER_SM_ROUNDS[0]
+    with pytest.raises(AssertionError):
+        two_per_sm_verdicts([(variant, variant)])
 
 
 # Layer 6 on one H100 at 68dc34c, two rounds of 60: wgmma_w_l2_batches = [[32, 64]] against the tree.
