@@ -1279,7 +1279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def save(partial: dict | None = None) -> None:
         runs = results["runs"] + ([partial] if partial is not None else [])
-        out.write_text(json.dumps({**results, "runs": runs}, indent=1, default=str))
+        # compact: these files are most of the repository's bytes, and every reader parses them (--table, --rounds)
+        out.write_text(json.dumps({**results, "runs": runs}, separators=(",", ":"), default=str))
 
     for tp in args.tp:
         try:
