@@ -4,7 +4,8 @@ The o_proj provider (providers.py, CuteKdaOProjProvider) was registered after th
 test prints what it measured (METRIC lines), so a run's log says how close each case came.
 
 The mma.sync build throughout (kda_o_proj_op's wgmma=False) but where a test times or runs what the tree serves;
-the wgmma build, served from 32 rows (kda_o_proj_choice.toml), has its own test (test_kda_o_proj_wgmma_gpu.py).
+the wgmma build, served at B16 and from 32 rows (kda_o_proj_choice.toml), has its own test
+(test_kda_o_proj_wgmma_gpu.py).
 
 - The fused launch against the FP64 oracle (exact o_proj, then the AttnRes after attention) at TP8 and TP16,
   B = 1..4 (the CUDA-core stream), 8 and 16 (tensor cores, two batch tiles), 22 and 32 (four tiles) and 33 and
