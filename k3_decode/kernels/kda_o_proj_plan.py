@@ -302,13 +302,14 @@ class AttnResEpilogue:
 
     def pairing(self, paired: bool | None) -> bool:
         """Whether this plan's epilogue clusters exchange their rows together: `paired`, or where None what
-        kda_o_proj_choice.toml's paired_rows says; only where a cluster takes two rows (above 32)."""
+        kda_o_proj_choice.toml's paired_rows says; only where a cluster takes two rows or more (above 32, or above
+        24 for the wgmma build at two CTAs an SM, whose clusters take three from 49)."""
         if paired is None:
-            return self.epilogue_rows == 2 and paired_at(self.batch, self.kind.num_blocks)
-        if paired and self.epilogue_rows != 2:
+            return self.epilogue_rows >= 2 and paired_at(self.batch, self.kind.num_blocks)
+        if paired and self.epilogue_rows < 2:
             raise ValueError(
-                f"{self.tag}: paired rows are an epilogue cluster's two rows, and this plan gives each "
-                f"{self.epilogue_rows}; pair from 33 rows"
+                f"{self.tag}: paired rows are an epilogue cluster's rows exchanged together, and this plan gives "
+                f"each {self.epilogue_rows}; pair from 33 rows"
             )
         return paired
 

@@ -9,7 +9,8 @@ wait for the grid, which makes 8 rows a cluster at B64, one after another. So th
 both of the AttnRes kernel's size (attn_res_plan.ClusterPlan: 7 CTAs of 128 threads, one warpgroup):
 - stream clusters 0..S-1 (S = 112 / 7 = 16 at K3's 7168 rows): CTA c streams W's rows [64c, 64c + 64), stores
   attn_out's columns of them, and arrives on the grid's arrival word;
-- epilogue clusters S..S+E-1 (E = B up to MAX_EPILOGUE_CLUSTERS rows, then ceil(B / 2), two rows each): each
+- epilogue clusters S..S+E-1 (E = B up to `max_epilogue_clusters` rows, then as few as take the rows, each
+  the same count: at most 32 clusters with three CTAs an SM, 24 with two; B64: 32 of 2 or 22 of 3): each
   arrives at once, loads what does not depend on o_proj (the AttnRes weights, its rows' bank blocks and old
   prefix), waits for every arrival and applies AttnRes
   to rows c - S, c - S + E, ... as kda_o_proj.py's epilogue does.
@@ -48,6 +49,11 @@ from k3_decode.kernels.wgmma_stream_plan import (
 
 # Rows of AttnRes run by at most this many waiting clusters; above 32 rows each takes two (B64: 32 clusters of 2).
 MAX_EPILOGUE_CLUSTERS = 32
+# With the ring sized for two CTAs an SM the driver holds 32 clusters of the grid at once on an H100/H200
+# (cluster_residency; test_kda_o_proj_wgmma_gpu.py), and half the 16 stream clusters must fit beside the waiting ones
+# (resident_margin): at most 24 wait, so from 25 rows each takes two and from 49 three (B64: 22 clusters of 3). Below
+# 25 and at 33-48 rows this is the same grid as with 32.
+TWO_PER_SM_EPILOGUE_CLUSTERS = 24
 # CTAs an SM holds at once by default (kda_o_proj_choice.toml wgmma_ctas_per_sm): ptxas caps registers at 168 for
 # three warpgroups, and the ring is sized to three a SM: 3 x 132 CTA slots by the SM count, 47 clusters at once by the
 # driver (a cluster's CTAs share a GPC), against B64's 48 (16 stream and 32 epilogue clusters).
@@ -67,6 +73,7 @@ class OProjWgmmaPlan(AttnResEpilogue):
     paired_rows: bool = False  # each epilogue cluster exchanges its two rows together (AttnResEpilogue.pairing)
     w_l2: bool = False  # stream CTAs prefetch into L2, before the wait, the columns of W past the ring's first tiles
     w_l2_late: bool = False  # the same prefetch right after the wait, once the KDA step no longer shares HBM
+    max_epilogue_clusters: int = MAX_EPILOGUE_CLUSTERS  # epilogue clusters at most: each then takes more rows
 
     @classmethod
     def for_shape(
@@ -80,10 +87,12 @@ class OProjWgmmaPlan(AttnResEpilogue):
         paired_rows: bool | None = None,
         w_l2: bool | None = None,
         w_l2_late: bool | None = None,
+        max_epilogue_clusters: int | None = None,
     ) -> OProjWgmmaPlan:
         """The plan for one shape; raises, naming the problem, for one this build cannot take. `ctas_per_sm`,
         `paired_rows`, `w_l2`, `w_l2_late`: None takes kda_o_proj_choice.toml's (wgmma_two_per_sm_batches, else
-        wgmma_ctas_per_sm), paired_rows, wgmma_w_l2_batches and wgmma_w_l2_late_batches."""
+        wgmma_ctas_per_sm), paired_rows, wgmma_w_l2_batches and wgmma_w_l2_late_batches; `max_epilogue_clusters`
+        None: what the CTAs an SM hold (epilogue_cap_for)."""
         attn = ClusterPlan.for_hidden(hidden)  # raises for a width AttnRes cannot split
         if attn.threads != WARPGROUP:  # then the rows are whole clusters of 64-row tiles too: 1024 a CTA of 8 columns
             raise ValueError(
@@ -104,7 +113,10 @@ class OProjWgmmaPlan(AttnResEpilogue):
             ctas_per_sm = wgmma_ctas_per_sm_at(batch)
         if ctas_per_sm not in WGMMA_CTAS_PER_SM_CHOICES:
             raise ValueError(f"the wgmma o_proj is sized for {WGMMA_CTAS_PER_SM_CHOICES} CTAs an SM, got {ctas_per_sm}")
-        plan = cls(hidden, k, batch, kind, sm_count, ctas_per_sm=ctas_per_sm)
+        cap = epilogue_cap_for(ctas_per_sm) if max_epilogue_clusters is None else max_epilogue_clusters
+        if not 1 <= cap <= MAX_EPILOGUE_CLUSTERS:
+            raise ValueError(f"max_epilogue_clusters is 1..{MAX_EPILOGUE_CLUSTERS}, got {cap}")
+        plan = cls(hidden, k, batch, kind, sm_count, ctas_per_sm=ctas_per_sm, max_epilogue_clusters=cap)
         plan = replace(plan, paired_rows=plan.pairing(paired_rows))
         if plan.stages < 2:
             raise ValueError(f"{plan.tag}: fewer than two ring stages fit {ctas_per_sm} CTAs an SM")
@@ -170,7 +182,7 @@ class OProjWgmmaPlan(AttnResEpilogue):
     @property
     def epilogue_rows(self) -> int:
         """Batch rows each epilogue cluster applies AttnRes to."""
-        return -(-self.batch // MAX_EPILOGUE_CLUSTERS)
+        return -(-self.batch // self.max_epilogue_clusters)
 
     @property
     def clusters(self) -> int:
@@ -201,8 +213,8 @@ class OProjWgmmaPlan(AttnResEpilogue):
         """Clusters the driver must hold beside the waiting epilogue ones: half the stream clusters. One more would
         let the grid finish, but the stream would then run a cluster at a time; and beside a running kernel (under
         programmatic dependent launch) fewer fit than the driver counts for an idle GPU. Three CTAs an SM: 47 held
-        at once, 32 + 8 needed at B64. Two: 32 held, so B25-B32 and B49-B64 are refused (B32 and B64 hung on an
-        H100)."""
+        at once, 32 + 8 needed at B64. Two: 32 held, so 32 epilogue clusters are refused at B25-B32 and B49-B64 (B32
+        and B64 hung on an H100 with them), and two-an-SM plans wait on at most 24 (TWO_PER_SM_EPILOGUE_CLUSTERS)."""
         return -(-self.stream_clusters // 2)
 
     @property
@@ -221,4 +233,10 @@ class OProjWgmmaPlan(AttnResEpilogue):
             + "/paired" * self.paired_rows
             + "/w-l2" * self.w_l2
             + "/w-l2-late" * self.w_l2_late
+            + f"/e{self.max_epilogue_clusters}" * (self.max_epilogue_clusters != epilogue_cap_for(self.ctas_per_sm))
         )
+
+
+def epilogue_cap_for(ctas_per_sm: int) -> int:
+    """The most epilogue clusters a plan sized for `ctas_per_sm` CTAs an SM gives its batch rows."""
+    return TWO_PER_SM_EPILOGUE_CLUSTERS if ctas_per_sm == 2 else MAX_EPILOGUE_CLUSTERS

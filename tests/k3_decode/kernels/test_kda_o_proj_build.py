@@ -192,8 +192,9 @@ def test_a_choice_file_serves_what_it_says(tmp_path):
 
 @pytest.mark.parametrize("wgmma", [False, True], ids=["mma-sync", "wgmma"])
 def test_paired_rows_are_an_epilogue_clusters_two_rows_and_nothing_else(wgmma):
-    """A plan pairs rows only where each epilogue cluster takes two (above 32 rows); below, asking is an error
-    naming where pairing starts, and the tag names a paired plan."""
+    """A plan pairs rows only where each epilogue cluster takes two or more (above 32 rows; the wgmma build at two
+    CTAs an SM takes three from 49); below, asking is an error naming where pairing starts, and the tag names a
+    paired plan."""
     hidden, k = K3.shard(8).kda_o_proj
     make = OProjWgmmaPlan.for_shape if wgmma else OProjPlan.for_shape
     paired = make(hidden, k, 33, N1, paired_rows=True)
@@ -202,8 +203,11 @@ def test_paired_rows_are_an_epilogue_clusters_two_rows_and_nothing_else(wgmma):
     # The served file pairs 48-64 rows at one block (kda_o_proj_choice.toml paired_rows)
     assert make(hidden, k, 64, N1).paired_rows and not make(hidden, k, 47, N1).paired_rows
     assert not make(hidden, k, 64, ADD8).paired_rows
-    with pytest.raises(ValueError, match=r"paired rows are an epilogue cluster's two rows.*pair from 33 rows"):
+    with pytest.raises(ValueError, match=r"paired rows are an epilogue cluster's rows exchanged together.*from 33"):
         make(hidden, k, 32, N1, paired_rows=True)
+    if wgmma:  # three rows a cluster, exchanged together
+        three = OProjWgmmaPlan.for_shape(hidden, k, 64, N1, ctas_per_sm=2, paired_rows=True)
+        assert three.paired_rows and three.epilogue_rows == 3 and three.tag.endswith("/c2/paired")
 
 
 @pytest.mark.parametrize("tp", [8, 16])

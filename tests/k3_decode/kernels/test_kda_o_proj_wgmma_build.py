@@ -48,8 +48,8 @@ def test_the_grid_is_112_stream_ctas_and_up_to_32_epilogue_clusters():
 @pytest.mark.parametrize("tp_shape", [TP8, TP16], ids=["tp8", "tp16"])
 @pytest.mark.parametrize(
     ("batch", "per_sm"),
-    # two an SM where the driver can hold its grid (9-24 and 33-48 rows; test_two_per_sm_batches_... below)
-    [(b, CTAS_PER_SM) for b in (MIN_BATCH, 16, 17, 32, 33, 48, 64)] + [(b, 2) for b in (MIN_BATCH, 16, 24, 33, 48)],
+    # two an SM: at most 24 epilogue clusters, which the driver's 32 hold with the margin (test_a_ring_for_two_...)
+    [(b, CTAS_PER_SM) for b in (MIN_BATCH, 16, 17, 32, 33, 48, 64)] + [(b, 2) for b in (MIN_BATCH, 16, 24, 32, 48, 64)],
 )
 def test_the_ring_fits_the_ctas_an_sm_it_is_sized_for_and_the_grid_runs(tp_shape, batch, per_sm):
     p = plan(tp_shape, batch, AttnResKind.from_tag("n8-add-norm"), ctas_per_sm=per_sm)
@@ -86,11 +86,11 @@ def test_a_ring_for_two_ctas_an_sm_holds_more_stages_and_passes_the_sm_count_but
     B64, so the plan passes; on one H100 it hung there and at B32 (b8e3e11). What the op checks before launching is
     the driver's count (cluster_residency), which the GPU test holds at most 32 there: this is the refusal then."""
     three = OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, paired_rows=False)
-    two = OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, ctas_per_sm=2, paired_rows=False)
+    two = OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, ctas_per_sm=2, paired_rows=False, max_epilogue_clusters=32)
     assert (three.ctas_per_sm, two.ctas_per_sm) == (3, 2) and two.stages > three.stages
     assert 2 * (two.smem_bytes + DRIVER_SMEM_BYTES) <= SMEM_PER_SM < 3 * (two.smem_bytes + DRIVER_SMEM_BYTES)
     assert two.resident_clusters == 132 * 2 // 7 > two.epilogue_clusters == 32
-    assert two.tag.endswith("/c2") and three.tag.endswith("/c3")
+    assert two.tag.endswith("/c2/e32") and three.tag.endswith("/c3")
     assert two.residency == (128, 2, two.smem_bytes) and three.residency == (128, 3, three.smem_bytes)
     assert two.resident_margin == three.resident_margin == 8  # half the 16 stream clusters
     two.check_resident(40)
@@ -102,14 +102,38 @@ def test_a_ring_for_two_ctas_an_sm_holds_more_stages_and_passes_the_sm_count_but
     with pytest.raises(ValueError, match=r"serve the mma\.sync build at these rows"):
         three.check_resident(39)
     three.check_resident(47)  # what the driver holds on an H100/H200: the served ring passes at B64
-    # two an SM, 32 held: refused at B25-B32 and B49-B64 (25 or more waiting with the 8), where the runs hung at B32
-    # and B64 and finished at B21-B24
-    fits = [
-        b
-        for b in range(9, 65)
-        if OProjWgmmaPlan.for_shape(*TP8, b, N1_ADD, 132, ctas_per_sm=2).epilogue_clusters + 8 <= 32
-    ]
-    assert fits == [*range(9, 25), *range(33, 49)]
+
+    # two an SM, 32 held: with up to 32 epilogue clusters refused at B25-B32 and B49-B64 (25 or more waiting with the
+    # 8), where the runs hung at B32 and B64 and finished at B21-B24
+    def fits(cap: int | None) -> list[int]:
+        plans = [OProjWgmmaPlan.for_shape(*TP8, b, N1_ADD, 132, ctas_per_sm=2, max_epilogue_clusters=cap) for b in B]
+        return [p.batch for p in plans if p.epilogue_clusters + p.resident_margin <= 32]
+
+    B = range(9, 65)
+    assert fits(32) == [*range(9, 25), *range(33, 49)]
+    # so two-an-SM plans wait on at most 24 (TWO_PER_SM_EPILOGUE_CLUSTERS): every batch fits, two rows a cluster from
+    # 25 and three from 49; below 25 and at 33-48 the grid is the one with 32
+    assert fits(None) == list(B)
+    capped = {b: OProjWgmmaPlan.for_shape(*TP8, b, N1_ADD, 132, ctas_per_sm=2) for b in B}
+    assert {b: p.epilogue_rows for b, p in capped.items() if b in (24, 25, 32, 33, 48, 49, 64)} == {
+        24: 1,
+        25: 2,
+        32: 2,
+        33: 2,
+        48: 2,
+        49: 3,
+        64: 3,
+    }
+    assert (capped[64].epilogue_clusters, capped[32].epilogue_clusters) == (22, 16)
+    for b in [*range(9, 25), *range(33, 49)]:
+        same = OProjWgmmaPlan.for_shape(*TP8, b, N1_ADD, 132, ctas_per_sm=2, max_epilogue_clusters=32)
+        assert (capped[b].epilogue_rows, capped[b].epilogue_clusters) == (same.epilogue_rows, same.epilogue_clusters)
+        assert capped[b].tag == same.tag.removesuffix("/e32")
+    capped[64].check_resident(30)  # 22 waiting and the 8 beside them
+    with pytest.raises(ValueError, match=r"fewer than the 22 that wait for the grid and 8 more"):
+        capped[64].check_resident(29)
+    with pytest.raises(ValueError, match=r"max_epilogue_clusters is 1\.\.32, got 33"):
+        OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, max_epilogue_clusters=33)
     with pytest.raises(ValueError, match=r"sized for \(2, 3\) CTAs an SM, got 4"):
         OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, ctas_per_sm=4)
 
@@ -222,12 +246,15 @@ def test_ci_builds_every_tp_batch_and_kind_builds_toml_lists():
     two = {
         f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}/2-per-sm"
         for tp in (8, 16)
-        for b in (16, 33, 48, 64)
+        for b in (16, 32, 33, 48, 64)
         for k in ("n1-add-norm", "n8-add-norm")
     }
-    # as served at 48 rows on one-block layers: two an SM and paired rows at once
+    # two an SM and paired rows at once: as served at 48 rows on one-block layers, and three rows together at 64
     two_paired = {
-        f"kda_o_proj_wgmma/tp{tp}/b48/{k}/2-per-sm/paired" for tp in (8, 16) for k in ("n1-restart-norm", "n1-add-norm")
+        f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}/2-per-sm/paired"
+        for tp in (8, 16)
+        for b in (48, 64)
+        for k in ("n1-restart-norm", "n1-add-norm")
     }
     paired = {
         f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}/paired"

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from k3_decode.config import K3
-from k3_decode.kernels import kda_o_proj_op, kda_o_proj_plan
+from k3_decode.kernels import kda_o_proj_op, kda_o_proj_plan, kda_o_proj_wgmma_plan
 from k3_decode.kernels.attn_res_plan import AttnResKind
 from k3_decode.kernels.cluster_residency import max_active_clusters
 from k3_decode.kernels.kda_o_proj_plan import OProjPlan, wgmma_at
@@ -128,7 +128,8 @@ def test_the_driver_holds_fewer_clusters_than_the_sm_count_and_the_op_refuses_a_
     """On one H100 (b8e3e11) the wgmma build sized for two CTAs an SM finished at TP8 B21-B24 (21-24 epilogue
     clusters waiting) and hung at B32 and B64 (32), where the SM count gives 37 clusters at once. The driver's count
     (cluster_residency) must tell those apart, and the served builds must pass it; the op then refuses B32 at two an
-    SM in one line before anything is compiled or launched."""
+    SM with those 32 epilogue clusters in one line before anything is compiled or launched (two-an-SM plans now wait
+    on at most 24: TWO_PER_SM_EPILOGUE_CLUSTERS, test_two_ctas_an_sm_wait_on_at_most_24_epilogue_clusters...)."""
     hidden, k = K3.shard(8).kda_o_proj
     kind = AttnResKind.from_tag("n1-add-norm")
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
@@ -138,7 +139,7 @@ def test_the_driver_holds_fewer_clusters_than_the_sm_count_and_the_op_refuses_a_
 
     counts = {}
     for batch, per_sm in ((24, 2), (32, 2), (64, 2), (64, 3), (32, 3)):
-        p = OProjWgmmaPlan.for_shape(hidden, k, batch, kind, sms, ctas_per_sm=per_sm)
+        p = OProjWgmmaPlan.for_shape(hidden, k, batch, kind, sms, ctas_per_sm=per_sm, max_epilogue_clusters=32)
         counts[(batch, per_sm)] = n = at_once(p)
         print(
             f"METRIC wgmma o_proj TP8 B{batch}, {per_sm} CTAs an SM: {n} clusters at once by the driver, "
@@ -153,12 +154,31 @@ def test_the_driver_holds_fewer_clusters_than_the_sm_count_and_the_op_refuses_a_
         pytest.skip(f"this GPU ({sms} SMs) holds {counts[(32, 2)]} clusters of the two-a-SM ring: nothing to refuse")
 
     monkeypatch.setattr(kda_o_proj_plan, "CHOICE", two_per_sm_choice(tmp_path))
+    monkeypatch.setattr(kda_o_proj_wgmma_plan, "TWO_PER_SM_EPILOGUE_CLUSTERS", 32)  # the grid that hung
     o, w, _, _ = operands(hidden, k, 32, 0)
     buffers, _, _ = make_buffers(32, kind.num_blocks, torch.Generator().manual_seed(0))
     before = kda_o_proj_op.launch_count()
     with pytest.raises(ValueError, match=r"could hang or crawl; size its ring for 3 CTAs an SM") as err:
         kda_o_proj_op.apply(o, w, buffers, site_of(kind), after_weights(), EPS, None, True)
     assert "\n" not in str(err.value) and kda_o_proj_op.launch_count() == before
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_two_ctas_an_sm_wait_on_at_most_24_epilogue_clusters_and_match_the_oracle(tp: int, tmp_path, monkeypatch):
+    """At two CTAs an SM at most 24 epilogue clusters wait (TWO_PER_SM_EPILOGUE_CLUSTERS), which the driver holds
+    with the margin where 32 hung: two rows each at B32 (16 clusters) and three at B64 (22, the last cluster's
+    third row past the batch: exchanged, not stored), paired at B64 with one block (the three rows exchanged together)
+    and not with eight. Not served (kda_o_proj_choice.toml wgmma_two_per_sm_batches); held to the oracle here."""
+    monkeypatch.setattr(kda_o_proj_plan, "CHOICE", two_per_sm_choice(tmp_path))
+    hidden, k = K3.shard(tp).kda_o_proj
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for batch, rows in ((32, 2), (64, 3)):
+        for tag in ("n1-add-norm", "n8-add-norm"):
+            kind = AttnResKind.from_tag(tag)
+            p = OProjWgmmaPlan.for_shape(hidden, k, batch, kind, sms)
+            assert (p.ctas_per_sm, p.epilogue_rows, p.epilogue_clusters <= 24) == (2, rows, True), p.tag
+            assert p.paired_rows == (batch == 64 and kind.num_blocks == 1), p.tag
+            check_against_the_oracle(tp, batch, kind, wgmma=True)
 
 
 @pytest.mark.parametrize("wgmma", [False, True], ids=["mma-sync", "wgmma"])
