@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -365,14 +366,19 @@ def paired_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], bo
     return {key: won for key, won in saved_every_round(rounds).items() if key[1] > 32}
 
 
-def paired_problems(verdicts: dict[tuple[int, int], bool]) -> list[str]:
-    """A batch is served paired only where it saved at every TP size measured."""
+def batch_problems(verdicts: dict[tuple[int, int], bool], served_at: Callable[[int], bool], what: str) -> list[str]:
+    """For a choice the same at every TP size: a batch serves it (`served_at`) only where it saved at every TP size
+    measured."""
     problems = []
     for batch in sorted({b for _, b in verdicts}):
         won = all(w for (_, b), w in verdicts.items() if b == batch)
-        if kda_o_proj_plan.paired_at(batch, ONE_BLOCK) != won:
-            problems.append(f"B{batch}: paired rows {'saved in every round but are not' if won else 'are'} served")
+        if served_at(batch) != won:
+            problems.append(f"B{batch}: {what} {'saved in every round but are not' if won else 'are'} served")
     return problems
+
+
+def paired_problems(verdicts: dict[tuple[int, int], bool]) -> list[str]:
+    return batch_problems(verdicts, lambda batch: kda_o_proj_plan.paired_at(batch, ONE_BLOCK), "paired rows")
 
 
 def test_paired_rows_serve_exactly_where_they_saved_layer_time_in_every_round():
@@ -404,28 +410,21 @@ def two_per_sm_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int]
     checking that each variant ran it fused at every cell and each base ran the tree's o_proj, one GPU for all."""
     gpus = set()
     for base, variant in rounds:
-        assert load(base)["variant"] == {"name": "plain", "choice_files": {}}, base.name
-        for key, cell in bench.cells_by_key(load(variant)).items():
+        base_doc, variant_doc = load(base), load(variant)
+        assert base_doc["variant"] == {"name": "plain", "choice_files": {}}, base.name
+        for key, cell in bench.cells_by_key(variant_doc).items():
             ran = cell["o_proj_variant"]
             assert ran["wgmma"] and ran["wgmma_ctas_per_sm"] == 2 and o_proj_path(cell) == "specialized", key
-        for key, cell in bench.cells_by_key(load(base)).items():
+        for key, cell in bench.cells_by_key(base_doc).items():
             ran = cell["o_proj_variant"]
             assert ran["wgmma_ctas_per_sm"] == 3 and ran["wgmma"] == (key[1] >= 32), (base.name, key)
-        gpus |= {load(base)["env"]["gpu"], load(variant)["env"]["gpu"]}
+        gpus |= {base_doc["env"]["gpu"], variant_doc["env"]["gpu"]}
     assert gpus == {"NVIDIA H200"}
     return saved_every_round(rounds)
 
 
 def two_per_sm_problems(verdicts: dict[tuple[int, int], bool]) -> list[str]:
-    """A batch serves the wgmma build at two CTAs an SM only where it saved at every TP size measured (the choice is
-    the same at both)."""
-    problems = []
-    for batch in sorted({b for _, b in verdicts}):
-        won = all(w for (_, b), w in verdicts.items() if b == batch)
-        served = wgmma_at(batch) and wgmma_ctas_per_sm_at(batch) == 2
-        if served != won:
-            problems.append(f"B{batch}: two CTAs an SM {'saved in every round but are not' if won else 'are'} served")
-    return problems
+    return batch_problems(verdicts, lambda b: wgmma_at(b) and wgmma_ctas_per_sm_at(b) == 2, "two CTAs an SM")
 
 
 def test_two_ctas_an_sm_serve_exactly_where_they_saved_layer_time_in_every_round():

@@ -242,33 +242,18 @@ def failed_checks(build: KdaOProjWgmmaBuild, art: KernelArtifacts) -> list[str]:
 def test_ci_builds_every_tp_batch_and_kind_builds_toml_lists():
     names = {b.name for b in _builds()}
     kinds = ("n1-restart-norm", "n1-add-norm", "n8-add-norm")
-    served = {f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}" for tp in (8, 16) for b in (16, 32, 33, 64) for k in kinds}
-    two = {
-        f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}/2-per-sm"
-        for tp in (8, 16)
-        for b in (16, 32, 33, 48, 64)
-        for k in ("n1-add-norm", "n8-add-norm")
-    }
+    adds, ones = ("n1-add-norm", "n8-add-norm"), ("n1-restart-norm", "n1-add-norm")
+
+    def named(batches: tuple[int, ...], kinds: tuple[str, ...], suffix: str = "") -> set[str]:
+        return {f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}{suffix}" for tp in (8, 16) for b in batches for k in kinds}
+
+    served = named((16, 32, 33, 64), kinds)
+    two = named((16, 32, 33, 48, 64), adds, "/2-per-sm")
     # two an SM and paired rows at once: as served at 48 rows on one-block layers, and three rows together at 64
-    two_paired = {
-        f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}/2-per-sm/paired"
-        for tp in (8, 16)
-        for b in (48, 64)
-        for k in ("n1-restart-norm", "n1-add-norm")
-    }
-    paired = {
-        f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}/paired"
-        for tp in (8, 16)
-        for b in (33, 64)
-        for k in ("n1-restart-norm", "n1-add-norm")
-    }
-    in_l2 = {
-        f"kda_o_proj_wgmma/tp{tp}/b{b}/{k}/w-l2"
-        for tp in (8, 16)
-        for b in (32, 64)
-        for k in ("n1-add-norm", "n8-add-norm")
-    }
-    late = {f"kda_o_proj_wgmma/tp{tp}/b{b}/n1-add-norm/w-l2-late" for tp in (8, 16) for b in (32, 64)}
+    two_paired = named((48, 64), ones, "/2-per-sm/paired")
+    paired = named((33, 64), ones, "/paired")
+    in_l2 = named((32, 64), adds, "/w-l2")
+    late = named((32, 64), ("n1-add-norm",), "/w-l2-late")
     assert names == served | two | two_paired | paired | in_l2 | late
     assert {b.plan.w_l2_late for b in _builds() if b.name in late} == {True}
     assert {b.plan.ctas_per_sm for b in _builds() if b.name in two | two_paired} == {2}
