@@ -769,8 +769,9 @@ def run_tp(
 
 
 def kda_step_plan_tag(dims: ModelDims, tp: int, batch: int, sm_count: int) -> str:
-    """The fused KDA step's plan the provider serves at `batch` (cluster, register budget, warming and requests per
-    cluster: KdaStepPlan.for_shape and kda_step_choice.toml), so a results file names the variant it timed."""
+    """The fused KDA step's plan the provider serves at `batch` (cluster, register budget, warming, requests per
+    cluster and local decays: KdaStepPlan.for_shape and kda_step_choice.toml), so a results file names the variant it
+    timed."""
     shard = dims.shard(tp)
     return KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, sm_count).tag
 

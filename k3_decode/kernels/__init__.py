@@ -13,7 +13,8 @@ can run (CuTe DSL and an sm_90 GPU). Every kernel is also compiled and checked o
   kda_in_proj_choice.toml: which of the two builds serves a weight and batch.
 - kda_o_proj.py: o_proj with the AttnRes after attention in one launch; kda_step.py: the fused KDA decode and
   verify step; each with its _plan.py and _op.py; kda_step_group.py: the step with two requests a cluster;
-  kda_step_choice.toml: the step's register budget, L2 warming and requests per cluster by batch.
+  kda_step_choice.toml: the step's register budget, L2 warming, requests per cluster and local
+  decays by batch.
 - primitives.py: the device helpers the kernels share (16-byte loads, warp sums, the resident PDL launch).
 - providers.py: the four kernels as runtime providers (ops attn_res, in_proj, kda, o_proj of KDA layers) and when
   they register.

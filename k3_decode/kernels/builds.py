@@ -446,7 +446,7 @@ class KdaStepBuild:
         same for every plan but for its constants (the plan sets the grid, the block, the sizes and the offsets), so
         the counts are fixed by its structure (kda_step.py)."""
         p = self.plan
-        rows, n = ROWS_PER_WARP, p.requests_per_cta
+        rows, n, local = ROWS_PER_WARP, p.requests_per_cta, int(p.local_decays)
         return {
             "tp": self.tp,
             "batch": p.batch,
@@ -462,10 +462,13 @@ class KdaStepBuild:
             # inputs, f_a, the output gates), the three runs' taps and the state rows.
             # A group kernel (kda_step_group.py) copies and computes all but the weights once per request of its
             # group (n of them).
+            # With local decays (one request a CTA) the decay barrier is neither armed nor waited on, nothing is
+            # pushed but the norm partial, and the head's dt_bias comes by one more copy instead of two plain loads.
             "requests_per_cta": n,
+            "local_decays": p.local_decays,
             "barriers": 6 * n,
-            "armed": 6 + 5 * (n - 1),
-            "weight_copies": 1 + 3,
+            "armed": 6 + 5 * (n - 1) - local,
+            "weight_copies": 1 + 3 + local,
             "packed_copies": (3 + 2) * n,
             "tap_copies": 3 * n,
             "state_copies": n,
@@ -474,17 +477,17 @@ class KdaStepBuild:
             "warm_prefetches": 1 + 3 if p.ahead else 0,  # after it, the same for the CTA one wave later
             # Plain loads before the wait: A_log, dt_bias (two), o_norm (8 bytes), the slot steering the prefetch;
             # after it: the slot again and beta (and the next wave's slot, when warming).
-            "early_loads": 1 + 2 + 1 + n,
+            "early_loads": 1 + 2 * (1 - local) + 1 + n,
             "late_loads": 3 if p.ahead else 2 * n,
             "state_stores": rows * n,
             "tap_stores": 3 * n,
             # the output of a live request and the zeros of a NULL one; a group's NULL requests are zeroed where
             # the group has a live one and where it has none
             "out_stores": 2 if n == 1 else 3 * n,
-            "pushes": (2 + 1) * n,  # the decay pairs of both f_b rows, the norm partial
+            "pushes": (2 * (1 - local) + 1) * n,  # the decay pairs of both f_b rows, the norm partial
             # mbarrier waits: weights, packed row, taps, decays, state, norm on the live path; weights, packed row on
             # the NULL path. A group waits for the weights once, and for each request's five others.
-            "waits": 6 + 2 if n == 1 else 1 + 5 * n,
+            "waits": 6 + 2 - local if n == 1 else 1 + 5 * n,
             # The f_b rows (2 x 4 steps over a half-warp), the L2 norms (4), S k and S q per row (2 x 5), the norm (5).
             "shuffles": (2 * 4 + 4 + rows * 2 * 5 + 5) * n,
         }
@@ -786,13 +789,14 @@ class K3KernelBuilds:
 
     def kda_step_builds(self) -> list[KdaStepBuild]:
         """The fused KDA decode step at every TP and batch of builds.toml's [kda_step], at each rank's heads: the
-        served variant (kda_step_choice.toml), and every register budget, the warming and the request groups where it
-        lists them."""
+        served variant (kda_step_choice.toml), and every register budget, the warming, the request groups and the
+        local decays where it lists them."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_step"]
         budgets = spec.get("every_budget", {"batches": []})["batches"]
         warm = set(spec.get("warm_ahead", {"batches": []})["batches"])
         groups = spec.get("request_groups", {"requests": 1, "batches": []})
+        local = spec.get("local_decays", {"batches": []})["batches"]
         builds = []
         for tp in spec["tp"]:
             try:
@@ -817,6 +821,7 @@ class K3KernelBuilds:
                 )
                 for batch in groups["batches"]
             ]
+            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, local_decays=True) for batch in local]
             builds += [KdaStepBuild(tp, plan) for plan in mine]
         # a variant kda_step_choice.toml serves is built once, whichever table entry also asks for it
         return list({b.name: b for b in builds}.values())

@@ -36,7 +36,10 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   8 x 32 KB per (request, head) from L2 (200 MB at TP8 B64). Instead CTA r computes the decay of its own R channels
   (R rows of f_b, 2 vectors per thread) and pushes them over DSMEM (`st.async` completing a transaction mbarrier in
   every CTA of the cluster, as attn_res.py does): each decay is computed once, each f_b byte read once per request,
-  and the exchange (one 8-byte push per warp, lane and half) overlaps the conv and the state loads.
+  and the exchange (one 8-byte push per warp, lane and half) overlaps the conv and the state loads. A plan with
+  `local_decays` (not served: slower in the KDA layer at B1-B4) copies the head's 128 f_b rows and dt_bias instead
+  and computes all 128 decays in every CTA, the same arithmetic per channel, so nothing crosses CTAs before the delta
+  rule (`_local_decays`; barrier 0 stays unarmed).
 - The gated RMSNorm needs sum(o^2) over the head's 128 outputs: each warp pushes its partial (its 4 rows) to every
   CTA of the cluster; every CTA receives the same 32 partials and sums them in the same fixed order (a butterfly
   over 32 lanes, lane i holding partial i = (CTA i / warps, warp i % warps)), so all CTAs scale by the same bits.
@@ -321,9 +324,14 @@ class KdaStepKernel:
         smem = cutlass.memory.SmemAllocator()
         bars, state_s, fb_s, cw_s, x_s, taps_s, decay_s, qk_s, v_s = self._allocate(smem, 1, TAPS)
         norm_s = smem.allocate_tensor(Float32, cute.make_layout(plan.slots), 128)
+        dt_s = norm_s  # the head's dt_bias, copied with the weights where every CTA computes all 128 decays
+        if const_expr(plan.local_decays):
+            dt_s = smem.allocate_tensor(Float32, cute.make_layout(HEAD_DIM), 128)
         fa_at, gate_at = _section_offsets(plan)
         if tidx == 0:
             self._start(bars, (HEAD_DIM * 4, plan.slots * 4), f_b, conv_w, fb_s, cw_s, place)
+            if const_expr(plan.local_decays):
+                bulk_copy(dt_s.iterator, dt_bias.iterator + head * HEAD_DIM, HEAD_DIM * 4, bars + 2)
             hint = slots[b]
             self._prefetch(conv_state, state, hint, hint, TAPS, place)
         cute.arch.griddepcontrol_launch_dependents()  # o_proj may start its weight stream now (see the docstring)
@@ -367,13 +375,17 @@ class KdaStepKernel:
             act = cute.make_rmem_tensor((VECTOR,), Float32)
             _conv_silu(cw, taps, inputs, act)
 
-            # The decays of the CTA's channels, pushed to every CTA of the cluster (decay_s[c] = exp(g_c)).
+            # The decays of the CTA's channels, pushed to every CTA of the cluster (decay_s[c] = exp(g_c)), or
+            # with local_decays all 128 of the head, computed here and stored before the CTA barrier below.
             fa = cute.make_rmem_tensor((VECTOR,), BFloat16)
             _copy(x_s, VECTOR, fa_at // VECTOR + col, fa)
-            for j in cutlass.range_constexpr(2):
-                fb = cute.make_rmem_tensor((VECTOR,), BFloat16)
-                _copy(fb_s[fb_rows[j], None], VECTOR, col, fb)
-                self._push_decay(fb, fa, j, dt, decay_rate, lower_bound, decay_s, 0, bars, place)
+            if const_expr(plan.local_decays):
+                self._local_decays(fb_s, fa, dt_s, decay_rate, lower_bound, decay_s, place)
+            else:
+                for j in cutlass.range_constexpr(2):
+                    fb = cute.make_rmem_tensor((VECTOR,), BFloat16)
+                    _copy(fb_s[fb_rows[j], None], VECTOR, col, fb)
+                    self._push_decay(fb, fa, j, dt, decay_rate, lower_bound, decay_s, 0, bars, place)
 
             if is_qk:  # the L2 norms over the head's 128 channels: q at 0 .. 127, k at 128 .. 255
                 _store_normalized(act, lane, l2_eps, qk_s, VECTOR * lane)
@@ -440,7 +452,8 @@ class KdaStepKernel:
         rows = plan.rows_per_cta
         bars = smem.allocate_array(Int64, 6, byte_alignment=128)
         state_s = smem.allocate_tensor(Float32, cute.make_layout((rows, HEAD_DIM), stride=(HEAD_DIM, 1)), 128)
-        fb_s = smem.allocate_tensor(BFloat16, cute.make_layout((rows, GATE_RANK), stride=(GATE_RANK, 1)), 128)
+        fb_rows = plan.decay_rows
+        fb_s = smem.allocate_tensor(BFloat16, cute.make_layout((fb_rows, GATE_RANK), stride=(GATE_RANK, 1)), 128)
         cw_s = smem.allocate_tensor(BFloat16, cute.make_layout(plan.conv_local * CONV_WIDTH), 128)
         x_s = smem.allocate_tensor(BFloat16, cute.make_layout(plan.packed_bytes // 2), 128)
         taps_s = smem.allocate_tensor(BFloat16, cute.make_layout(plan.conv_local * columns), 128)
@@ -461,19 +474,20 @@ class KdaStepKernel:
         place: _Place,
     ):
         """Thread 0, before the wait: initialize the six barriers, arm each with the bytes that complete it (the
-        pushes of the whole cluster, `exchange_bytes` for barriers 0 and 1, or its copies), and copy the weights
-        first: they do not depend on the previous kernel."""
+        pushes of the whole cluster, `exchange_bytes` for barriers 0 and 1, or its copies; barrier 0 stays unarmed
+        and unused with local_decays), and copy the weights first: they do not depend on the previous kernel (the
+        caller adds the head's dt_bias with local_decays)."""
         plan = self.plan
-        rows = plan.rows_per_cta
         for i in cutlass.range_constexpr(6):
             cute.arch.mbarrier_init(bars + i, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.fence_proxy("async.shared", space="cta")  # the bulk copies complete these barriers
         sizes = (*exchange_bytes, plan.weight_bytes, plan.packed_bytes, plan.tap_bytes)
-        for i in cutlass.range_constexpr(5):
+        for i in cutlass.range_constexpr(int(plan.local_decays), 5):
             cute.arch.mbarrier_arrive_and_expect_tx(bars + i, sizes[i])
         cute.arch.mbarrier_arrive_and_expect_tx(bars + 5, plan.state_bytes)
-        bulk_copy(fb_s.iterator, f_b[place.first, None].iterator, rows * GATE_RANK * 2, bars + 2)
+        fb_first = place.head * HEAD_DIM if const_expr(plan.local_decays) else place.first
+        bulk_copy(fb_s.iterator, f_b[fb_first, None].iterator, plan.decay_rows * GATE_RANK * 2, bars + 2)
         for start, local, count in plan.conv_runs(place.head, place.rank):
             src = conv_w.iterator + CONV_WIDTH * start
             bulk_copy(cw_s.iterator + CONV_WIDTH * local, src, count * CONV_WIDTH * 2, bars + 2)
@@ -516,10 +530,10 @@ class KdaStepKernel:
 
     @cute.jit
     def _head_constants(self, a_log: cute.Tensor, dt_bias: cute.Tensor, o_norm: cute.Tensor, place: _Place):
-        """Read into registers before the wait: dt_bias of the lane's two decay channels, exp(A_log) of the head,
-        and o_norm of the warp's rows."""
+        """Read into registers before the wait: dt_bias of the lane's two decay channels (none with local_decays:
+        the head's are copied into shared memory), exp(A_log) of the head, and o_norm of the warp's rows."""
         rows = self.plan.rows_per_cta
-        dt = [dt_bias[place.first + place.fb_rows[j]] for j in range(2)]
+        dt = [] if const_expr(self.plan.local_decays) else [dt_bias[place.first + place.fb_rows[j]] for j in range(2)]
         decay_rate = cute.math.exp(a_log[place.head])
         w_norm = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
         _copy(o_norm, ROWS_PER_WARP, place.rank * (rows // ROWS_PER_WARP) + place.warp, w_norm)
@@ -579,13 +593,38 @@ class KdaStepKernel:
         other half-warp) to decay_s[at + c] of every CTA of the cluster (barrier 0)."""
         plan = self.plan
         rows = plan.rows_per_cta
-        dot = warp_sum(_dot(fb, fa, VECTOR), 16)  # the half-warp's 16 lanes hold one f_b row
-        decay = cute.math.exp(lower_bound * _sigmoid(decay_rate * (dot + dt[j])))
+        decay = _decay(fb, fa, dt[j], decay_rate, lower_bound)
         odd = cute.arch.shuffle_sync_down(decay, offset=16)  # the next row, from the other half-warp
         if place.lane < plan.cluster:
             c = at + place.rank * rows + 2 * place.warp + j * (rows // 2)
             dst = decay_s.iterator + cute.assume(c, divby=2)
             cute.arch.store_async_dsmem(dst, (decay.bitcast(Int32), odd.bitcast(Int32)), bars, place.lane)
+
+    @cute.jit
+    def _local_decays(
+        self,
+        fb_s: cute.Tensor,
+        fa: cute.Tensor,
+        dt_s: cute.Tensor,
+        decay_rate: Float32,
+        lower_bound: Float32,
+        decay_s: cute.Tensor,
+        place: _Place,
+    ):
+        """local_decays: all 128 decays of the head into this CTA's decay_s, half-warp h taking channels h + R/2 i
+        (R/2 half-warps, 256 / R channels each, two a pass as _push_decay's rows), each by _decay's arithmetic
+        from the same vectors, so each decay has the bits its owner CTA would push."""
+        plan = self.plan
+        half = plan.rows_per_cta // 2  # half-warps of the CTA
+        hw = 2 * place.warp + place.lane // 16
+        for i in cutlass.range(HEAD_DIM // (2 * half), unroll=1):
+            for j in cutlass.range_constexpr(2):
+                c = hw + half * (2 * i + j)
+                fb = cute.make_rmem_tensor((VECTOR,), BFloat16)
+                _copy(fb_s[c, None], VECTOR, place.col, fb)
+                decay = _decay(fb, fa, dt_s[c], decay_rate, lower_bound)
+                if place.col == 0:
+                    decay_s[c] = decay
 
     @cute.jit
     def _push_norm(self, o: list, norm_s: cute.Tensor, at: cutlass.Constexpr[int], bars: Any, place: _Place):
@@ -630,7 +669,8 @@ class KdaStepKernel:
         _copy(area["qk"], 4, lane, q)
         _copy(area["qk"], 4, HEAD_DIM // 4 + lane, k)
         _copy(area["v"], 4, warp, v)
-        cute.arch.mbarrier_wait(bars, 0)  # every decay of the head has arrived
+        if const_expr(not plan.local_decays):  # computed here, before the CTA barrier, with local_decays
+            cute.arch.mbarrier_wait(bars, 0)  # every decay of the head has arrived
         trace_stamp(on, launches, cta, 6, tidx)
         _copy(area["decay"], 4, lane, g)
         cute.arch.mbarrier_wait(bars + 5, 0)  # the state rows have arrived
@@ -950,6 +990,14 @@ def _delta_rule(s: cute.Tensor, g: cute.Tensor, k: cute.Tensor, v: Float32, beta
     u = beta * (v - predicted)
     for e in cutlass.range_constexpr(4):
         s[e] = s[e] + u * k[e]
+
+
+@cute.jit
+def _decay(fb: cute.Tensor, fa: cute.Tensor, dt: Float32, decay_rate: Float32, lower_bound: Float32) -> Float32:
+    """exp(g) of one key channel from its f_b row: `fb` and `fa` are the lane's vectors of it (a half-warp's 16 lanes
+    hold the row)."""
+    dot = warp_sum(_dot(fb, fa, VECTOR), 16)
+    return cute.math.exp(lower_bound * _sigmoid(decay_rate * (dot + dt)))
 
 
 @cute.jit

@@ -56,6 +56,7 @@ class StepVariant:
     resident_threads: int
     warm_ahead: bool
     requests_per_cta: int = 1
+    local_decays: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,20 +73,26 @@ class VariantRule:
 def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
     keys = {"resident_threads", "warm_ahead"}
     named = set(entry) - {"heads", "batches"} if rule and isinstance(entry, dict) else set(entry or ())
-    if not isinstance(entry, dict) or named - {"requests_per_cta"} != keys:
+    if not isinstance(entry, dict) or named - {"requests_per_cta", "local_decays"} != keys:
         scope = "; a rule also batches and optionally heads" if rule else ", nothing else"
         raise ValueError(
-            f"{where} must name resident_threads and warm_ahead (requests_per_cta optional){scope}, got {entry!r}"
+            f"{where} must name resident_threads and warm_ahead (requests_per_cta and local_decays optional)"
+            f"{scope}, got {entry!r}"
         )
     threads, warm, group = entry["resident_threads"], entry["warm_ahead"], entry.get("requests_per_cta", 1)
+    local = entry.get("local_decays", False)
     if threads not in RESIDENT_CHOICES or not isinstance(warm, bool) or group not in REQUEST_GROUPS:
         raise ValueError(
             f"{where}: resident_threads is one of {RESIDENT_CHOICES}, warm_ahead true or false, requests_per_cta "
             f"one of {REQUEST_GROUPS}"
         )
+    if not isinstance(local, bool):
+        raise ValueError(f"{where}: local_decays is true or false, got {local!r}")
     if warm and group > 1:
         raise ValueError(f"{where}: warm_ahead and requests_per_cta > 1 are not built together")
-    return StepVariant(threads, warm, group)
+    if local and group > 1:
+        raise ValueError(f"{where}: local_decays and requests_per_cta > 1 are not built together")
+    return StepVariant(threads, warm, group, local)
 
 
 def variant_rules(path: Path | None = None) -> tuple[StepVariant, tuple[VariantRule, ...]]:
@@ -136,6 +143,7 @@ class KdaStepPlan:
     resident_threads: int = RESIDENT_THREADS  # per SM, which sets the register budget (RESIDENT_CHOICES)
     warm_ahead: bool = False  # each CTA warms in L2 the state of the CTA that runs a wave after it (`ahead`)
     requests_per_cta: int = 1  # REQUEST_GROUPS: a cluster serves this many requests of its head, their copies at once
+    local_decays: bool = False  # every CTA computes the head's 128 decays itself: no decay exchange (decay_rows)
 
     def __post_init__(self) -> None:
         if self.resident_threads not in RESIDENT_CHOICES:
@@ -165,6 +173,8 @@ class KdaStepPlan:
             )
         if self.requests_per_cta > 1 and self.warm_ahead:
             raise ValueError("warm_ahead and requests_per_cta > 1 are not built together: choose one")
+        if self.requests_per_cta > 1 and self.local_decays:
+            raise ValueError("local_decays and requests_per_cta > 1 are not built together: choose one")
         if self.warm_ahead and self.wave_requests >= self.batch:
             raise ValueError(
                 f"warm_ahead warms the requests of the next wave, and at batch {self.batch} the grid is one wave "
@@ -183,11 +193,13 @@ class KdaStepPlan:
         resident_threads: int | None = None,
         warm_ahead: bool | None = None,
         requests_per_cta: int | None = None,
+        local_decays: bool | None = None,
     ) -> KdaStepPlan:
         """The smallest cluster whose grid still gives every SM a CTA, else the largest (8), and the register budget,
-        the warming and the requests per CTA kda_step_choice.toml serves at this batch (`chosen_variant`).
-        `cluster`, `resident_threads`, `warm_ahead` and `requests_per_cta` override each choice (the GPU test times
-        and checks every cluster at every batch, and the other variants at every cluster where they apply).
+        the warming, the requests per CTA and the local decays kda_step_choice.toml serves at this batch
+        (`chosen_variant`). `cluster`, `resident_threads`, `warm_ahead`, `requests_per_cta` and `local_decays`
+        override each choice (the GPU test times and checks every cluster at every batch, and the other variants at
+        every cluster where they apply).
 
         Every head costs 32 warps of state work whatever the cluster (128 rows, 4 per warp); the cluster only
         groups them. Small clusters repeat less per-CTA work (every CTA convolves the head's whole q and k, and
@@ -206,7 +218,8 @@ class KdaStepPlan:
         group = requests_per_cta
         if group is None:
             group = served.requests_per_cta if batch % served.requests_per_cta == 0 else 1
-        return replace(plan, warm_ahead=warm, requests_per_cta=group)
+        local = served.local_decays and group == 1 if local_decays is None else local_decays
+        return replace(plan, warm_ahead=warm, requests_per_cta=group, local_decays=local)
 
     # --- the packed row ---------------------------------------------------------------------------------------
 
@@ -341,9 +354,21 @@ class KdaStepPlan:
         )
 
     @property
+    def decay_rows(self) -> int:
+        """The f_b rows (decay channels) one CTA multiplies: its own R, pushed to its peers, or with local_decays all
+        128 of the head. Why local: in the layer's phase traces (docs/kda-layer-h200.md) the decay exchange took
+        1.6-1.8 us instead of 0.3-0.5 when it began while o_proj's CTAs received their first weight loads (TP8 B1,
+        TP16 B1-B2); computed locally it is 128 / R times the f_b reads (from L2: 3 MB at TP8 B1, 200 MB at B64) and
+        256 / R f_b rows per half-warp instead of two, and no exchange to wait for. The same arithmetic per channel
+        (a half-warp's dot product, lane l holding columns 8 (l % 16) ..), so the same bits."""
+        return HEAD_DIM if self.local_decays else self.rows_per_cta
+
+    @property
     def weight_bytes(self) -> int:
-        """Before the wait: the CTA's R f_b rows (128 BF16 each) and the conv weights (4 BF16) of its channels."""
-        return self.rows_per_cta * GATE_RANK * 2 + self.conv_local * CONV_WIDTH * 2
+        """Before the wait: the CTA's f_b rows (decay_rows, 128 BF16 each), the conv weights (4 BF16) of its channels,
+        and with local_decays the head's 128 dt_bias values (FP32), which plain loads would hold in registers."""
+        dt = HEAD_DIM * 4 if self.local_decays else 0
+        return self.decay_rows * GATE_RANK * 2 + self.conv_local * CONV_WIDTH * 2 + dt
 
     @property
     def packed_bytes(self) -> int:
@@ -365,18 +390,20 @@ class KdaStepPlan:
         """Shared memory of one CTA: the copies above, the exchanged decays and norm partials, q, k and v as FP32,
         six mbarriers, each buffer 128-byte aligned; all but the weights once per request of the CTA's group."""
         r = self.rows_per_cta
-        parts = [6 * 8 * self.requests_per_cta, self.weight_bytes]
+        dt = HEAD_DIM * 4 if self.local_decays else 0  # its own buffer, beside the f_b rows and conv weights
+        parts = [6 * 8 * self.requests_per_cta, self.weight_bytes - dt, dt]
         each = [self.state_bytes, self.packed_bytes, self.tap_bytes, HEAD_DIM * 4, 2 * HEAD_DIM * 4, r * 4]
         parts += [*each, self.slots * 4] * self.requests_per_cta
         return sum(-(-n // 128) * 128 for n in parts)
 
     @property
     def variant_suffix(self) -> str:
-        """ "" at 1024 threads per SM without warming, one request a cluster, else "/t<threads per SM>", "/warm" and
-        "/r<requests per CTA>": builds and compiles of the variants are named apart."""
+        """ "" at 1024 threads per SM without warming, one request a cluster, decays exchanged, else "/t<threads per
+        SM>", "/warm", "/r<requests per CTA>" and "/local-decays": builds and compiles of the variants are named
+        apart."""
         budget = "" if self.resident_threads == RESIDENT_THREADS else f"/t{self.resident_threads}"
         group = "" if self.requests_per_cta == 1 else f"/r{self.requests_per_cta}"
-        return budget + ("/warm" if self.warm_ahead else "") + group
+        return budget + ("/warm" if self.warm_ahead else "") + group + ("/local-decays" if self.local_decays else "")
 
     @property
     def tag(self) -> str:

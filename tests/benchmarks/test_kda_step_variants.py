@@ -224,3 +224,62 @@ def test_a_tie_serves_the_variant_with_the_fewest_extras():
     # Ties never hide a gain: the served variant itself within TIE of the fastest gives no rule.
     rules, _ = kv.suggest(cells(row(8, 32, "c2", {"c2": 22.4, "c2/t1536": 22.35})))
     assert rules == []
+
+
+# Layer 6 on one H100, three rounds of 60 against the tree (each run records d34115c, the tree it ran plus the step's
+# local-decays build): every CTA computing its head's 128 decays (kda_step_choice.toml rule `local_decays = true` at
+# B1-B8, both TP sizes) instead of exchanging them.
+LOCAL_DECAY_ROUNDS = [
+    (RESULTS / f"kda-layer-variants-h100/step-local-decays-base-{i}.json",
+     RESULTS / f"kda-layer-variants-h100/step-local-decays-{i}.json")
+    for i in (1, 2, 3)
+]  # fmt: skip
+
+
+def local_decay_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], bool]:
+    """Per measured (TP, batch): whether local decays saved layer time in every round, after checking that each
+    variant ran the step with them at every cell and no base did."""
+    docs = [(json.loads(base.read_text()), json.loads(variant.read_text())) for base, variant in rounds]
+    for base, variant in docs:
+        assert base["variant"] == {"name": "plain", "choice_files": {}}
+        assert "local_decays = true" in variant["variant"]["choice_files"]["kda_step_choice.toml"]
+        for doc, local in ((base, False), (variant, True)):
+            for key, cell in bench.cells_by_key(doc).items():
+                assert cell["kda_step_plan"].endswith("/local-decays") == local, (key, cell["kda_step_plan"])
+    timed, saved = bench.round_savings(docs)
+    assert timed == 6
+    return {key: bench.every_round(per_round) == "saved in every round" for key, per_round in saved.items()}
+
+
+def local_decay_problems(verdicts: dict[tuple[int, int], bool], choice: Path | None = None) -> list[str]:
+    """Where the choice file (the served one by default) serves local decays at a measured cell that did not save in
+    every round. A cell that did is not served on layer 6's word alone: the step's rules are judged on both stacks
+    (layer 86 too, test_the_served_choice_file_is_what_the_committed_runs_support), and layer 86 was not timed."""
+    return [
+        f"TP{tp} B{batch}: local decays served but did not save in every round"
+        for (tp, batch), won in sorted(verdicts.items())
+        if chosen_variant(K3.shard(tp).kda_heads, batch, choice).local_decays and not won
+    ]
+
+
+def test_local_decays_are_served_nowhere_because_they_lost_or_saved_only_on_one_stack():
+    """Lost in every round at TP8 B1-B4 (-0.65 to -2.57 us a layer) and TP16 B1 and B4, mixed at TP16 B2 and B8;
+    TP8 B8 saved +0.16 to +0.37 us in every round (inside the intervals) on layer 6 only. The served file has no
+    local-decays rule."""
+    verdicts = local_decay_verdicts(LOCAL_DECAY_ROUNDS)
+    assert set(verdicts) == {(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8)}
+    assert {key for key, won in verdicts.items() if won} == {(8, 8)}
+    assert local_decay_problems(verdicts) == []
+    default, rules = variant_rules()
+    assert not default.local_decays and not any(r.variant.local_decays for r in rules)
+
+
+def test_a_choice_serving_local_decays_at_b1_to_b8_contradicts_the_rounds(tmp_path):
+    """Broken case: the rule the rounds ran, served; every cell that lost or was mixed is named."""
+    choice = tmp_path / "kda_step_choice.toml"
+    choice.write_text(
+        "default = { resident_threads = 1024, warm_ahead = false }\n"
+        "rules = [{ batches = [1, 8], resident_threads = 1024, warm_ahead = false, local_decays = true }]\n"
+    )
+    problems = local_decay_problems(local_decay_verdicts(LOCAL_DECAY_ROUNDS), choice)
+    assert len(problems) == 7 and "TP8 B8" not in " ".join(problems), problems

@@ -85,7 +85,7 @@ def test_a_ring_for_two_ctas_an_sm_holds_more_stages_and_passes_the_sm_count_but
     """Counting SMs, 132 x 2 // 7 = 37 clusters of the two-a-SM build fit at once, more than the 32 that wait at
     B64, so the plan passes; on one H100 it hung there and at B32 (b8e3e11). What the op checks before launching is
     the driver's count (cluster_residency), which the GPU test holds at most 32 there: this is the refusal then."""
-    three = OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, paired_rows=False)
+    three = OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, ctas_per_sm=3, paired_rows=False)
     two = OProjWgmmaPlan.for_shape(*TP8, 64, N1_ADD, 132, ctas_per_sm=2, paired_rows=False, max_epilogue_clusters=32)
     assert (three.ctas_per_sm, two.ctas_per_sm) == (3, 2) and two.stages > three.stages
     assert 2 * (two.smem_bytes + DRIVER_SMEM_BYTES) <= SMEM_PER_SM < 3 * (two.smem_bytes + DRIVER_SMEM_BYTES)
@@ -101,7 +101,7 @@ def test_a_ring_for_two_ctas_an_sm_holds_more_stages_and_passes_the_sm_count_but
     assert "and 8 more" in says and "wgmma_ctas_per_sm" in says and "\n" not in says
     with pytest.raises(ValueError, match=r"serve the mma\.sync build at these rows"):
         three.check_resident(39)
-    three.check_resident(47)  # what the driver holds on an H100/H200: the served ring passes at B64
+    three.check_resident(47)  # what the driver holds on an H100/H200: the ring for three passes at B64
 
     # two an SM, 32 held: with up to 32 epilogue clusters refused at B25-B32 and B49-B64 (25 or more waiting with the
     # 8), where the runs hung at B32 and B64 and finished at B21-B24

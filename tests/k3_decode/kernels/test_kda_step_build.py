@@ -166,6 +166,13 @@ def test_the_plan_takes_the_variant_the_choice_file_serves(tmp_path, monkeypatch
     assert [KdaStepPlan.for_shape(12, 6288, b, H200_SMS).tag for b in (8, 16, 17, 64)] == [
         "h12/b8/c2", "h12/b16/c2/r2", "h12/b17/c2", "h12/b64/c2/r2"
     ]  # fmt: skip
+    # a local-decays rule, and an argument turning it off
+    local = "{ batches = [1, 8], resident_threads = 1024, warm_ahead = false, local_decays = true }"
+    monkeypatch.setattr(kda_step_plan, "CHOICE", _choice_file(tmp_path / "local", local))
+    assert [KdaStepPlan.for_shape(6, 3216, b, H200_SMS).tag for b in (1, 8, 16)] == [
+        "h6/b1/c8/local-decays", "h6/b8/c4/local-decays", "h6/b16/c2"
+    ]  # fmt: skip
+    assert KdaStepPlan.for_shape(6, 3216, 1, H200_SMS, local_decays=False).tag == "h6/b1/c8"
     # the shipped file: the variant every measurement so far ran, at every batch
     monkeypatch.undo()
     default, shipped = kda_step_plan.variant_rules()
@@ -186,6 +193,14 @@ BAD_CHOICES = {
     "a warmed group": (
         "{ batches = [1, 2], resident_threads = 1024, warm_ahead = true, requests_per_cta = 2 }",
         "not built together",
+    ),
+    "a string for local_decays": (
+        "{ batches = [1, 2], resident_threads = 1024, warm_ahead = false, local_decays = 'yes' }",
+        "local_decays is true or false",
+    ),
+    "a group with local decays": (
+        "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, requests_per_cta = 2, local_decays = true }",
+        "local_decays and requests_per_cta > 1 are not built together",
     ),
 }
 
@@ -224,6 +239,28 @@ def test_a_cluster_serving_two_requests_holds_both_and_is_refused_where_it_canno
         KdaStepPlan.for_shape(12, 6288, 64, H200_SMS, warm_ahead=True, requests_per_cta=2)
     with pytest.raises(ValueError, match="serves"):
         KdaStepPlan(12, 6288, 64, 2, requests_per_cta=4)
+
+
+@pytest.mark.parametrize("tp, batch", [(8, 1), (8, 4), (8, 8), (16, 8)])
+def test_local_decays_copy_the_heads_f_b_rows_and_dt_bias_and_keep_the_launch(tp, batch):
+    """With local decays every CTA copies its head's 128 f_b rows (R before) and 128 dt_bias values (two plain loads
+    a lane before) with the weights, and nothing else changes: the cluster, the threads, and where the grid is
+    spread the launch's request, which o_proj's CTAs beside it are sized for. A group of requests cannot take it."""
+    shard = K3.shard(tp)
+    plan = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, H200_SMS, local_decays=False)
+    local = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, H200_SMS, local_decays=True)
+    rows = plan.rows_per_cta
+    assert (local.decay_rows, plan.decay_rows) == (HEAD_DIM, rows)
+    assert local.weight_bytes - plan.weight_bytes == (HEAD_DIM - rows) * GATE_RANK * 2 + HEAD_DIM * 4
+    # f_b and conv weights are one area (each size a multiple of 128 bytes here), dt_bias its own
+    assert local.smem_bytes - plan.smem_bytes == (HEAD_DIM - rows) * GATE_RANK * 2 + HEAD_DIM * 4
+    assert (local.cluster, local.threads, local.ctas_per_sm, local.spread) == (
+        plan.cluster, plan.threads, plan.ctas_per_sm, plan.spread
+    )  # fmt: skip
+    assert local.launch_smem_bytes == plan.launch_smem_bytes or local.spread == local.ctas_per_sm
+    assert local.resident_ctas >= local.spread and local.tag == plan.tag + "/local-decays"
+    with pytest.raises(ValueError, match="local_decays and requests_per_cta > 1"):
+        KdaStepPlan(12, 6288, 64, 2, requests_per_cta=2, local_decays=True)
 
 
 def test_the_plan_refuses_what_the_kernel_cannot_take():
@@ -303,7 +340,7 @@ def test_the_copies_fill_exactly_the_bytes_their_barriers_wait_for(tp, cluster):
 
 def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     every = step_builds()
-    one = [b for b in every if b.plan.requests_per_cta == 1]
+    one = [b for b in every if b.plan.requests_per_cta == 1 and not b.plan.local_decays]
     served = [b for b in one if b.plan == KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)]
     budgets = [b for b in one if not b.plan.warm_ahead]
     warm = [b for b in one if b.plan.warm_ahead]
@@ -346,6 +383,12 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
         assert b.plan == dataclasses.replace(chosen, resident_threads=1024, requests_per_cta=2), b.name
         assert b.plan.resident_ctas == b.plan.ctas_per_sm == 2 and b.plan.groups == b.plan.batch // 2, b.name
+    # every CTA computing its head's decays at B1, B4 and B8, at the served plan otherwise
+    local = [b for b in every if b.plan.local_decays]
+    assert {b.name for b in local} == {f"kda_step/tp{tp}/b{b}/local-decays" for tp in (8, 16) for b in (1, 4, 8)}
+    for b in local:
+        chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
+        assert b.plan == dataclasses.replace(chosen, local_decays=True), b.name
     assert {b.kernel for b in every} == {"kda_step"} and {b.plan.slot_dtype for b in every} == {"int32"}
     assert K3_KERNEL_BUILDS.kda_step_builds() == every
 
@@ -369,6 +412,11 @@ def test_build_tags_count_what_the_code_must_hold():
     assert (pair["early_loads"], pair["late_loads"], pair["waits"], pair["out_stores"], pair["shuffles"]) == (
         6, 4, 11, 6, 2 * b64["shuffles"]
     )  # fmt: skip
+    local = tags["kda_step/tp8/b1/local-decays"]  # no decay barrier armed or waited on, only the norm pushed
+    assert (local["armed"], local["waits"], local["pushes"], local["weight_copies"], local["early_loads"]) == (
+        5, 7, 1, 5, 3
+    )  # fmt: skip
+    assert local["shuffles"] == b1["shuffles"]  # two f_b rows a pass of the half-warps' loop, as before
     warm = tags["kda_step/tp16/b64/warm"]  # the next wave's slot, its state rows and three tap runs
     assert (warm["warm_ahead"], warm["warm_prefetches"], warm["late_loads"]) == (True, 4, 3)
     assert {k: v for k, v in warm.items() if k not in ("warm_ahead", "warm_prefetches", "late_loads")} == {
@@ -379,7 +427,8 @@ def test_build_tags_count_what_the_code_must_hold():
 def test_expectations_judge_every_kda_step_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_step/*")  # every named tag exists
-    assert len(builds) == 31  # 14 at 1024 threads per SM, 6 at 1536, 7 warming the next wave, 4 of request pairs
+    # 14 at 1024 threads per SM, 6 at 1536, 7 warming the next wave, 4 of request pairs, 6 with local decays
+    assert len(builds) == 37
     step = expectations["kda_step"]
     assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
 
@@ -589,6 +638,38 @@ def test_a_group_kernel_that_leaves_its_second_requests_barriers_unarmed_fails_i
     barriers that expect nothing. The arming count catches it, and nothing else needs to."""
     failed = sorted(failed_checks_of_broken_build(tmp_path, "kda_step/tp16/b64/r2", UNARMED_SECOND))
     assert len(failed) == 1 and "expect_tx" in failed[0], failed
+
+
+STILL_WAITS_FOR_DECAYS = """
+import os
+os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+import dataclasses
+from k3_decode.kernels import kda_step
+
+finish = kda_step.KdaStepKernel._finish_request
+
+
+def waits_for_the_exchange(self, *args):
+    plan = self.plan
+    self.plan = dataclasses.replace(plan, local_decays=False)  # the phase after the conv as if decays were pushed
+    try:
+        return finish(self, *args)
+    finally:
+        self.plan = plan
+
+
+kda_step.KdaStepKernel._finish_request = waits_for_the_exchange
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_local_decays_kernel_that_still_waits_for_the_exchange_fails_its_build(tmp_path):
+    """The broken case of the local-decays builds: the decays computed in the CTA, but the delta rule still waiting
+    on the decay barrier, which nothing arms or completes any more, so every live CTA would hang on the GPU. The
+    wait count catches it."""
+    failed = sorted(failed_checks_of_broken_build(tmp_path, "kda_step/tp8/b1/local-decays", STILL_WAITS_FOR_DECAYS))
+    assert len(failed) == 1 and "try_wait" in failed[0], failed
 
 
 LAUNCH_ON_CPU = """

@@ -73,6 +73,7 @@ BUILDS = [b for b in ALL_BUILDS if served(b.plan)]  # the plans the provider run
 WIDE = [b for b in ALL_BUILDS if b.plan.resident_threads != RESIDENT_THREADS and not b.plan.warm_ahead]
 WARM = [b for b in ALL_BUILDS if b.plan.warm_ahead]  # warming the next wave's state in L2
 GROUP = [b for b in ALL_BUILDS if b.plan.requests_per_cta > 1]  # clusters serving two requests each
+LOCAL = [b for b in ALL_BUILDS if b.plan.local_decays]  # every CTA computes the head's decays: no decay exchange
 WIDE_BUDGET = max(RESIDENT_CHOICES)
 # Every built shape, and two batches the builds do not list (the provider gets whatever the executor prepares).
 CASES = [(b.tp, b.plan.batch) for b in BUILDS] + [(8, 3), (16, 5)]
@@ -146,10 +147,11 @@ class Step:
         resident_threads: int | None = None,
         warm_ahead: bool | None = None,
         requests_per_cta: int | None = None,
+        local_decays: bool | None = None,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.tp, self.batch, self.forced, self.resident, self.warm = tp, batch, cluster, resident_threads, warm_ahead
-        self.group = requests_per_cta
+        self.group, self.local = requests_per_cta, local_decays
         self.spec, self.weights = spec_for(tp), kda_weights(tp)
         self.cache = random_kda_cache(self.spec, 2 * batch + 2, 0, gen, DEV)
         self.start = clone_cache(self.cache)
@@ -161,7 +163,17 @@ class Step:
         packed = self.packed if packed is None else packed
         cache = self.cache if cache is None else cache
         return kda_step_op.decode_step(
-            self.spec, self.weights, packed, cache, self.slots, None, self.forced, self.resident, self.warm, self.group
+            self.spec,
+            self.weights,
+            packed,
+            cache,
+            self.slots,
+            None,
+            self.forced,
+            self.resident,
+            self.warm,
+            self.group,
+            self.local,
         )
 
     def oracle(self, cache: rk.KdaCache, packed: Tensor | None = None) -> Tensor:
@@ -179,7 +191,7 @@ class Step:
     @property
     def plan(self) -> KdaStepPlan:
         return kda_step_op.plan_for(
-            self.spec, self.packed, self.slots, self.forced, self.resident, self.warm, self.group
+            self.spec, self.packed, self.slots, self.forced, self.resident, self.warm, self.group, self.local
         )
 
 
@@ -272,6 +284,45 @@ def test_a_cluster_serving_two_requests_gives_the_one_request_kernels_bits(tp: i
     assert torch.equal(grouped_cache.recurrent, one_cache.recurrent), "the recurrent states differ"
     assert torch.equal(grouped_cache.conv, one_cache.conv), "the conv states differ"
     print(f"METRIC KDA step TP{tp} B{batch} c{plan.cluster}/r2: bit-identical to the one-request kernel")
+    check_step(step)
+
+
+# Every CTA computing its head's 128 decays (KdaStepPlan.local_decays) at the plan's cluster, B1-B8 (the builds
+# among them): clusters of 8, 4 and 2.
+LOCAL_CASES = [(tp, batch) for tp in (8, 16) for batch in (1, 2, 4, 8)]
+assert {(b.tp, b.plan.batch) for b in LOCAL} <= set(LOCAL_CASES)
+
+
+@pytest.mark.parametrize("tp, batch", LOCAL_CASES, ids=[f"tp{t}-b{b}-local-decays" for t, b in LOCAL_CASES])
+def test_local_decays_give_the_exchanged_decays_bits(tp: int, batch: int):
+    """Each decay is the same half-warp dot product from the same vectors whichever CTA computes it, so computing
+    all 128 in every CTA instead of pushing them must give the exchanging kernel's outputs, state and taps bit for
+    bit, NULL rows among them; then the oracle checks, as for any plan."""
+    step = Step(tp, batch, seed=tp * 1000 + batch + 7, local_decays=True)
+    plan = step.plan
+    exchanged = dataclasses.replace(plan, local_decays=False)
+    assert plan.local_decays and exchanged == step_plan(tp, batch, local_decays=False)
+    local_cache, exchanged_cache = clone_cache(step.cache), clone_cache(step.cache)
+    local = step.kernel(cache=local_cache)
+    other = kda_step_op.decode_step(
+        step.spec,
+        step.weights,
+        step.packed,
+        exchanged_cache,
+        step.slots,
+        None,
+        plan.cluster,
+        plan.resident_threads,
+        plan.warm_ahead,
+        plan.requests_per_cta,
+        False,
+    )
+    torch.cuda.synchronize()
+    what = f"TP{tp} B{batch} {plan.tag} against {exchanged.tag}"
+    assert torch.equal(local, other), f"{what}: the outputs differ"
+    assert torch.equal(local_cache.recurrent, exchanged_cache.recurrent), f"{what}: the recurrent states differ"
+    assert torch.equal(local_cache.conv, exchanged_cache.conv), f"{what}: the conv states differ"
+    print(f"METRIC KDA step {what}: bit-identical")
     check_step(step)
 
 
