@@ -739,7 +739,7 @@ def run_tp(
             if cell["paths"].get("specialized", {}).get("kda") == "specialized":
                 cell["kda_step_plan"] = kda_step_plan_tag(dims, tp, batch, sms)
             if cell["paths"].get("specialized", {}).get("o_proj") == "specialized":
-                cell["o_proj_variant"] = o_proj_variant(dims, layer, batch)
+                cell["o_proj_variant"] = o_proj_variant(dims, layer, tp, batch)
             if cell["paths"].get("specialized", {}).get("in_proj") == "specialized":
                 # which build kda_in_proj_choice.toml served (files before the wgmma stream have none)
                 cell["in_proj_kernel"] = kda_in_proj_op.kernel_for_rows(batch, dims.shard(tp).kda_in_proj_rows)
@@ -776,7 +776,7 @@ def kda_step_plan_tag(dims: ModelDims, tp: int, batch: int, sm_count: int) -> st
     return KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, sm_count).tag
 
 
-def o_proj_variant(dims: ModelDims, layer: int, batch: int) -> dict[str, bool]:
+def o_proj_variant(dims: ModelDims, layer: int, tp: int, batch: int) -> dict[str, bool]:
     """What kda_o_proj_choice.toml serves the fused o_proj at `layer` and `batch` (its launch capped to ctas_per_sm
     CTAs an SM; its stream in one pass; L2 warmed with its late weight runs where it has any; W staged in shared
     memory; W sent to L2 alone before the wait; the wgmma build; its W past the ring's first tiles sent to L2; each
@@ -792,7 +792,7 @@ def o_proj_variant(dims: ModelDims, layer: int, batch: int) -> dict[str, bool]:
         "wgmma": wgmma_at(batch),
         "wgmma_w_l2": wgmma_w_l2_at(batch),
         "wgmma_w_l2_late": wgmma_w_l2_late_at(batch),
-        "wgmma_ctas_per_sm": wgmma_ctas_per_sm_at(batch),
+        "wgmma_ctas_per_sm": wgmma_ctas_per_sm_at(batch, dims.shard(tp).kda_o_proj[1]),
         "paired_rows": paired_at(batch, blocks),
     }
 

@@ -90,6 +90,20 @@ class BlocksRule:
 
 
 @dataclass(frozen=True)
+class WidthRule:
+    """Batches first..last (inclusive) at one rank width `k` (o_proj's K, the rank's KDA projection: 1536 at TP8,
+    768 at TP16): where kda_o_proj_choice.toml's wgmma_two_per_sm_rules size the wgmma build's ring for two CTAs an
+    SM at that width only."""
+
+    first: int
+    last: int
+    k: int
+
+    def matches(self, batch: int, k: int) -> bool:
+        return self.first <= batch <= self.last and k == self.k
+
+
+@dataclass(frozen=True)
 class OProjChoice:
     """kda_o_proj_choice.toml: how the launch and the stream are chosen where a choice waits for measurement."""
 
@@ -104,6 +118,7 @@ class OProjChoice:
     wgmma_w_l2_batches: tuple[tuple[int, int], ...] = ()
     wgmma_w_l2_late_batches: tuple[tuple[int, int], ...] = ()
     wgmma_two_per_sm_batches: tuple[tuple[int, int], ...] = ()
+    wgmma_two_per_sm_rules: tuple[WidthRule, ...] = ()
 
 
 def choice(path: Path | None = None) -> OProjChoice:
@@ -171,11 +186,14 @@ def wgmma_ctas_per_sm(path: Path | None = None) -> int:
     return choice(path).wgmma_ctas_per_sm
 
 
-def wgmma_ctas_per_sm_at(batch: int, path: Path | None = None) -> int:
-    """CTAs of one SM the wgmma build's launch is sized for at `batch`: two within kda_o_proj_choice.toml's (or
-    `path`'s) wgmma_two_per_sm_batches, else its wgmma_ctas_per_sm."""
+def wgmma_ctas_per_sm_at(batch: int, k: int, path: Path | None = None) -> int:
+    """CTAs of one SM the wgmma build's launch is sized for at `batch` and rank width `k` (o_proj's K): two within
+    kda_o_proj_choice.toml's (or `path`'s) wgmma_two_per_sm_batches or a wgmma_two_per_sm_rules entry of that width,
+    else its wgmma_ctas_per_sm."""
     table = choice(path)
-    return 2 if _within(batch, table.wgmma_two_per_sm_batches) else table.wgmma_ctas_per_sm
+    rules = table.wgmma_two_per_sm_rules
+    two = _within(batch, table.wgmma_two_per_sm_batches) or any(r.matches(batch, k) for r in rules)
+    return 2 if two else table.wgmma_ctas_per_sm
 
 
 def _within(batch: int, ranges: tuple[tuple[int, int], ...]) -> bool:
@@ -201,7 +219,7 @@ _RANGE_KEYS = {
     "wgmma_w_l2_late_batches": WGMMA_MIN_BATCH,
     "wgmma_two_per_sm_batches": WGMMA_MIN_BATCH,
 }
-_RULE_KEYS = ("one_pass", "paired_rows")
+_RULE_KEYS = ("one_pass", "paired_rows", "wgmma_two_per_sm_rules")
 
 
 @cache
@@ -212,8 +230,8 @@ def _choice(path: Path) -> OProjChoice:
     if not {"cap_batches", "one_pass"} <= set(table) <= known or not all(isinstance(v, list) for v in lists):
         raise ValueError(
             f"{path.name} holds the lists cap_batches and one_pass (and warm_batches, w_smem_batches, w_l2_batches, "
-            f"wgmma_batches, paired_rows, wgmma_w_l2_batches, wgmma_w_l2_late_batches, wgmma_two_per_sm_batches, and "
-            f"wgmma_ctas_per_sm) and nothing else, got {sorted(table)}"
+            f"wgmma_batches, paired_rows, wgmma_w_l2_batches, wgmma_w_l2_late_batches, wgmma_two_per_sm_batches, "
+            f"wgmma_two_per_sm_rules and wgmma_ctas_per_sm) and nothing else, got {sorted(table)}"
         )
     per_sm = table.get("wgmma_ctas_per_sm", WGMMA_CTAS_PER_SM)
     if per_sm not in WGMMA_CTAS_PER_SM_CHOICES or isinstance(per_sm, bool):
@@ -245,7 +263,31 @@ def _choice(path: Path) -> OProjChoice:
             f"{path.name}: wgmma_w_l2_batches and wgmma_w_l2_late_batches overlap; W goes to L2 before the wait or "
             "after it, not both"
         )
-    return OProjChoice(one_pass=one_pass, paired_rows=paired_rows, wgmma_ctas_per_sm=per_sm, **ranges)
+    two_per_sm = _width_rules(table.get("wgmma_two_per_sm_rules", []), f"{path.name}: wgmma_two_per_sm_rules")
+    return OProjChoice(
+        one_pass=one_pass,
+        paired_rows=paired_rows,
+        wgmma_ctas_per_sm=per_sm,
+        wgmma_two_per_sm_rules=two_per_sm,
+        **ranges,
+    )
+
+
+def _width_rules(rules: list, where: str) -> tuple[WidthRule, ...]:
+    """{ batches = [first, last], k = N } rules within the wgmma build's batches."""
+    out = []
+    for i, rule in enumerate(rules):
+        at = f"{where}[{i}]"
+        if not isinstance(rule, dict) or set(rule) != {"batches", "k"}:
+            raise ValueError(
+                f"{at} is {{ batches = [first, last], k = N }} (N: o_proj's K at one TP size), got {rule!r}"
+            )
+        first, last = _span(rule["batches"], WGMMA_MIN_BATCH, f"{at} batches")
+        k = rule["k"]
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"{at} k is o_proj's K at one TP size (1536 at TP8, 768 at TP16), got {k!r}")
+        out.append(WidthRule(first, last, k))
+    return tuple(out)
 
 
 def _blocks_rules(rules: list, where: str) -> tuple[BlocksRule, ...]:

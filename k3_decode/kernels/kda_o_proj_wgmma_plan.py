@@ -110,7 +110,7 @@ class OProjWgmmaPlan(AttnResEpilogue):
         if sm_count < 1:
             raise ValueError(f"sm_count must be at least 1, got {sm_count}")
         if ctas_per_sm is None:
-            ctas_per_sm = wgmma_ctas_per_sm_at(batch)
+            ctas_per_sm = wgmma_ctas_per_sm_at(batch, k)
         if ctas_per_sm not in WGMMA_CTAS_PER_SM_CHOICES:
             raise ValueError(f"the wgmma o_proj is sized for {WGMMA_CTAS_PER_SM_CHOICES} CTAs an SM, got {ctas_per_sm}")
         cap = epilogue_cap_for(ctas_per_sm) if max_epilogue_clusters is None else max_epilogue_clusters

@@ -633,17 +633,17 @@ def test_a_cell_names_the_o_proj_variant_it_timed(monkeypatch, tmp_path):
         "wgmma_two_per_sm_batches = [[33, 48]]\n"
     )
     monkeypatch.setattr(kda_o_proj_plan, "CHOICE", choice)
-    assert [bench.o_proj_variant(K3, 6, b)["capped"] for b in (8, 16, 32, 64)] == [False, True, True, False]
-    assert [bench.o_proj_variant(K3, 6, b)["warm"] for b in (1, 8, 16)] == [True, True, False]
-    assert [bench.o_proj_variant(K3, layer, 64)["one_pass"] for layer in (6, 86)] == [True, False]
-    assert not bench.o_proj_variant(K3, 6, 32)["one_pass"]
-    assert [bench.o_proj_variant(K3, 6, b)["w_smem"] for b in (16, 32, 64)] == [False, True, True]
-    assert [bench.o_proj_variant(K3, 6, b)["w_l2"] for b in (1, 2, 4, 8)] == [False, True, True, False]
-    assert [bench.o_proj_variant(K3, 6, b)["wgmma"] for b in (8, 16, 32, 48, 64)] == [False, True, False, True, True]
-    assert [bench.o_proj_variant(K3, 6, b)["wgmma_w_l2"] for b in (32, 48, 64)] == [False, True, False]
-    assert [bench.o_proj_variant(K3, layer, 64)["paired_rows"] for layer in (6, 86)] == [True, False]
-    assert not bench.o_proj_variant(K3, 6, 47)["paired_rows"]
-    assert [bench.o_proj_variant(K3, 6, b)["wgmma_ctas_per_sm"] for b in (32, 33, 48, 49)] == [3, 2, 2, 3]
+    assert [bench.o_proj_variant(K3, 6, 8, b)["capped"] for b in (8, 16, 32, 64)] == [False, True, True, False]
+    assert [bench.o_proj_variant(K3, 6, 8, b)["warm"] for b in (1, 8, 16)] == [True, True, False]
+    assert [bench.o_proj_variant(K3, layer, 8, 64)["one_pass"] for layer in (6, 86)] == [True, False]
+    assert not bench.o_proj_variant(K3, 6, 8, 32)["one_pass"]
+    assert [bench.o_proj_variant(K3, 6, 8, b)["w_smem"] for b in (16, 32, 64)] == [False, True, True]
+    assert [bench.o_proj_variant(K3, 6, 8, b)["w_l2"] for b in (1, 2, 4, 8)] == [False, True, True, False]
+    assert [bench.o_proj_variant(K3, 6, 8, b)["wgmma"] for b in (8, 16, 32, 48, 64)] == [False, True, False, True, True]
+    assert [bench.o_proj_variant(K3, 6, 8, b)["wgmma_w_l2"] for b in (32, 48, 64)] == [False, True, False]
+    assert [bench.o_proj_variant(K3, layer, 8, 64)["paired_rows"] for layer in (6, 86)] == [True, False]
+    assert not bench.o_proj_variant(K3, 6, 8, 47)["paired_rows"]
+    assert [bench.o_proj_variant(K3, 6, 8, b)["wgmma_ctas_per_sm"] for b in (32, 33, 48, 49)] == [3, 2, 2, 3]
     monkeypatch.undo()
     want = {
         "capped": kda_o_proj_plan.capped_at(64),
@@ -654,10 +654,10 @@ def test_a_cell_names_the_o_proj_variant_it_timed(monkeypatch, tmp_path):
         "wgmma": kda_o_proj_plan.wgmma_at(64),
         "wgmma_w_l2": kda_o_proj_plan.wgmma_w_l2_at(64),
         "wgmma_w_l2_late": kda_o_proj_plan.wgmma_w_l2_late_at(64),
-        "wgmma_ctas_per_sm": kda_o_proj_plan.wgmma_ctas_per_sm_at(64),
+        "wgmma_ctas_per_sm": kda_o_proj_plan.wgmma_ctas_per_sm_at(64, K3.shard(8).kda_o_proj[1]),
         "paired_rows": kda_o_proj_plan.paired_at(64, K3.blocks_before(6)),
     }
-    assert bench.o_proj_variant(K3, 6, 64) == want
+    assert bench.o_proj_variant(K3, 6, 8, 64) == want
 
 
 @pytest.fixture
@@ -692,7 +692,7 @@ def test_a_choice_file_given_on_the_command_line_is_what_the_plans_serve(tmp_pat
     }
     shard = K3.shard(8)
     assert KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, 64, 132).resident_threads == 1024
-    assert bench.o_proj_variant(K3, 6, 64) == {
+    assert bench.o_proj_variant(K3, 6, 8, 64) == {
         "capped": True,
         "one_pass": True,
         "warm": False,
@@ -704,7 +704,7 @@ def test_a_choice_file_given_on_the_command_line_is_what_the_plans_serve(tmp_pat
         "wgmma_ctas_per_sm": 3,
         "paired_rows": False,
     }
-    assert not bench.o_proj_variant(K3, 6, 32)["wgmma"]
+    assert not bench.o_proj_variant(K3, 6, 8, 32)["wgmma"]
     assert providers.max_rows("o_proj", "p", 8)[0] == 64 and providers.max_rows("in_proj", "p", 8) is None
     assert (step, o_proj, rows) == (step_plan.CHOICE, o_proj_plan.CHOICE, providers.CHOICE)
 

@@ -186,6 +186,29 @@ def test_two_per_sm_batches_size_the_ring_for_two_ctas_an_sm_only_there(tmp_path
         kda_o_proj_plan.choice(bad)
 
 
+def test_two_per_sm_rules_size_the_ring_for_two_ctas_an_sm_at_one_width_only(tmp_path, monkeypatch):
+    """wgmma_two_per_sm_rules: two CTAs an SM at their batches where o_proj's K is theirs (TP8's 1536 here), three at
+    the other width; a rule without k, with a k that is no width, or with a batch below 9 is a one-line error."""
+    from k3_decode.kernels import kda_o_proj_plan
+
+    path = tmp_path / "two-rule.toml"
+    path.write_text("cap_batches = []\none_pass = []\nwgmma_two_per_sm_rules = [{ batches = [64, 64], k = 1536 }]\n")
+    monkeypatch.setattr(kda_o_proj_plan, "CHOICE", path)
+    assert [OProjWgmmaPlan.for_shape(*TP8, b, N1_ADD, 132).ctas_per_sm for b in (48, 64)] == [3, 2]
+    assert [OProjWgmmaPlan.for_shape(*TP16, b, N1_ADD, 132).ctas_per_sm for b in (48, 64)] == [3, 3]
+    bad = {
+        "{ batches = [64, 64] }": r"is \{ batches = \[first, last\], k = N \}",
+        "{ batches = [64, 64], k = true }": r"k is o_proj's K at one TP size",
+        "{ batches = [4, 64], k = 1536 }": r"batches is a \[first, last\] range within 9\.\.64",
+    }
+    for i, (rule, message) in enumerate(bad.items()):
+        wrong = tmp_path / f"two-rule-bad-{i}.toml"
+        wrong.write_text(f"cap_batches = []\none_pass = []\nwgmma_two_per_sm_rules = [{rule}]\n")
+        with pytest.raises(ValueError, match=rf"wgmma_two_per_sm_rules\[0\].*{message}") as err:
+            kda_o_proj_plan.choice(wrong)
+        assert "\n" not in str(err.value)
+
+
 def test_w_l2_sends_each_stream_rows_columns_past_the_rings_first_tiles(tmp_path, monkeypatch):
     """wgmma_w_l2_batches: a stream CTA's ring takes its first `ahead` k tiles of W before the wait; w_l2 sends the
     rest of each of its rows to L2 (nothing twice, nothing left out), at the batches the choice file says."""
