@@ -408,13 +408,14 @@ TWO_PER_SM_ROUNDS = [(H200 / f"two-per-sm-base-{i}.json", H200 / f"two-per-sm-{i
 
 # Layer 6 on one H100, three rounds of 60 against the tree, after two-an-SM plans came to wait on at most 24 epilogue
 # clusters (two rows each from 25 rows, three from 49; ac0fb3f): wgmma_two_per_sm_batches and wgmma_batches
-# [16, 16], [25, 64] at B28 (the wgmma build there too), B32, B56 and B64. Each run records d34115c, the tree it ran
+# [16, 16], [25, 64] at B28 (the wgmma build there too), B32, B56 and B64. Each run records d34115c, dirty: that tree
 # plus the local-decays step build, which neither served.
 TWO_PER_SM_CAPPED_ROUNDS = [
     (RESULTS / f"two-per-sm-e24-base-{i}.json", RESULTS / f"two-per-sm-e24-{i}.json") for i in (1, 2, 3)
 ]
-# The late stack's layer 86 (eight blocks) on one H100 at b97d1a4, three rounds of 60: the tree, two CTAs an SM at
-# B48 and B64 at both TP sizes then, as the base, against the ring for three at B33-B64 as the variant.
+# The late stack's layer 86 (eight blocks) on one H100 on b97d1a4's tree (the runs record d34115c, dirty: the copy's
+# git metadata was that commit's), three rounds of 60: the tree, two CTAs an SM at B48 and B64 at both TP sizes then,
+# as the base, against the ring for three at B33-B64 as the variant.
 LATE_THREE_ROUNDS = [(RESULTS / f"late-three-base-{i}.json", RESULTS / f"late-three-{i}.json") for i in (1, 2, 3)]
 
 
