@@ -33,7 +33,8 @@ after o_proj is the identity and takes no time here) and each batch, on layer 6 
 Usage (on the GPU machine): python3 benchmarks/kda_layer_h200.py --out kda-layer-h200.json [--tp 8 16]
     [--batches 1 2 4 8 16 32 64] [--reps 200]
 Table of a results file (no GPU needed): python3 benchmarks/kda_layer_h200.py --table kda-layer-h200.json
-The commit is taken from K3_COMMIT (and K3_DIRTY=1 for a working tree with changes) when set, else from git.
+The commit is taken from K3_COMMIT or K3GATE_COMMIT (and K3_DIRTY=1 for a working tree with changes) when set, else
+from git.
 """
 
 from __future__ import annotations

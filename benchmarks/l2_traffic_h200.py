@@ -22,7 +22,6 @@ import argparse
 import csv
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -200,18 +199,10 @@ def profile(case: Case, ncu: str, timeout: float) -> dict[str, Any]:
 def environment() -> dict[str, Any]:
     import torch
 
-    commit = (
-        os.environ.get("K3_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-        ).stdout.strip()
-    )
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": commit,
-        "dirty": os.environ.get("K3_DIRTY") == "1",
-    }
+    from benchmarks.stock_h200 import commit_state
+
+    commit, dirty = commit_state()
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit, "dirty": dirty}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -15,7 +15,8 @@ start or ran nothing specialized (stock is never compared with stock), 2 on a us
 
 Usage (on the GPU machine):
     python benchmarks/stack_equivalence_h200.py --out stack-equivalence-h200.json --plot stack-equivalence-h200.png
-The commit is taken from K3_COMMIT (and K3_DIRTY=1 for a working tree with changes) when set, else from git.
+The commit is taken from K3_COMMIT or K3GATE_COMMIT (and K3_DIRTY=1 for a working tree with changes) when set, else
+from git.
 """
 
 from __future__ import annotations

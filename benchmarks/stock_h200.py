@@ -17,7 +17,8 @@ stacks.toml, "k3-kda-mla") with every request's context filled to --context toke
 
 Usage (on the GPU machine): python benchmarks/stock_h200.py --out stock-h200.json [--tp 8 16] [--batches 1 8 64]
 Tables of docs/stock-h200.md: python benchmarks/stock_h200.py --table benchmarks/results/stock-h200.json
-The commit is taken from K3_COMMIT (and K3_DIRTY=1 for a working tree with changes) when set, else from git.
+The commit is taken from K3_COMMIT or K3GATE_COMMIT (and K3_DIRTY=1 for a working tree with changes) when set, else
+from git.
 """
 
 from __future__ import annotations
@@ -83,17 +84,27 @@ def environment() -> dict[str, Any]:
         out.update(driver=driver, max_sm_clock=sm, max_mem_clock=mem, memory_total=total)
     except (OSError, ValueError, IndexError) as exc:
         out["driver"] = f"unknown ({exc})"
-    # K3_COMMIT wins when set: a copied working tree may carry a git folder whose HEAD is not the code that runs.
-    if os.environ.get("K3_COMMIT"):
-        out["commit"], out["dirty"] = os.environ["K3_COMMIT"], os.environ.get("K3_DIRTY") == "1"
-        return out
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=REPO, check=True)
-        out["commit"], out["dirty"] = commit.stdout.strip(), bool(dirty.stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        out["commit"], out["dirty"] = "unknown", False
+    out["commit"], out["dirty"] = commit_state()
     return out
+
+
+DECLARED_COMMIT = ("K3_COMMIT", "K3GATE_COMMIT")  # the benchmarks' name first, then the gate's (harness/environment.py)
+
+
+def commit_state(root: Path = REPO) -> tuple[str, bool]:
+    """(commit, dirty) of the code that runs. A declared commit wins (K3_COMMIT, else K3GATE_COMMIT, with K3_DIRTY=1
+    for a tree with changes): a copied working tree may carry a git folder whose HEAD is not the code that runs (a
+    device's copy recorded an older commit, dirty, for every run of a session). Else git's HEAD and status; else
+    ("unknown", False)."""
+    declared = next((os.environ[name].strip() for name in DECLARED_COMMIT if os.environ.get(name, "").strip()), "")
+    if declared:
+        return declared, os.environ.get("K3_DIRTY") == "1"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=root, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", False
+    return commit.stdout.strip(), bool(dirty.stdout.strip())
 
 
 def measure_copy_bandwidth(device: torch.device, reps: int = 20) -> dict[str, float]:

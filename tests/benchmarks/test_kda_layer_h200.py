@@ -822,3 +822,23 @@ def test_rounds_refuse_an_odd_count_and_mixed_stacks_in_one_line(capsys):
 def test_each_timed_layer_stands_for_the_kda_layers_on_its_side_of_the_mixing_rows():
     assert bench.kda_layers_like(K3, 6) + bench.kda_layers_like(K3, 86) == K3.layer_kinds.count("kda") == 69
     assert (bench.kda_layers_like(K3, 6), bench.kda_layers_like(K3, 86)) == (9, 60)
+
+
+def test_a_declared_commit_wins_over_the_copys_git_folder(monkeypatch, tmp_path):
+    """A device's copy of the tree carried git metadata from an older commit, so results recorded that commit as
+    dirty; a declared commit (K3_COMMIT, else the gate's K3GATE_COMMIT) is what the run records, with K3_DIRTY."""
+    from benchmarks import stock_h200
+
+    for name in (*stock_h200.DECLARED_COMMIT, "K3_DIRTY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("K3GATE_COMMIT", "abc1234")
+    assert stock_h200.commit_state(tmp_path) == ("abc1234", False)
+    monkeypatch.setenv("K3_COMMIT", "def5678")
+    monkeypatch.setenv("K3_DIRTY", "1")
+    assert stock_h200.commit_state(tmp_path) == ("def5678", True)
+    for name in (*stock_h200.DECLARED_COMMIT, "K3_DIRTY"):
+        monkeypatch.delenv(name)
+    assert stock_h200.commit_state(tmp_path) == ("unknown", False)  # no git checkout there
+    if (stock_h200.REPO / ".git").exists():  # this checkout: git's HEAD
+        commit, _ = stock_h200.commit_state()
+        assert len(commit) == 40 and int(commit, 16) >= 0
