@@ -275,34 +275,38 @@ def _choice(path: Path) -> OProjChoice:
 
 def _width_rules(rules: list, where: str) -> tuple[WidthRule, ...]:
     """{ batches = [first, last], k = N } rules within the wgmma build's batches."""
-    out = []
-    for i, rule in enumerate(rules):
-        at = f"{where}[{i}]"
-        if not isinstance(rule, dict) or set(rule) != {"batches", "k"}:
-            raise ValueError(
-                f"{at} is {{ batches = [first, last], k = N }} (N: o_proj's K at one TP size), got {rule!r}"
-            )
-        first, last = _span(rule["batches"], WGMMA_MIN_BATCH, f"{at} batches")
-        k = rule["k"]
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"{at} k is o_proj's K at one TP size (1536 at TP8, 768 at TP16), got {k!r}")
-        out.append(WidthRule(first, last, k))
-    return tuple(out)
+    return tuple(
+        WidthRule(first, last, k)
+        for first, last, k in _counted_rules(
+            rules, where, "k", WGMMA_MIN_BATCH, 1, "o_proj's K at one TP size (1536 at TP8, 768 at TP16)"
+        )
+    )
 
 
 def _blocks_rules(rules: list, where: str) -> tuple[BlocksRule, ...]:
     """{ batches = [first, last], max_blocks = N } rules above 32 rows (where an epilogue cluster takes two)."""
+    return tuple(
+        BlocksRule(first, last, blocks)
+        for first, last, blocks in _counted_rules(
+            rules, where, "max_blocks", WIDE_N_TILES * TILE_N + 1, 0, "a count of bank blocks"
+        )
+    )
+
+
+def _counted_rules(rules: list, where: str, key: str, low: int, least: int, means: str) -> list[tuple[int, int, int]]:
+    """(first, last, N) of each { batches = [first, last], `key` = N } entry, batches within low..MAX_BATCH and N an
+    integer of at least `least`; a malformed entry is a one-line error naming it."""
     out = []
     for i, rule in enumerate(rules):
         at = f"{where}[{i}]"
-        if not isinstance(rule, dict) or set(rule) != {"batches", "max_blocks"}:
-            raise ValueError(f"{at} is {{ batches = [first, last], max_blocks = N }}, got {rule!r}")
-        first, last = _span(rule["batches"], WIDE_N_TILES * TILE_N + 1, f"{at} batches")
-        blocks = rule["max_blocks"]
-        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0:
-            raise ValueError(f"{at} max_blocks is a count of bank blocks, got {blocks!r}")
-        out.append(BlocksRule(first, last, blocks))
-    return tuple(out)
+        if not isinstance(rule, dict) or set(rule) != {"batches", key}:
+            raise ValueError(f"{at} is {{ batches = [first, last], {key} = N }} (N: {means}), got {rule!r}")
+        first, last = _span(rule["batches"], low, f"{at} batches")
+        n = rule[key]
+        if not isinstance(n, int) or isinstance(n, bool) or n < least:
+            raise ValueError(f"{at} {key} is {means}, got {n!r}")
+        out.append((first, last, n))
+    return out
 
 
 class AttnResEpilogue:

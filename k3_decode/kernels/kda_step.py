@@ -324,7 +324,7 @@ class KdaStepKernel:
         smem = cutlass.memory.SmemAllocator()
         bars, state_s, fb_s, cw_s, x_s, taps_s, decay_s, qk_s, v_s = self._allocate(smem, 1, TAPS)
         norm_s = smem.allocate_tensor(Float32, cute.make_layout(plan.slots), 128)
-        dt_s = norm_s  # the head's dt_bias, copied with the weights where every CTA computes all 128 decays
+        dt_s = None  # the head's dt_bias, copied with the weights where every CTA computes all 128 decays
         if const_expr(plan.local_decays):
             dt_s = smem.allocate_tensor(Float32, cute.make_layout(HEAD_DIM), 128)
         fa_at, gate_at = _section_offsets(plan)

@@ -367,15 +367,22 @@ def paired_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], bo
     return {key: won for key, won in saved_every_round(rounds).items() if key[1] > 32}
 
 
+def at_every_tp(verdicts: dict[tuple[int, int], bool]) -> dict[int, bool]:
+    """Per measured batch: whether the variant saved in every round at every TP size measured there."""
+    every: dict[int, bool] = {}
+    for (_, batch), won in verdicts.items():
+        every[batch] = every.get(batch, True) and won
+    return every
+
+
 def batch_problems(verdicts: dict[tuple[int, int], bool], served_at: Callable[[int], bool], what: str) -> list[str]:
     """For a choice the same at every TP size: a batch serves it (`served_at`) only where it saved at every TP size
     measured."""
-    problems = []
-    for batch in sorted({b for _, b in verdicts}):
-        won = all(w for (_, b), w in verdicts.items() if b == batch)
-        if served_at(batch) != won:
-            problems.append(f"B{batch}: {what} {'saved in every round but are not' if won else 'are'} served")
-    return problems
+    return [
+        f"B{batch}: {what} {'saved in every round but are not' if won else 'are'} served"
+        for batch, won in sorted(at_every_tp(verdicts).items())
+        if served_at(batch) != won
+    ]
 
 
 def paired_problems(verdicts: dict[tuple[int, int], bool]) -> list[str]:
@@ -462,11 +469,8 @@ def two_per_sm_weighted(six: list[tuple[Path, Path]], late: list[tuple[Path, Pat
 def two_per_sm_problems(verdicts: dict[tuple[int, int], bool], weighted: dict[tuple[int, int], bool]) -> list[str]:
     """Where the tree disagrees with the rounds: a batch serves two CTAs an SM at every TP size where layer 6 saved in
     every round at every TP size, unless both stacks were timed, where each (TP, batch) follows its weighted verdict."""
-    should = {}
-    for batch in {b for _, b in verdicts}:
-        won = all(w for (_, b), w in verdicts.items() if b == batch)
-        should |= {(tp, b): won for tp, b in verdicts if b == batch}
-    should |= weighted
+    every = at_every_tp(verdicts)
+    should = {(tp, batch): every[batch] for tp, batch in verdicts} | weighted
     return [
         f"TP{tp} B{batch}: two CTAs an SM {'saved in every round but are not' if won else 'are'} served"
         for (tp, batch), won in sorted(should.items())
