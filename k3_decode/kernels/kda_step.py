@@ -78,6 +78,14 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   which is latency-bound and leaves HBM nearly idle. Its own griddepcontrol.wait still covers all of this grid,
   whatever it reads. Triggering after the conv instead cost 2.5-3 us per layer at B1 (the KDA layer benchmark's
   timeline: o_proj started only as this kernel ended).
+- A lean start (a plan with `lean_start`, not served until measured). From TP8 B16 and TP16 B32 the grid runs in
+  waves, and a later wave's CTA does not wait for the projection, so what comes before its state copy is its whole
+  start: the plain start reads the slot hint (a global load) before the cluster barrier's arrive, waits for the
+  peers, then reads the slot again after griddepcontrol.wait: two load latencies and a cluster round trip before
+  the copies (1.4 us of a CTA's 8 in the phase trace at TP8 B16). A lean start arrives first, reads the hint and
+  warms L2 only in the grid's first wave (request < `wave_requests`, the CTAs that wait for the projection), and
+  waits for the peers' barriers after every copy is issued, which is still before its first push. Only the order
+  of the start changes, so the bits are the plain start's (the GPU test compares them).
 - Warming the next wave (a plan with `warm_ahead`, not served until measured): from TP8 B16 and TP16 B32 the grid
   runs in waves of `wave_requests` requests, and each CTA's reads wait for HBM while its SM holds only the resident
   CTAs' chains. Thread 0, after its own copies, issues the same L2 prefetches for the CTA of its rank and head one
@@ -332,14 +340,20 @@ class KdaStepKernel:
             self._start(bars, (HEAD_DIM * 4, plan.slots * 4), f_b, conv_w, fb_s, cw_s, place)
             if const_expr(plan.local_decays):
                 bulk_copy(dt_s.iterator, dt_bias.iterator + head * HEAD_DIM, HEAD_DIM * 4, bars + 2)
-            hint = slots[b]
-            self._prefetch(conv_state, state, hint, hint, TAPS, place)
+            if const_expr(not plan.lean_start):
+                hint = slots[b]
+                self._prefetch(conv_state, state, hint, hint, TAPS, place)
         cute.arch.griddepcontrol_launch_dependents()  # o_proj may start its weight stream now (see the docstring)
         cute.arch.cluster_arrive_relaxed()
+        if const_expr(plan.lean_start):  # noqa: SIM102 -- a compile-time branch cannot share a run-time condition
+            if tidx == 0 and b < plan.wave_requests:  # the first wave (every CTA where it is the whole grid)
+                hint = slots[b]
+                self._prefetch(conv_state, state, hint, hint, TAPS, place)
         dt, decay_rate, w_norm = self._head_constants(a_log, dt_bias, o_norm, place)
 
-        cute.arch.cluster_wait()  # peers' barriers are initialized before anything is pushed to them
-        trace_stamp(on, launches, cta, 1, tidx)
+        if const_expr(not plan.lean_start):  # a lean start waits after its copies are issued (below)
+            cute.arch.cluster_wait()  # peers' barriers are initialized before anything is pushed to them
+            trace_stamp(on, launches, cta, 1, tidx)
         cute.arch.griddepcontrol_wait()
         trace_stamp(on, launches, cta, 2, tidx)
         x = packed[b, None]
@@ -349,13 +363,21 @@ class KdaStepKernel:
                 cute.arch.atomic_add(launches.iterator, Int32(1), sem="relaxed", scope="gpu")
 
         slot = Int32(slots[b])  # read again: the copy before the wait only steered the prefetch
+        if const_expr(plan.lean_start):  # every read in flight before the cluster barrier's wait
+            if tidx == 0 and slot > 0:
+                self._copy_state(state_s, taps_s, state, Int64(slot), conv_state[Int64(slot), None], TAPS, bars, place)
+                if const_expr(plan.ahead > 0):
+                    self._warm_ahead(conv_state, state, slots, place)
+            cute.arch.cluster_wait()  # peers' barriers are initialized before anything is pushed to them
+            trace_stamp(on, launches, cta, 1, tidx)
         if slot > 0:
             row0 = Int64(slot)  # 64-bit offsets: a slot of the recurrent state is 786 KB at TP8
             conv_row = conv_state[row0, None]
-            if tidx == 0:  # the state rows, then the taps; both from L2 (prefetched before the wait)
-                self._copy_state(state_s, taps_s, state, row0, conv_row, TAPS, bars, place)
-                if const_expr(plan.ahead > 0):
-                    self._warm_ahead(conv_state, state, slots, place)
+            if const_expr(not plan.lean_start):  # noqa: SIM102 -- a compile-time branch cannot share a run-time condition
+                if tidx == 0:  # the state rows, then the taps; both from L2 (prefetched before the wait)
+                    self._copy_state(state_s, taps_s, state, row0, conv_row, TAPS, bars, place)
+                    if const_expr(plan.ahead > 0):
+                        self._warm_ahead(conv_state, state, slots, place)
             trace_stamp(on, launches, cta, 3, tidx)
             beta = _sigmoid(x[sec["beta"] + head].to(Float32))
 

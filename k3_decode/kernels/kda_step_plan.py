@@ -57,6 +57,7 @@ class StepVariant:
     warm_ahead: bool
     requests_per_cta: int = 1
     local_decays: bool = False
+    lean_start: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,14 +74,14 @@ class VariantRule:
 def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
     keys = {"resident_threads", "warm_ahead"}
     named = set(entry) - {"heads", "batches"} if rule and isinstance(entry, dict) else set(entry or ())
-    if not isinstance(entry, dict) or named - {"requests_per_cta", "local_decays"} != keys:
+    if not isinstance(entry, dict) or named - {"requests_per_cta", "local_decays", "lean_start"} != keys:
         scope = "; a rule also batches and optionally heads" if rule else ", nothing else"
         raise ValueError(
-            f"{where} must name resident_threads and warm_ahead (requests_per_cta and local_decays optional)"
-            f"{scope}, got {entry!r}"
+            f"{where} must name resident_threads and warm_ahead (requests_per_cta, local_decays and lean_start "
+            f"optional){scope}, got {entry!r}"
         )
     threads, warm, group = entry["resident_threads"], entry["warm_ahead"], entry.get("requests_per_cta", 1)
-    local = entry.get("local_decays", False)
+    local, lean = entry.get("local_decays", False), entry.get("lean_start", False)
     if threads not in RESIDENT_CHOICES or not isinstance(warm, bool) or group not in REQUEST_GROUPS:
         raise ValueError(
             f"{where}: resident_threads is one of {RESIDENT_CHOICES}, warm_ahead true or false, requests_per_cta "
@@ -88,11 +89,15 @@ def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
         )
     if not isinstance(local, bool):
         raise ValueError(f"{where}: local_decays is true or false, got {local!r}")
+    if not isinstance(lean, bool):
+        raise ValueError(f"{where}: lean_start is true or false, got {lean!r}")
     if warm and group > 1:
         raise ValueError(f"{where}: warm_ahead and requests_per_cta > 1 are not built together")
     if local and group > 1:
         raise ValueError(f"{where}: local_decays and requests_per_cta > 1 are not built together")
-    return StepVariant(threads, warm, group, local)
+    if lean and group > 1:
+        raise ValueError(f"{where}: lean_start and requests_per_cta > 1 are not built together")
+    return StepVariant(threads, warm, group, local, lean)
 
 
 def variant_rules(path: Path | None = None) -> tuple[StepVariant, tuple[VariantRule, ...]]:
@@ -144,6 +149,7 @@ class KdaStepPlan:
     warm_ahead: bool = False  # each CTA warms in L2 the state of the CTA that runs a wave after it (`ahead`)
     requests_per_cta: int = 1  # REQUEST_GROUPS: a cluster serves this many requests of its head, their copies at once
     local_decays: bool = False  # every CTA computes the head's 128 decays itself: no decay exchange (decay_rows)
+    lean_start: bool = False  # the copies before the cluster barrier's wait; the slot hint only in the first wave
 
     def __post_init__(self) -> None:
         if self.resident_threads not in RESIDENT_CHOICES:
@@ -175,6 +181,8 @@ class KdaStepPlan:
             raise ValueError("warm_ahead and requests_per_cta > 1 are not built together: choose one")
         if self.requests_per_cta > 1 and self.local_decays:
             raise ValueError("local_decays and requests_per_cta > 1 are not built together: choose one")
+        if self.requests_per_cta > 1 and self.lean_start:
+            raise ValueError("lean_start and requests_per_cta > 1 are not built together: choose one")
         if self.warm_ahead and self.wave_requests >= self.batch:
             raise ValueError(
                 f"warm_ahead warms the requests of the next wave, and at batch {self.batch} the grid is one wave "
@@ -194,12 +202,13 @@ class KdaStepPlan:
         warm_ahead: bool | None = None,
         requests_per_cta: int | None = None,
         local_decays: bool | None = None,
+        lean_start: bool | None = None,
     ) -> KdaStepPlan:
         """The smallest cluster whose grid still gives every SM a CTA, else the largest (8), and the register budget,
-        the warming, the requests per CTA and the local decays kda_step_choice.toml serves at this batch
-        (`chosen_variant`). `cluster`, `resident_threads`, `warm_ahead`, `requests_per_cta` and `local_decays`
-        override each choice (the GPU test times and checks every cluster at every batch, and the other variants at
-        every cluster where they apply).
+        the warming, the requests per CTA, the local decays and the lean start kda_step_choice.toml serves at this batch
+        (`chosen_variant`). `cluster`, `resident_threads`, `warm_ahead`, `requests_per_cta`, `local_decays` and
+        `lean_start` override each choice (the GPU test times and checks every cluster at every batch, and the other
+        variants at every cluster where they apply).
 
         Every head costs 32 warps of state work whatever the cluster (128 rows, 4 per warp); the cluster only
         groups them. Small clusters repeat less per-CTA work (every CTA convolves the head's whole q and k, and
@@ -219,7 +228,8 @@ class KdaStepPlan:
         if group is None:
             group = served.requests_per_cta if batch % served.requests_per_cta == 0 else 1
         local = served.local_decays and group == 1 if local_decays is None else local_decays
-        return replace(plan, warm_ahead=warm, requests_per_cta=group, local_decays=local)
+        lean = served.lean_start and group == 1 if lean_start is None else lean_start
+        return replace(plan, warm_ahead=warm, requests_per_cta=group, local_decays=local, lean_start=lean)
 
     # --- the packed row ---------------------------------------------------------------------------------------
 
@@ -398,12 +408,19 @@ class KdaStepPlan:
 
     @property
     def variant_suffix(self) -> str:
-        """ "" at 1024 threads per SM without warming, one request a cluster, decays exchanged, else "/t<threads per
-        SM>", "/warm", "/r<requests per CTA>" and "/local-decays": builds and compiles of the variants are named
-        apart."""
+        """ "" at 1024 threads per SM without warming, one request a cluster, decays exchanged, the plain start, else
+        "/t<threads per SM>", "/warm", "/r<requests per CTA>", "/local-decays" and "/lean": builds and compiles of
+        the variants are named apart."""
         budget = "" if self.resident_threads == RESIDENT_THREADS else f"/t{self.resident_threads}"
         group = "" if self.requests_per_cta == 1 else f"/r{self.requests_per_cta}"
-        return budget + ("/warm" if self.warm_ahead else "") + group + ("/local-decays" if self.local_decays else "")
+        lean = "/lean" if self.lean_start else ""
+        return (
+            budget
+            + ("/warm" if self.warm_ahead else "")
+            + group
+            + ("/local-decays" if self.local_decays else "")
+            + lean
+        )
 
     @property
     def tag(self) -> str:

@@ -173,6 +173,13 @@ def test_the_plan_takes_the_variant_the_choice_file_serves(tmp_path, monkeypatch
         "h6/b1/c8/local-decays", "h6/b8/c4/local-decays", "h6/b16/c2"
     ]  # fmt: skip
     assert KdaStepPlan.for_shape(6, 3216, 1, H200_SMS, local_decays=False).tag == "h6/b1/c8"
+    # a lean-start rule, beside the budget rule it does not name (the first match wins), and an argument turning it off
+    lean = "{ batches = [16, 64], resident_threads = 1536, warm_ahead = false, lean_start = true }"
+    monkeypatch.setattr(kda_step_plan, "CHOICE", _choice_file(tmp_path / "lean", lean))
+    assert [KdaStepPlan.for_shape(12, 6288, b, H200_SMS).tag for b in (8, 16, 64)] == [
+        "h12/b8/c2", "h12/b16/c2/t1536/lean", "h12/b64/c2/t1536/lean"
+    ]  # fmt: skip
+    assert KdaStepPlan.for_shape(12, 6288, 64, H200_SMS, lean_start=False).tag == "h12/b64/c2/t1536"
     # the shipped file: the variant every measurement so far ran, at every batch
     monkeypatch.undo()
     default, shipped = kda_step_plan.variant_rules()
@@ -197,6 +204,14 @@ BAD_CHOICES = {
     "a string for local_decays": (
         "{ batches = [1, 2], resident_threads = 1024, warm_ahead = false, local_decays = 'yes' }",
         "local_decays is true or false",
+    ),
+    "a string for lean_start": (
+        "{ batches = [1, 2], resident_threads = 1024, warm_ahead = false, lean_start = 1 }",
+        "lean_start is true or false",
+    ),
+    "a group with a lean start": (
+        "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, requests_per_cta = 2, lean_start = true }",
+        "lean_start and requests_per_cta > 1 are not built together",
     ),
     "a group with local decays": (
         "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, requests_per_cta = 2, local_decays = true }",
@@ -261,6 +276,21 @@ def test_local_decays_copy_the_heads_f_b_rows_and_dt_bias_and_keep_the_launch(tp
     assert local.resident_ctas >= local.spread and local.tag == plan.tag + "/local-decays"
     with pytest.raises(ValueError, match="local_decays and requests_per_cta > 1"):
         KdaStepPlan(12, 6288, 64, 2, requests_per_cta=2, local_decays=True)
+
+
+def test_a_lean_start_keeps_the_launch_and_the_shared_memory():
+    """A lean start changes only the order of the CTA's first steps (the slot hint after the cluster arrive, the
+    peers' barriers awaited after the copies), so the plan's geometry, shared memory and launch are the plain
+    start's; a group of requests cannot take it."""
+    for batch in (1, 8, 16, 64):
+        plain = KdaStepPlan.for_shape(12, 6288, batch, H200_SMS, lean_start=False)
+        lean = KdaStepPlan.for_shape(12, 6288, batch, H200_SMS, lean_start=True)
+        assert dataclasses.replace(lean, lean_start=False) == plain and lean.tag == plain.tag + "/lean"
+        assert (lean.smem_bytes, lean.launch_smem_bytes, lean.wave_requests) == (
+            plain.smem_bytes, plain.launch_smem_bytes, plain.wave_requests
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="lean_start and requests_per_cta > 1"):
+        KdaStepPlan(12, 6288, 64, 2, requests_per_cta=2, lean_start=True)
 
 
 def test_the_plan_refuses_what_the_kernel_cannot_take():
@@ -340,7 +370,7 @@ def test_the_copies_fill_exactly_the_bytes_their_barriers_wait_for(tp, cluster):
 
 def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     every = step_builds()
-    one = [b for b in every if b.plan.requests_per_cta == 1 and not b.plan.local_decays]
+    one = [b for b in every if b.plan.requests_per_cta == 1 and not b.plan.local_decays and not b.plan.lean_start]
     served = [b for b in one if b.plan == KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)]
     budgets = [b for b in one if not b.plan.warm_ahead]
     warm = [b for b in one if b.plan.warm_ahead]
@@ -389,6 +419,12 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     for b in local:
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
         assert b.plan == dataclasses.replace(chosen, local_decays=True), b.name
+    # a lean start at B1, B8, B16 and B64, at the served plan otherwise
+    lean = [b for b in every if b.plan.lean_start]
+    assert len(lean) == 8 and {(b.tp, b.plan.batch) for b in lean} == {(t, n) for t in (8, 16) for n in (1, 8, 16, 64)}
+    for b in lean:
+        chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
+        assert b.plan == dataclasses.replace(chosen, lean_start=True) and b.name.endswith("/lean"), b.name
     assert {b.kernel for b in every} == {"kda_step"} and {b.plan.slot_dtype for b in every} == {"int32"}
     assert K3_KERNEL_BUILDS.kda_step_builds() == every
 
@@ -427,8 +463,9 @@ def test_build_tags_count_what_the_code_must_hold():
 def test_expectations_judge_every_kda_step_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_step/*")  # every named tag exists
-    # 14 at 1024 threads per SM, 6 at 1536, 7 warming the next wave, 4 of request pairs, 6 with local decays
-    assert len(builds) == 37
+    # 14 at 1024 threads per SM, 6 at 1536, 7 warming the next wave, 4 of request pairs, 6 with local decays, 8 with
+    # a lean start
+    assert len(builds) == 45
     step = expectations["kda_step"]
     assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
 
@@ -670,6 +707,35 @@ def test_a_local_decays_kernel_that_still_waits_for_the_exchange_fails_its_build
     wait count catches it."""
     failed = sorted(failed_checks_of_broken_build(tmp_path, "kda_step/tp8/b1/local-decays", STILL_WAITS_FOR_DECAYS))
     assert len(failed) == 1 and "try_wait" in failed[0], failed
+
+
+PLAIN_START_TAGGED_LEAN = """
+import os
+os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+import dataclasses
+from k3_decode.kernels import kda_step, kda_step_group
+
+
+def plain_start(plan, trace=False):
+    return kda_step.KdaStepKernel(dataclasses.replace(plan, lean_start=False), trace)
+
+
+kda_step_group.step_kernel = plain_start
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_lean_build_that_starts_like_the_plain_one_fails_its_build(tmp_path):
+    """The broken case of the lean builds: the plain start compiled under a lean build's name and tags (the slot
+    hint read before the cluster arrive, the peers' barriers awaited before the dependency wait and the copies).
+    Each of the three order rules of a lean start catches it, and nothing else needs to."""
+    failed = sorted(failed_checks_of_broken_build(tmp_path, "kda_step/tp8/b64/t1536/lean", PLAIN_START_TAGGED_LEAN))
+    assert len(failed) == 3, failed
+    wait_first, copies_late, hint_first = failed
+    assert "before 'griddepcontrol" in wait_first and wait_first.startswith("ptx 'barrier"), failed
+    assert copies_late.startswith("ptx 'cp") and "before 'barrier" in copies_late, failed
+    assert hint_first.startswith("ptx 'ld") and "arrive" in hint_first, failed
 
 
 LAUNCH_ON_CPU = """

@@ -74,6 +74,7 @@ WIDE = [b for b in ALL_BUILDS if b.plan.resident_threads != RESIDENT_THREADS and
 WARM = [b for b in ALL_BUILDS if b.plan.warm_ahead]  # warming the next wave's state in L2
 GROUP = [b for b in ALL_BUILDS if b.plan.requests_per_cta > 1]  # clusters serving two requests each
 LOCAL = [b for b in ALL_BUILDS if b.plan.local_decays]  # every CTA computes the head's decays: no decay exchange
+LEAN = [b for b in ALL_BUILDS if b.plan.lean_start]  # the copies before the cluster barrier's wait
 WIDE_BUDGET = max(RESIDENT_CHOICES)
 # Every built shape, and two batches the builds do not list (the provider gets whatever the executor prepares).
 CASES = [(b.tp, b.plan.batch) for b in BUILDS] + [(8, 3), (16, 5)]
@@ -148,10 +149,11 @@ class Step:
         warm_ahead: bool | None = None,
         requests_per_cta: int | None = None,
         local_decays: bool | None = None,
+        lean_start: bool | None = None,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.tp, self.batch, self.forced, self.resident, self.warm = tp, batch, cluster, resident_threads, warm_ahead
-        self.group, self.local = requests_per_cta, local_decays
+        self.group, self.local, self.lean = requests_per_cta, local_decays, lean_start
         self.spec, self.weights = spec_for(tp), kda_weights(tp)
         self.cache = random_kda_cache(self.spec, 2 * batch + 2, 0, gen, DEV)
         self.start = clone_cache(self.cache)
@@ -174,6 +176,7 @@ class Step:
             self.warm,
             self.group,
             self.local,
+            self.lean,
         )
 
     def oracle(self, cache: rk.KdaCache, packed: Tensor | None = None) -> Tensor:
@@ -191,7 +194,7 @@ class Step:
     @property
     def plan(self) -> KdaStepPlan:
         return kda_step_op.plan_for(
-            self.spec, self.packed, self.slots, self.forced, self.resident, self.warm, self.group, self.local
+            self.spec, self.packed, self.slots, self.forced, self.resident, self.warm, self.group, self.local, self.lean
         )
 
 
@@ -322,6 +325,45 @@ def test_local_decays_give_the_exchanged_decays_bits(tp: int, batch: int):
     assert torch.equal(local, other), f"{what}: the outputs differ"
     assert torch.equal(local_cache.recurrent, exchanged_cache.recurrent), f"{what}: the recurrent states differ"
     assert torch.equal(local_cache.conv, exchanged_cache.conv), f"{what}: the conv states differ"
+    print(f"METRIC KDA step {what}: bit-identical")
+    check_step(step)
+
+
+# A lean start (KdaStepPlan.lean_start) at the plan's cluster and register budget: one wave (B1, B8) and several
+# (B16 and B64 at both sizes, where only the first wave warms its state in L2), the builds among them.
+LEAN_CASES = [(tp, batch) for tp in (8, 16) for batch in (1, 8, 16, 64)]
+assert {(b.tp, b.plan.batch) for b in LEAN} <= set(LEAN_CASES)
+
+
+@pytest.mark.parametrize("tp, batch", LEAN_CASES, ids=[f"tp{t}-b{b}-lean" for t, b in LEAN_CASES])
+def test_a_lean_start_gives_the_plain_starts_bits(tp: int, batch: int):
+    """A lean start moves only when the CTA reads its slot hint and waits for its peers' barriers, so its outputs,
+    state and taps must be the plain start's bit for bit, NULL rows among them; then the oracle checks."""
+    step = Step(tp, batch, seed=tp * 1000 + batch + 11, lean_start=True)
+    plan = step.plan
+    plain = dataclasses.replace(plan, lean_start=False)
+    assert plan.lean_start and plain == step_plan(tp, batch, lean_start=False)
+    lean_cache, plain_cache = clone_cache(step.cache), clone_cache(step.cache)
+    lean = step.kernel(cache=lean_cache)
+    other = kda_step_op.decode_step(
+        step.spec,
+        step.weights,
+        step.packed,
+        plain_cache,
+        step.slots,
+        None,
+        plan.cluster,
+        plan.resident_threads,
+        plan.warm_ahead,
+        plan.requests_per_cta,
+        plan.local_decays,
+        False,
+    )
+    torch.cuda.synchronize()
+    what = f"TP{tp} B{batch} {plan.tag} against {plain.tag}"
+    assert torch.equal(lean, other), f"{what}: the outputs differ"
+    assert torch.equal(lean_cache.recurrent, plain_cache.recurrent), f"{what}: the recurrent states differ"
+    assert torch.equal(lean_cache.conv, plain_cache.conv), f"{what}: the conv states differ"
     print(f"METRIC KDA step {what}: bit-identical")
     check_step(step)
 
