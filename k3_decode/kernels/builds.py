@@ -807,15 +807,20 @@ class K3KernelBuilds:
                 raise ValueError(f"builds.toml kda_step.tp: {exc}") from None
             heads, rows, sms = shard.kda_heads, shard.kda_in_proj_rows, spec["sm_count"]
             mine = [KdaStepPlan.for_shape(heads, rows, batch, sms) for batch in spec["batches"]]
-            mine += [
-                KdaStepPlan.for_shape(heads, rows, batch, sms, resident_threads=threads, warm_ahead=False)
+            mine += [  # each budget with the plain start, whatever start the choice serves there
+                KdaStepPlan.for_shape(
+                    heads, rows, batch, sms, resident_threads=threads, warm_ahead=False, lean_start=False
+                )
                 for batch in budgets
                 for threads in RESIDENT_CHOICES
             ]
             mine += [
                 replace(plan, warm_ahead=True)
                 for plan in list(mine)
-                if plan.batch in warm and plan.requests_per_cta == 1 and plan.wave_requests < plan.batch
+                if plan.batch in warm
+                and plan.requests_per_cta == 1
+                and not plan.lean_start
+                and plan.wave_requests < plan.batch
             ]
             mine += [
                 KdaStepPlan.for_shape(

@@ -78,14 +78,15 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   which is latency-bound and leaves HBM nearly idle. Its own griddepcontrol.wait still covers all of this grid,
   whatever it reads. Triggering after the conv instead cost 2.5-3 us per layer at B1 (the KDA layer benchmark's
   timeline: o_proj started only as this kernel ended).
-- A lean start (a plan with `lean_start`, not served until measured). From TP8 B16 and TP16 B32 the grid runs in
-  waves, and a later wave's CTA does not wait for the projection, so what comes before its state copy is its whole
-  start: the plain start reads the slot hint (a global load) before the cluster barrier's arrive, waits for the
-  peers, then reads the slot again after griddepcontrol.wait: two load latencies and a cluster round trip before
-  the copies (1.4 us of a CTA's 8 in the phase trace at TP8 B16). A lean start arrives first, reads the hint and
-  warms L2 only in the grid's first wave (request < `wave_requests`, the CTAs that wait for the projection), and
-  waits for the peers' barriers after every copy is issued, which is still before its first push. Only the order
-  of the start changes, so the bits are the plain start's (the GPU test compares them).
+- A lean start (a plan with `lean_start`, served at TP8 B64 from one H100's layer rounds). From TP8 B16 and TP16 B32
+  the grid runs in waves, and a later wave's CTA does not wait for the projection, so what comes before its state
+  copy is its whole start: the plain start reads the slot hint (a global load) before the cluster barrier's
+  arrive, waits for the peers, then reads the slot again after griddepcontrol.wait: two load latencies and a
+  cluster round trip before the copies (1.9-3.9 us of a CTA's 10-14 in the phase traces at B32 and B64). A lean
+  start arrives first, reads the hint and warms L2 only in the grid's first wave (request < `wave_requests`, the
+  CTAs that wait for the projection), and waits for the peers' barriers after every copy is issued, which is still
+  before its first push. Only the order of the start changes, so the bits are the plain start's (the GPU test
+  compares them).
 - Warming the next wave (a plan with `warm_ahead`, not served until measured): from TP8 B16 and TP16 B32 the grid
   runs in waves of `wave_requests` requests, and each CTA's reads wait for HBM while its SM holds only the resident
   CTAs' chains. Thread 0, after its own copies, issues the same L2 prefetches for the CTA of its rank and head one

@@ -283,3 +283,95 @@ def test_a_choice_serving_local_decays_at_b1_to_b8_contradicts_the_rounds(tmp_pa
     )
     problems = local_decay_problems(local_decay_verdicts(LOCAL_DECAY_ROUNDS), choice)
     assert len(problems) == 7 and "TP8 B8" not in " ".join(problems), problems
+
+
+# One H100 at 326f26f, three rounds of 60 against the tree, the lean start served everywhere (kda_step_choice.toml with
+# `lean_start = true` on every rule and the default): layer 6 at B16, B32 and B64, both TP sizes; layer 86 (the late
+# stack) at TP8 B32 and B64, and at TP8 B48 and B56.
+def _rounds(stem: str) -> list[tuple[Path, Path]]:
+    folder = RESULTS / "kda-layer-variants-h100"
+    return [(folder / f"{stem}-base-{i}.json", folder / f"{stem}-{i}.json") for i in (1, 2, 3)]
+
+
+LEAN_SIX_ROUNDS = _rounds("step-lean")
+LEAN_LATE_ROUNDS = _rounds("step-lean-late")
+LEAN_LATE_48_ROUNDS = _rounds("step-lean-late48")
+LATE_LAYER = 86
+
+
+def lean_savings(rounds: list[tuple[Path, Path]], layer: int) -> list[dict[tuple[int, int], float]]:
+    """Per round, the layer time the lean start saved per cell, after checking that each variant ran it at every cell
+    and no base did, all on one H100 at 326f26f."""
+    out = []
+    for base_path, variant_path in rounds:
+        base, variant = json.loads(base_path.read_text()), json.loads(variant_path.read_text())
+        assert base["variant"] == {"name": "plain", "choice_files": {}}, base_path.name
+        assert "lean_start = true" in variant["variant"]["choice_files"]["kda_step_choice.toml"], variant_path.name
+        for doc, lean in ((base, False), (variant, True)):
+            assert (doc["env"]["gpu"], doc["env"]["commit"][:7], doc["env"]["dirty"]) == (
+                "NVIDIA H100 80GB HBM3", "326f26f", False
+            )  # fmt: skip
+            for key, cell in bench.cells_by_key(doc).items():
+                assert cell["kda_step_plan"].endswith("/lean") == lean, (key, cell["kda_step_plan"])
+        timed, saved = bench.layer_savings(base, variant)
+        assert timed == layer, variant_path.name
+        out.append(saved)
+    return out
+
+
+def lean_verdicts(six: list[tuple[Path, Path]], late: list[list[tuple[Path, Path]]]) -> dict[tuple[int, int], bool]:
+    """Per (TP, batch) timed: whether the lean start saved model time in every round. Where both stacks were timed,
+    round i of each paired, each layer's saving times the KDA layers it stands for (9 for layer 6, 60 for layer 86);
+    where only one was, that stack's rounds, which cannot serve it alone (the step's rules are judged on both)."""
+    weights = {layer: bench.kda_layers_like(K3, layer) for layer in (6, LATE_LAYER)}
+    on_six = lean_savings(six, 6)
+    on_late = [lean_savings(rounds, LATE_LAYER) for rounds in late]
+    verdicts = {key: False for saved in on_six for key in saved}  # layer 6 alone never serves
+    for rounds in on_late:
+        verdicts |= {key: False for saved in rounds for key in saved}
+        both = set(rounds[0]) & set(on_six[0])
+        for key in both:
+            verdicts[key] = all(
+                weights[6] * six_saved[key] + weights[LATE_LAYER] * late_saved[key] > 0
+                for six_saved, late_saved in zip(on_six, rounds, strict=True)
+            )
+    return verdicts
+
+
+def lean_problems(verdicts: dict[tuple[int, int], bool], choice: Path | None = None) -> list[str]:
+    return [
+        f"TP{tp} B{batch}: the lean start {'saved in every round but is not' if won else 'is'} served"
+        for (tp, batch), won in sorted(verdicts.items())
+        if chosen_variant(K3.shard(tp).kda_heads, batch, choice).lean_start != won
+    ]
+
+
+def test_the_lean_start_is_served_exactly_where_it_saved_model_time_in_every_round():
+    """Only TP8 B64 saved on both stacks in every round (+0.25 to +1.62 us on layer 6, +2.34 to +3.58 on layer 86) and
+    is served; TP8 B32 saved on layer 6 but lost model time in the round where layer 86 lost 0.72 us; TP8 B48 and B56
+    (layer 86 only) were mixed; TP8 B16 and TP16 B32-B64 lost on layer 6. Between the timed batches nothing else is."""
+    verdicts = lean_verdicts(LEAN_SIX_ROUNDS, [LEAN_LATE_ROUNDS, LEAN_LATE_48_ROUNDS])
+    assert set(verdicts) == {(tp, b) for tp in (8, 16) for b in (16, 32, 64)} | {(8, 48), (8, 56)}
+    assert {key for key, won in verdicts.items() if won} == {(8, 64)}
+    assert lean_problems(verdicts) == []
+    for tp in (8, 16):
+        heads = K3.shard(tp).kda_heads
+        assert [b for b in range(1, 65) if chosen_variant(heads, b).lean_start] == ([64] if tp == 8 else [])
+
+
+def test_rounds_where_the_lean_start_lost_at_tp8_b64_take_it_away(tmp_path):
+    """Broken case: layer 86's rounds with B64's gains mirrored into losses; the weighted verdict at TP8 B64 flips and
+    the served rule no longer matches."""
+    mirrored = []
+    for base, variant in LEAN_LATE_ROUNDS:
+        doc, base_cells = json.loads(variant.read_text()), bench.cells_by_key(json.loads(base.read_text()))
+        for run in doc["runs"]:
+            for cell in run["cells"]:
+                if cell["batch"] == 64:
+                    s_base = base_cells[(cell["tp"], 64)]["layer_speedup"]["speedup"]
+                    cell["layer_speedup"]["speedup"] = s_base**2 / cell["layer_speedup"]["speedup"]
+        (tmp_path / variant.name).write_text(json.dumps(doc))
+        mirrored.append((base, tmp_path / variant.name))
+    verdicts = lean_verdicts(LEAN_SIX_ROUNDS, [mirrored, LEAN_LATE_48_ROUNDS])
+    assert not verdicts[(8, 64)]
+    assert lean_problems(verdicts) == ["TP8 B64: the lean start is served"]

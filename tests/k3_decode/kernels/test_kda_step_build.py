@@ -118,7 +118,8 @@ def test_warming_reaches_one_wave_ahead_and_is_refused_where_there_is_none():
     requests whose CTAs fill every SM at ctas_per_sm. One wave of CTAs has no later one to warm."""
     cases = {(12, 64, 1024): 11, (12, 64, 1536): 16, (12, 32, 1536): 16, (6, 64, 1024): 22, (6, 64, 1536): 33}
     for (heads, batch, threads), ahead in cases.items():
-        plan = KdaStepPlan.for_shape(heads, 6288 if heads == 12 else 3216, batch, H200_SMS, resident_threads=threads)
+        rows = 6288 if heads == 12 else 3216
+        plan = KdaStepPlan.for_shape(heads, rows, batch, H200_SMS, resident_threads=threads, lean_start=False)
         warm = dataclasses.replace(plan, warm_ahead=True)
         assert (plan.ahead, warm.ahead, warm.wave_requests) == (0, ahead, ahead), (heads, batch, threads)
         # the CTAs of `ahead` requests are exactly what the SMs hold at once, one more request's would not fit
@@ -371,7 +372,13 @@ def test_the_copies_fill_exactly_the_bytes_their_barriers_wait_for(tp, cluster):
 def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     every = step_builds()
     one = [b for b in every if b.plan.requests_per_cta == 1 and not b.plan.local_decays and not b.plan.lean_start]
-    served = [b for b in one if b.plan == KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)]
+    served = [
+        b
+        for b in every
+        if b.plan == KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
+        and b.plan.requests_per_cta == 1
+    ]
+    assert [b.name for b in served if b.plan.lean_start] == ["kda_step/tp8/b64/t1536/lean"]  # kda_step_choice.toml
     budgets = [b for b in one if not b.plan.warm_ahead]
     warm = [b for b in one if b.plan.warm_ahead]
     pairs = [b for b in every if b.plan.requests_per_cta > 1]
@@ -386,9 +393,9 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     assert {b.name for b in budgets} == {f"kda_step/tp{tp}/b{b}" for tp in (8, 16) for b in (*batches, 32)} | {
         f"kda_step/tp{tp}/b{b}/t1536" for tp in (8, 16) for b in wide
     }
-    for b in budgets:
+    for b in budgets:  # each with the plain start (the served lean start is among the lean builds)
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
-        assert b.plan == dataclasses.replace(chosen, resident_threads=b.plan.resident_threads), b.name
+        assert b.plan == dataclasses.replace(chosen, resident_threads=b.plan.resident_threads, lean_start=False)
         if b.plan.resident_threads == 1536:  # three CTAs of 512 threads an SM, as many used as the grid needs
             assert b.plan.ctas_per_sm == 3 and b.plan.spread == min(3, -(-b.plan.ctas // H200_SMS)), b.name
             assert 3 * (b.plan.smem_bytes + 2048) <= 228 * 1024
@@ -411,7 +418,7 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     assert {b.name for b in pairs} == {f"kda_step/tp{tp}/b{b}/r2" for tp in (8, 16) for b in (32, 64)}
     for b in pairs:
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
-        assert b.plan == dataclasses.replace(chosen, resident_threads=1024, requests_per_cta=2), b.name
+        assert b.plan == dataclasses.replace(chosen, resident_threads=1024, requests_per_cta=2, lean_start=False)
         assert b.plan.resident_ctas == b.plan.ctas_per_sm == 2 and b.plan.groups == b.plan.batch // 2, b.name
     # every CTA computing its head's decays at B1, B4 and B8, at the served plan otherwise
     local = [b for b in every if b.plan.local_decays]
