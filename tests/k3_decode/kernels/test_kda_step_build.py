@@ -174,7 +174,7 @@ def test_the_plan_takes_the_variant_the_choice_file_serves(tmp_path, monkeypatch
         "h6/b1/c8/local-decays", "h6/b8/c4/local-decays", "h6/b16/c2"
     ]  # fmt: skip
     assert KdaStepPlan.for_shape(6, 3216, 1, H200_SMS, local_decays=False).tag == "h6/b1/c8"
-    # a lean-start rule, beside the budget rule it does not name (the first match wins), and an argument turning it off
+    # a lean-start rule, and an argument turning it off
     lean = "{ batches = [16, 64], resident_threads = 1536, warm_ahead = false, lean_start = true }"
     monkeypatch.setattr(kda_step_plan, "CHOICE", _choice_file(tmp_path / "lean", lean))
     assert [KdaStepPlan.for_shape(12, 6288, b, H200_SMS).tag for b in (8, 16, 64)] == [

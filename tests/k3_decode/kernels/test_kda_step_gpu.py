@@ -297,36 +297,33 @@ LOCAL_CASES = [(tp, batch) for tp in (8, 16) for batch in (1, 2, 4, 8, 16, 32, 6
 assert {(b.tp, b.plan.batch) for b in LOCAL} <= set(LOCAL_CASES)
 
 
+def assert_same_bits(step: Step, other: KdaStepPlan) -> None:
+    """`step`'s plan and `other` (the same shape with a knob turned off) run from the same cache and inputs: the
+    outputs, the recurrent state and the conv state must be equal bit for bit, NULL rows among them."""
+    plan = step.plan
+    mine, theirs = clone_cache(step.cache), clone_cache(step.cache)
+    got = step.kernel(cache=mine)
+    knobs = (other.cluster, other.resident_threads, other.warm_ahead, other.requests_per_cta)
+    want = kda_step_op.decode_step(
+        step.spec, step.weights, step.packed, theirs, step.slots, None, *knobs, other.local_decays, other.lean_start
+    )
+    torch.cuda.synchronize()
+    what = f"TP{step.tp} B{step.batch} {plan.tag} against {other.tag}"
+    assert torch.equal(got, want), f"{what}: the outputs differ"
+    assert torch.equal(mine.recurrent, theirs.recurrent), f"{what}: the recurrent states differ"
+    assert torch.equal(mine.conv, theirs.conv), f"{what}: the conv states differ"
+    print(f"METRIC KDA step {what}: bit-identical")
+
+
 @pytest.mark.parametrize("tp, batch", LOCAL_CASES, ids=[f"tp{t}-b{b}-local-decays" for t, b in LOCAL_CASES])
 def test_local_decays_give_the_exchanged_decays_bits(tp: int, batch: int):
     """Each decay is the same half-warp dot product from the same vectors whichever CTA computes it, so computing
     all 128 in every CTA instead of pushing them must give the exchanging kernel's outputs, state and taps bit for
     bit, NULL rows among them; then the oracle checks, as for any plan."""
     step = Step(tp, batch, seed=tp * 1000 + batch + 7, local_decays=True)
-    plan = step.plan
-    exchanged = dataclasses.replace(plan, local_decays=False)
-    assert plan.local_decays and exchanged == step_plan(tp, batch, local_decays=False)
-    local_cache, exchanged_cache = clone_cache(step.cache), clone_cache(step.cache)
-    local = step.kernel(cache=local_cache)
-    other = kda_step_op.decode_step(
-        step.spec,
-        step.weights,
-        step.packed,
-        exchanged_cache,
-        step.slots,
-        None,
-        plan.cluster,
-        plan.resident_threads,
-        plan.warm_ahead,
-        plan.requests_per_cta,
-        False,
-    )
-    torch.cuda.synchronize()
-    what = f"TP{tp} B{batch} {plan.tag} against {exchanged.tag}"
-    assert torch.equal(local, other), f"{what}: the outputs differ"
-    assert torch.equal(local_cache.recurrent, exchanged_cache.recurrent), f"{what}: the recurrent states differ"
-    assert torch.equal(local_cache.conv, exchanged_cache.conv), f"{what}: the conv states differ"
-    print(f"METRIC KDA step {what}: bit-identical")
+    exchanged = dataclasses.replace(step.plan, local_decays=False)
+    assert step.plan.local_decays and exchanged == step_plan(tp, batch, local_decays=False)
+    assert_same_bits(step, exchanged)
     check_step(step)
 
 
@@ -341,31 +338,9 @@ def test_a_lean_start_gives_the_plain_starts_bits(tp: int, batch: int):
     """A lean start moves only when the CTA reads its slot hint and waits for its peers' barriers, so its outputs,
     state and taps must be the plain start's bit for bit, NULL rows among them; then the oracle checks."""
     step = Step(tp, batch, seed=tp * 1000 + batch + 11, lean_start=True)
-    plan = step.plan
-    plain = dataclasses.replace(plan, lean_start=False)
-    assert plan.lean_start and plain == step_plan(tp, batch, lean_start=False)
-    lean_cache, plain_cache = clone_cache(step.cache), clone_cache(step.cache)
-    lean = step.kernel(cache=lean_cache)
-    other = kda_step_op.decode_step(
-        step.spec,
-        step.weights,
-        step.packed,
-        plain_cache,
-        step.slots,
-        None,
-        plan.cluster,
-        plan.resident_threads,
-        plan.warm_ahead,
-        plan.requests_per_cta,
-        plan.local_decays,
-        False,
-    )
-    torch.cuda.synchronize()
-    what = f"TP{tp} B{batch} {plan.tag} against {plain.tag}"
-    assert torch.equal(lean, other), f"{what}: the outputs differ"
-    assert torch.equal(lean_cache.recurrent, plain_cache.recurrent), f"{what}: the recurrent states differ"
-    assert torch.equal(lean_cache.conv, plain_cache.conv), f"{what}: the conv states differ"
-    print(f"METRIC KDA step {what}: bit-identical")
+    plain = dataclasses.replace(step.plan, lean_start=False)
+    assert step.plan.lean_start and plain == step_plan(tp, batch, lean_start=False)
+    assert_same_bits(step, plain)
     check_step(step)
 
 
