@@ -467,6 +467,7 @@ class KdaStepBuild:
             "requests_per_cta": n,
             "local_decays": p.local_decays,
             "lean_start": p.lean_start,
+            "lean_conv": p.lean_conv,
             "barriers": 6 * n,
             "armed": 6 + 5 * (n - 1) - local,
             "weight_copies": 1 + 3 + local,
@@ -791,7 +792,7 @@ class K3KernelBuilds:
     def kda_step_builds(self) -> list[KdaStepBuild]:
         """The fused KDA decode step at every TP and batch of builds.toml's [kda_step], at each rank's heads: the
         served variant (kda_step_choice.toml), and every register budget, the warming, the request groups, the
-        local decays and the lean start where it lists them."""
+        local decays, the lean start and the lean conv where it lists them."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_step"]
         budgets = spec.get("every_budget", {"batches": []})["batches"]
@@ -799,6 +800,7 @@ class K3KernelBuilds:
         groups = spec.get("request_groups", {"requests": 1, "batches": []})
         local = spec.get("local_decays", {"batches": []})["batches"]
         lean = spec.get("lean_start", {"batches": []})["batches"]
+        lean_conv = spec.get("lean_conv", {"batches": []})["batches"]
         builds = []
         for tp in spec["tp"]:
             try:
@@ -830,6 +832,7 @@ class K3KernelBuilds:
             ]
             mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, local_decays=True) for batch in local]
             mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, lean_start=True) for batch in lean]
+            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, lean_conv=True) for batch in lean_conv]
             builds += [KdaStepBuild(tp, plan) for plan in mine]
         # a variant kda_step_choice.toml serves is built once, whichever table entry also asks for it
         return list({b.name: b for b in builds}.values())

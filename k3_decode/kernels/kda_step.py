@@ -87,6 +87,12 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   CTAs that wait for the projection), and waits for the peers' barriers after every copy is issued, which is still
   before its first push. Only the order of the start changes, so the bits are the plain start's (the GPU test
   compares them).
+- A lean conv (a plan with `lean_conv`, built, not yet measured). Every warp runs the conv code so that it is no
+  divergent block, and warps 2 and up discard what they compute: about 215 of the ~800 instructions a warp of a
+  live CTA issues. From B16 the grid runs in waves of up to 48 warps an SM and the step is bound by instruction
+  issue more than by HBM (docs/kda-layer-h200.md, "Where a KDA step CTA's time goes"), so a lean conv has warps 2
+  and up branch past it (warp-uniform: no divergence) and cuts a CTA's instructions by about a fifth; the conv
+  warps do exactly what they did, so the bits are the plain conv's (the GPU test compares them).
 - Warming the next wave (a plan with `warm_ahead`, not served until measured): from TP8 B16 and TP16 B32 the grid
   runs in waves of `wave_requests` requests, and each CTA's reads wait for HBM while its SM holds only the resident
   CTAs' chains. Thread 0, after its own copies, issues the same L2 prefetches for the CTA of its rank and head one
@@ -387,16 +393,13 @@ class KdaStepKernel:
             cute.arch.mbarrier_wait(bars + 3, 0)  # the packed row's sections
             cute.arch.mbarrier_wait(bars + 4, 0)  # the taps
             trace_stamp(on, launches, cta, 4, tidx)
-            cw = cute.make_rmem_tensor((VECTOR * CONV_WIDTH,), BFloat16)  # 8 channels x 4 taps, channel-major
-            for i in cutlass.range_constexpr(CONV_WIDTH):
-                _copy(cw_s, VECTOR, CONV_WIDTH * (cl // VECTOR) + i, _part(cw, VECTOR, i))
-            taps = cute.make_rmem_tensor((VECTOR * TAPS,), BFloat16)  # 8 channels x 3 taps, channel-major
-            for t in cutlass.range_constexpr(TAPS):
-                _copy(taps_s, VECTOR, TAPS * (cl // VECTOR) + t, _part(taps, VECTOR, t))
             inputs = cute.make_rmem_tensor((VECTOR,), BFloat16)
-            _copy(x_s, VECTOR, cl // VECTOR, inputs)
             act = cute.make_rmem_tensor((VECTOR,), Float32)
-            _conv_silu(cw, taps, inputs, act)
+            if const_expr(plan.lean_conv):
+                if warp < 2:  # warp-uniform: warps 2 and up would only discard it
+                    _convolve(cw_s, taps_s, x_s, cl, inputs, act)
+            else:
+                _convolve(cw_s, taps_s, x_s, cl, inputs, act)
 
             # The decays of the CTA's channels, pushed to every CTA of the cluster (decay_s[c] = exp(g_c)), or
             # with local_decays all 128 of the head, computed here and stored before the CTA barrier below.
@@ -992,6 +995,20 @@ def _store_normalized(act: cute.Tensor, lane: Int32, l2_eps: Float32, area: cute
     if lane < 16:
         scale = scale * (HEAD_DIM**-0.5)
     _store_f32(act, scale, area, start)
+
+
+@cute.jit
+def _convolve(cw_s: cute.Tensor, taps_s: cute.Tensor, x_s: cute.Tensor, cl: Any, inputs: cute.Tensor, act: cute.Tensor):
+    """The decode conv of the lane's 8 local channels from `cl` (_place): their weights, taps and inputs from shared
+    memory into registers (`inputs` keeps the inputs), the SiLU of the conv into `act`."""
+    cw = cute.make_rmem_tensor((VECTOR * CONV_WIDTH,), BFloat16)  # 8 channels x 4 taps, channel-major
+    for i in cutlass.range_constexpr(CONV_WIDTH):
+        _copy(cw_s, VECTOR, CONV_WIDTH * (cl // VECTOR) + i, _part(cw, VECTOR, i))
+    taps = cute.make_rmem_tensor((VECTOR * TAPS,), BFloat16)  # 8 channels x 3 taps, channel-major
+    for t in cutlass.range_constexpr(TAPS):
+        _copy(taps_s, VECTOR, TAPS * (cl // VECTOR) + t, _part(taps, VECTOR, t))
+    _copy(x_s, VECTOR, cl // VECTOR, inputs)
+    _conv_silu(cw, taps, inputs, act)
 
 
 @cute.jit

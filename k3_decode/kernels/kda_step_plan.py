@@ -58,6 +58,7 @@ class StepVariant:
     requests_per_cta: int = 1
     local_decays: bool = False
     lean_start: bool = False
+    lean_conv: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,14 +75,15 @@ class VariantRule:
 def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
     keys = {"resident_threads", "warm_ahead"}
     named = set(entry) - {"heads", "batches"} if rule and isinstance(entry, dict) else set(entry or ())
-    if not isinstance(entry, dict) or named - {"requests_per_cta", "local_decays", "lean_start"} != keys:
+    optional = {"requests_per_cta", "local_decays", "lean_start", "lean_conv"}
+    if not isinstance(entry, dict) or named - optional != keys:
         scope = "; a rule also batches and optionally heads" if rule else ", nothing else"
         raise ValueError(
-            f"{where} must name resident_threads and warm_ahead (requests_per_cta, local_decays and lean_start "
-            f"optional){scope}, got {entry!r}"
+            f"{where} must name resident_threads and warm_ahead (requests_per_cta, local_decays, lean_start and "
+            f"lean_conv optional){scope}, got {entry!r}"
         )
     threads, warm, group = entry["resident_threads"], entry["warm_ahead"], entry.get("requests_per_cta", 1)
-    local, lean = entry.get("local_decays", False), entry.get("lean_start", False)
+    local, lean, conv = entry.get("local_decays", False), entry.get("lean_start", False), entry.get("lean_conv", False)
     if threads not in RESIDENT_CHOICES or not isinstance(warm, bool) or group not in REQUEST_GROUPS:
         raise ValueError(
             f"{where}: resident_threads is one of {RESIDENT_CHOICES}, warm_ahead true or false, requests_per_cta "
@@ -91,13 +93,15 @@ def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
         raise ValueError(f"{where}: local_decays is true or false, got {local!r}")
     if not isinstance(lean, bool):
         raise ValueError(f"{where}: lean_start is true or false, got {lean!r}")
+    if not isinstance(conv, bool):
+        raise ValueError(f"{where}: lean_conv is true or false, got {conv!r}")
     if warm and group > 1:
         raise ValueError(f"{where}: warm_ahead and requests_per_cta > 1 are not built together")
     if local and group > 1:
         raise ValueError(f"{where}: local_decays and requests_per_cta > 1 are not built together")
-    if lean and group > 1:
-        raise ValueError(f"{where}: lean_start and requests_per_cta > 1 are not built together")
-    return StepVariant(threads, warm, group, local, lean)
+    if (lean or conv) and group > 1:
+        raise ValueError(f"{where}: lean_start or lean_conv and requests_per_cta > 1 are not built together")
+    return StepVariant(threads, warm, group, local, lean, conv)
 
 
 def variant_rules(path: Path | None = None) -> tuple[StepVariant, tuple[VariantRule, ...]]:
@@ -150,6 +154,7 @@ class KdaStepPlan:
     requests_per_cta: int = 1  # REQUEST_GROUPS: a cluster serves this many requests of its head, their copies at once
     local_decays: bool = False  # every CTA computes the head's 128 decays itself: no decay exchange (decay_rows)
     lean_start: bool = False  # the copies before the cluster barrier's wait; the slot hint only in the first wave
+    lean_conv: bool = False  # only warps 0 and 1 (the conv lanes') run the conv; the others skip it, not discard it
 
     def __post_init__(self) -> None:
         if self.resident_threads not in RESIDENT_CHOICES:
@@ -181,8 +186,8 @@ class KdaStepPlan:
             raise ValueError("warm_ahead and requests_per_cta > 1 are not built together: choose one")
         if self.requests_per_cta > 1 and self.local_decays:
             raise ValueError("local_decays and requests_per_cta > 1 are not built together: choose one")
-        if self.requests_per_cta > 1 and self.lean_start:
-            raise ValueError("lean_start and requests_per_cta > 1 are not built together: choose one")
+        if self.requests_per_cta > 1 and (self.lean_start or self.lean_conv):
+            raise ValueError("lean_start or lean_conv and requests_per_cta > 1 are not built together: choose one")
         if self.warm_ahead and self.wave_requests >= self.batch:
             raise ValueError(
                 f"warm_ahead warms the requests of the next wave, and at batch {self.batch} the grid is one wave "
@@ -203,12 +208,13 @@ class KdaStepPlan:
         requests_per_cta: int | None = None,
         local_decays: bool | None = None,
         lean_start: bool | None = None,
+        lean_conv: bool | None = None,
     ) -> KdaStepPlan:
         """The smallest cluster whose grid still gives every SM a CTA, else the largest (8), and the register budget,
-        the warming, the requests per CTA, the local decays and the lean start kda_step_choice.toml serves at this batch
-        (`chosen_variant`). `cluster`, `resident_threads`, `warm_ahead`, `requests_per_cta`, `local_decays` and
-        `lean_start` override each choice (the GPU test times and checks every cluster at every batch, and the other
-        variants at every cluster where they apply).
+        the warming, the requests per CTA, the local decays, the lean start and the lean conv kda_step_choice.toml
+        serves at this batch (`chosen_variant`). `cluster`, `resident_threads`, `warm_ahead`, `requests_per_cta`,
+        `local_decays`, `lean_start` and `lean_conv` override each choice (the GPU test times and checks every cluster
+        at every batch, and the other variants at every cluster where they apply).
 
         Every head costs 32 warps of state work whatever the cluster (128 rows, 4 per warp); the cluster only
         groups them. Small clusters repeat less per-CTA work (every CTA convolves the head's whole q and k, and
@@ -229,7 +235,10 @@ class KdaStepPlan:
             group = served.requests_per_cta if batch % served.requests_per_cta == 0 else 1
         local = served.local_decays and group == 1 if local_decays is None else local_decays
         lean = served.lean_start and group == 1 if lean_start is None else lean_start
-        return replace(plan, warm_ahead=warm, requests_per_cta=group, local_decays=local, lean_start=lean)
+        conv = served.lean_conv and group == 1 if lean_conv is None else lean_conv
+        return replace(
+            plan, warm_ahead=warm, requests_per_cta=group, local_decays=local, lean_start=lean, lean_conv=conv
+        )
 
     # --- the packed row ---------------------------------------------------------------------------------------
 
@@ -409,11 +418,11 @@ class KdaStepPlan:
     @property
     def variant_suffix(self) -> str:
         """ "" at 1024 threads per SM without warming, one request a cluster, decays exchanged, the plain start, else
-        "/t<threads per SM>", "/warm", "/r<requests per CTA>", "/local-decays" and "/lean": builds and compiles of
-        the variants are named apart."""
+        "/t<threads per SM>", "/warm", "/r<requests per CTA>", "/local-decays", "/lean" and "/lean-conv": builds and
+        compiles of the variants are named apart."""
         budget = "" if self.resident_threads == RESIDENT_THREADS else f"/t{self.resident_threads}"
         group = "" if self.requests_per_cta == 1 else f"/r{self.requests_per_cta}"
-        lean = "/lean" if self.lean_start else ""
+        lean = ("/lean" if self.lean_start else "") + ("/lean-conv" if self.lean_conv else "")
         return (
             budget
             + ("/warm" if self.warm_ahead else "")

@@ -181,6 +181,11 @@ def test_the_plan_takes_the_variant_the_choice_file_serves(tmp_path, monkeypatch
         "h12/b8/c2", "h12/b16/c2/t1536/lean", "h12/b64/c2/t1536/lean"
     ]  # fmt: skip
     assert KdaStepPlan.for_shape(12, 6288, 64, H200_SMS, lean_start=False).tag == "h12/b64/c2/t1536"
+    # a lean-conv rule beside it
+    conv = "{ batches = [1, 64], resident_threads = 1024, warm_ahead = false, lean_conv = true }"
+    monkeypatch.setattr(kda_step_plan, "CHOICE", _choice_file(tmp_path / "conv", conv))
+    assert KdaStepPlan.for_shape(6, 3216, 1, H200_SMS).tag == "h6/b1/c8/lean-conv"
+    assert KdaStepPlan.for_shape(6, 3216, 1, H200_SMS, lean_conv=False).tag == "h6/b1/c8"
     # the shipped file: the variant every measurement so far ran, at every batch
     monkeypatch.undo()
     default, shipped = kda_step_plan.variant_rules()
@@ -212,7 +217,15 @@ BAD_CHOICES = {
     ),
     "a group with a lean start": (
         "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, requests_per_cta = 2, lean_start = true }",
-        "lean_start and requests_per_cta > 1 are not built together",
+        "lean_start or lean_conv and requests_per_cta > 1 are not built together",
+    ),
+    "a string for lean_conv": (
+        "{ batches = [1, 2], resident_threads = 1024, warm_ahead = false, lean_conv = 'yes' }",
+        "lean_conv is true or false",
+    ),
+    "a group with a lean conv": (
+        "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, requests_per_cta = 2, lean_conv = true }",
+        "lean_start or lean_conv and requests_per_cta > 1 are not built together",
     ),
     "a group with local decays": (
         "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, requests_per_cta = 2, local_decays = true }",
@@ -290,8 +303,10 @@ def test_a_lean_start_keeps_the_launch_and_the_shared_memory():
         assert (lean.smem_bytes, lean.launch_smem_bytes, lean.wave_requests) == (
             plain.smem_bytes, plain.launch_smem_bytes, plain.wave_requests
         )  # fmt: skip
-    with pytest.raises(ValueError, match="lean_start and requests_per_cta > 1"):
+    with pytest.raises(ValueError, match="lean_start or lean_conv and requests_per_cta > 1"):
         KdaStepPlan(12, 6288, 64, 2, requests_per_cta=2, lean_start=True)
+    with pytest.raises(ValueError, match="lean_start or lean_conv and requests_per_cta > 1"):
+        KdaStepPlan(12, 6288, 64, 2, requests_per_cta=2, lean_conv=True)
 
 
 def test_the_plan_refuses_what_the_kernel_cannot_take():
@@ -371,7 +386,11 @@ def test_the_copies_fill_exactly_the_bytes_their_barriers_wait_for(tp, cluster):
 
 def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     every = step_builds()
-    one = [b for b in every if b.plan.requests_per_cta == 1 and not b.plan.local_decays and not b.plan.lean_start]
+    one = [
+        b
+        for b in every
+        if b.plan.requests_per_cta == 1 and not (b.plan.local_decays or b.plan.lean_start or b.plan.lean_conv)
+    ]
     served = [
         b
         for b in every
@@ -427,11 +446,17 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
         assert b.plan == dataclasses.replace(chosen, local_decays=True), b.name
     # a lean start at B1, B8, B16 and B64, at the served plan otherwise
-    lean = [b for b in every if b.plan.lean_start]
+    lean = [b for b in every if b.plan.lean_start and not b.plan.lean_conv]
     assert len(lean) == 8 and {(b.tp, b.plan.batch) for b in lean} == {(t, n) for t in (8, 16) for n in (1, 8, 16, 64)}
     for b in lean:
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
         assert b.plan == dataclasses.replace(chosen, lean_start=True) and b.name.endswith("/lean"), b.name
+    # a lean conv at B1, B16 and B64, at the served plan otherwise
+    conv = [b for b in every if b.plan.lean_conv]
+    assert {(b.tp, b.plan.batch) for b in conv} == {(t, n) for t in (8, 16) for n in (1, 16, 64)} and len(conv) == 6
+    for b in conv:
+        chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
+        assert b.plan == dataclasses.replace(chosen, lean_conv=True) and b.name.endswith("/lean-conv"), b.name
     assert {b.kernel for b in every} == {"kda_step"} and {b.plan.slot_dtype for b in every} == {"int32"}
     assert K3_KERNEL_BUILDS.kda_step_builds() == every
 
@@ -471,8 +496,8 @@ def test_expectations_judge_every_kda_step_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_step/*")  # every named tag exists
     # 14 at 1024 threads per SM, 6 at 1536, 7 warming the next wave, 4 of request pairs, 6 with local decays, 8 with
-    # a lean start
-    assert len(builds) == 45
+    # a lean start, 6 with a lean conv
+    assert len(builds) == 51
     step = expectations["kda_step"]
     assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
 
@@ -771,3 +796,37 @@ def test_the_gpu_launch_path_binds_every_argument(tmp_path):
     """The launcher the GPU test uses compiles from the same fake signature (with a run-time slot count) and hands
     over every argument; on a machine without a driver the call gets as far as the launch (CUDA error 35)."""
     assert_launch_reaches_the_driver(LAUNCH_ON_CPU, tmp_path)
+
+
+_BRANCH = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+@!?U?P\d+ BRA `\((\.L_x_\d+)\)")
+
+
+def skipped_conv_blocks(sass: str) -> list[int]:
+    """The MUFU counts of the forward ranges a predicated branch jumps over that hold MUFU but no shuffle: the conv's
+    SiLU (an ex2 and a reciprocal per channel, 8 channels a lane) is the only such work in the step."""
+    lines = sass.splitlines()
+    labels = {line.rstrip(":"): i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:$", line)}
+    found = []
+    for i, line in enumerate(lines):
+        m = _BRANCH.match(line)
+        if m and labels.get(m.group(1), -1) > i and "BRA.U.ANY" not in line:
+            body = lines[i + 1 : labels[m.group(1)]]
+            mufu = sum("MUFU." in b for b in body)
+            if mufu and not any("SHFL" in b for b in body):
+                found.append(mufu)
+    return found
+
+
+@pytest.mark.slow
+@needs_cutedsl
+@pytest.mark.parametrize("batch", [1, 64])
+def test_a_lean_conv_branches_past_the_conv_and_the_plain_build_does_not(tmp_path, batch):
+    """The lean conv's point is that warps 2 and up skip the conv's ~200 instructions a warp (the step is bound by
+    instruction issue from B16: docs/kda-layer-h200.md): its SASS has a predicated branch over a block holding the
+    conv's 16 MUFU (8 SiLUs) and no shuffle. The broken case is the plain build of the same plan, which runs the conv
+    in every warp and has no such branch."""
+    builds = [b for b in step_builds() if b.tp == 8 and b.plan.batch == batch]
+    (conv,) = [b for b in builds if b.plan.lean_conv]
+    (plain,) = [b for b in builds if b.plan == dataclasses.replace(conv.plan, lean_conv=False)]  # the served build
+    got = {b.name: skipped_conv_blocks(b.compile("sm_90a").sass) for b in (plain, conv)}
+    assert got == {plain.name: [], conv.name: [16]}, got

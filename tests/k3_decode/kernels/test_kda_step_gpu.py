@@ -75,6 +75,7 @@ WARM = [b for b in ALL_BUILDS if b.plan.warm_ahead]  # warming the next wave's s
 GROUP = [b for b in ALL_BUILDS if b.plan.requests_per_cta > 1]  # clusters serving two requests each
 LOCAL = [b for b in ALL_BUILDS if b.plan.local_decays]  # every CTA computes the head's decays: no decay exchange
 LEAN = [b for b in ALL_BUILDS if b.plan.lean_start]  # the copies before the cluster barrier's wait
+LEAN_CONV = [b for b in ALL_BUILDS if b.plan.lean_conv]  # only the conv warps run the conv
 WIDE_BUDGET = max(RESIDENT_CHOICES)
 # Every built shape, and two batches the builds do not list (the provider gets whatever the executor prepares).
 CASES = [(b.tp, b.plan.batch) for b in BUILDS] + [(8, 3), (16, 5)]
@@ -150,10 +151,11 @@ class Step:
         requests_per_cta: int | None = None,
         local_decays: bool | None = None,
         lean_start: bool | None = None,
+        lean_conv: bool | None = None,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.tp, self.batch, self.forced, self.resident, self.warm = tp, batch, cluster, resident_threads, warm_ahead
-        self.group, self.local, self.lean = requests_per_cta, local_decays, lean_start
+        self.group, self.local, self.lean, self.lean_conv = requests_per_cta, local_decays, lean_start, lean_conv
         self.spec, self.weights = spec_for(tp), kda_weights(tp)
         self.cache = random_kda_cache(self.spec, 2 * batch + 2, 0, gen, DEV)
         self.start = clone_cache(self.cache)
@@ -177,6 +179,7 @@ class Step:
             self.group,
             self.local,
             self.lean,
+            self.lean_conv,
         )
 
     def oracle(self, cache: rk.KdaCache, packed: Tensor | None = None) -> Tensor:
@@ -194,7 +197,16 @@ class Step:
     @property
     def plan(self) -> KdaStepPlan:
         return kda_step_op.plan_for(
-            self.spec, self.packed, self.slots, self.forced, self.resident, self.warm, self.group, self.local, self.lean
+            self.spec,
+            self.packed,
+            self.slots,
+            self.forced,
+            self.resident,
+            self.warm,
+            self.group,
+            self.local,
+            self.lean,
+            self.lean_conv,
         )
 
 
@@ -305,7 +317,16 @@ def assert_same_bits(step: Step, other: KdaStepPlan) -> None:
     got = step.kernel(cache=mine)
     knobs = (other.cluster, other.resident_threads, other.warm_ahead, other.requests_per_cta)
     want = kda_step_op.decode_step(
-        step.spec, step.weights, step.packed, theirs, step.slots, None, *knobs, other.local_decays, other.lean_start
+        step.spec,
+        step.weights,
+        step.packed,
+        theirs,
+        step.slots,
+        None,
+        *knobs,
+        other.local_decays,
+        other.lean_start,
+        other.lean_conv,
     )
     torch.cuda.synchronize()
     what = f"TP{step.tp} B{step.batch} {plan.tag} against {other.tag}"
@@ -340,6 +361,22 @@ def test_a_lean_start_gives_the_plain_starts_bits(tp: int, batch: int):
     step = Step(tp, batch, seed=tp * 1000 + batch + 11, lean_start=True)
     plain = dataclasses.replace(step.plan, lean_start=False)
     assert step.plan.lean_start and plain == step_plan(tp, batch, lean_start=False)
+    assert_same_bits(step, plain)
+    check_step(step)
+
+
+# A lean conv (KdaStepPlan.lean_conv) at the plan's cluster and register budget, where a CTA has 4, 16 and 16 warps.
+LEAN_CONV_CASES = [(tp, batch) for tp in (8, 16) for batch in (1, 16, 64)]
+assert {(b.tp, b.plan.batch) for b in LEAN_CONV} <= set(LEAN_CONV_CASES)
+
+
+@pytest.mark.parametrize("tp, batch", LEAN_CONV_CASES, ids=[f"tp{t}-b{b}-lean-conv" for t, b in LEAN_CONV_CASES])
+def test_a_lean_conv_gives_the_plain_convs_bits(tp: int, batch: int):
+    """Warps 2 and up discarded their conv; skipping it must leave the outputs, state and taps bit for bit, NULL rows
+    among them; then the oracle checks."""
+    step = Step(tp, batch, seed=tp * 1000 + batch + 13, lean_conv=True)
+    plain = dataclasses.replace(step.plan, lean_conv=False)
+    assert step.plan.lean_conv and plain == step_plan(tp, batch, lean_conv=False)
     assert_same_bits(step, plain)
     check_step(step)
 
