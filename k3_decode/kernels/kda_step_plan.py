@@ -99,8 +99,9 @@ def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
         raise ValueError(f"{where}: warm_ahead and requests_per_cta > 1 are not built together")
     if local and group > 1:
         raise ValueError(f"{where}: local_decays and requests_per_cta > 1 are not built together")
-    if (lean or conv) and group > 1:
-        raise ValueError(f"{where}: lean_start or lean_conv and requests_per_cta > 1 are not built together")
+    for name, on in (("lean_start", lean), ("lean_conv", conv)):
+        if on and group > 1:
+            raise ValueError(f"{where}: {name} and requests_per_cta > 1 are not built together")
     return StepVariant(threads, warm, group, local, lean, conv)
 
 
@@ -186,8 +187,9 @@ class KdaStepPlan:
             raise ValueError("warm_ahead and requests_per_cta > 1 are not built together: choose one")
         if self.requests_per_cta > 1 and self.local_decays:
             raise ValueError("local_decays and requests_per_cta > 1 are not built together: choose one")
-        if self.requests_per_cta > 1 and (self.lean_start or self.lean_conv):
-            raise ValueError("lean_start or lean_conv and requests_per_cta > 1 are not built together: choose one")
+        for name, on in (("lean_start", self.lean_start), ("lean_conv", self.lean_conv)):
+            if on and self.requests_per_cta > 1:
+                raise ValueError(f"{name} and requests_per_cta > 1 are not built together: choose one")
         if self.warm_ahead and self.wave_requests >= self.batch:
             raise ValueError(
                 f"warm_ahead warms the requests of the next wave, and at batch {self.batch} the grid is one wave "
