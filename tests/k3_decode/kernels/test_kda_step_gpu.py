@@ -173,14 +173,13 @@ class Step:
             cache,
             self.slots,
             None,
-            self.forced,
-            self.resident,
-            self.warm,
-            self.group,
-            self.local,
-            self.lean,
-            self.lean_conv,
+            *self.knobs,
         )
+
+    @property
+    def knobs(self) -> tuple:
+        """What this step overrides of the plan's choice, in decode_step's and plan_for's order (None: the choice)."""
+        return (self.forced, self.resident, self.warm, self.group, self.local, self.lean, self.lean_conv)
 
     def oracle(self, cache: rk.KdaCache, packed: Tensor | None = None) -> Tensor:
         packed = self.packed if packed is None else packed
@@ -196,18 +195,7 @@ class Step:
 
     @property
     def plan(self) -> KdaStepPlan:
-        return kda_step_op.plan_for(
-            self.spec,
-            self.packed,
-            self.slots,
-            self.forced,
-            self.resident,
-            self.warm,
-            self.group,
-            self.local,
-            self.lean,
-            self.lean_conv,
-        )
+        return kda_step_op.plan_for(self.spec, self.packed, self.slots, *self.knobs)
 
 
 # --- against the oracle and the stock step -------------------------------------------------------------------------
