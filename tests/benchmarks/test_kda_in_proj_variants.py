@@ -15,6 +15,7 @@ from benchmarks import kda_layer_h200 as bench
 from k3_decode.config import K3
 from k3_decode.kernels.kda_in_proj_choice import kernel_for_rows
 from k3_decode.kernels.providers import served_rows
+from tests.benchmarks.mirror import mirrored_rounds
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results"
 # Layer 6 at TP8 and TP16, B16, B32 and B64: the tree's projection against the wgmma stream served at B16-B64 (and
@@ -122,16 +123,9 @@ def turned_over(
     won = wgmma_verdicts(measured_rounds)[key]
     rounds = []
     for i, (base, variant) in enumerate(measured_rounds):
-        doc, base_cells = load(variant), bench.cells_by_key(load(base))
-        _, saved = bench.layer_savings(load(base), doc)
-        for run in doc["runs"]:
-            for cell in run["cells"]:
-                if (cell["tp"], cell["batch"]) == key and (won or saved[key] <= 0):
-                    s_base = base_cells[key]["layer_speedup"]["speedup"]
-                    cell["layer_speedup"]["speedup"] = s_base**2 / cell["layer_speedup"]["speedup"]
-        path = tmp_path / f"{i}-{variant.name}"
-        path.write_text(json.dumps(doc))
-        rounds.append((base, path))
+        _, saved = bench.layer_savings(load(base), load(variant))
+        picked = {key} if won or saved.get(key, 0.0) <= 0 else set()  # a round that did not time it has no cell
+        rounds += mirrored_rounds([(base, variant)], tmp_path, picked.__contains__, prefix=f"{i}-")
     return rounds
 
 

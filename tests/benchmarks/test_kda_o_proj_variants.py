@@ -24,6 +24,7 @@ from k3_decode.kernels.kda_o_proj_plan import (
     wgmma_ctas_per_sm_at,
 )
 from k3_decode.kernels.providers import max_rows
+from tests.benchmarks.mirror import mirrored_rounds
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results/kda-layer-variants-h100"
 # Layer 6 (the AttnRes after attention mixes one block), two rounds of 100 each, in one session: the base with o_proj
@@ -126,17 +127,8 @@ def test_one_pass_serves_exactly_where_it_saved_layer_time_in_every_round():
 def test_a_round_that_lost_at_tp16_b64_takes_the_verdict_away(tmp_path, monkeypatch):
     """Broken case: a copy of round 2 whose TP16 B64 gain is inverted into a loss; the verdict there flips, and the
     tree as it was before the wgmma build (one pass served there) no longer matches it."""
-    base, variant = ONE_PASS_ROUNDS[1]
-    doc = load(variant)
-    base_cells = bench.cells_by_key(load(base))
-    for run in doc["runs"]:
-        for cell in run["cells"]:
-            if (cell["tp"], cell["batch"]) == (16, 64):
-                s_base = base_cells[(16, 64)]["layer_speedup"]["speedup"]
-                cell["layer_speedup"]["speedup"] = s_base**2 / cell["layer_speedup"]["speedup"]
-    worse = tmp_path / variant.name
-    worse.write_text(json.dumps(doc))
-    verdicts = one_pass_verdicts([ONE_PASS_ROUNDS[0], (base, worse)])
+    (worse,) = mirrored_rounds(ONE_PASS_ROUNDS[1:], tmp_path, lambda key: key == (16, 64))
+    verdicts = one_pass_verdicts([ONE_PASS_ROUNDS[0], worse])
     assert verdicts[(16, 64)] is False and verdicts[(16, 48)] is True
     no_wgmma = tmp_path / "no-wgmma.toml"  # the tree before the wgmma build: the one-pass stream served at TP16 B64
     served = kda_o_proj_plan.CHOICE.read_text()
@@ -242,18 +234,7 @@ def test_a_late_round_where_staging_won_would_serve_it(tmp_path):
 def inverted(rounds: list[tuple[Path, Path]], tmp_path: Path, batch: int = 1) -> list[tuple[Path, Path]]:
     """Copies of the rounds' variant files whose speedups at `batch` are mirrored about their base's (a loss becomes
     an equal gain), each beside its own base."""
-    out = []
-    for base, variant in rounds:
-        doc, base_cells = load(variant), bench.cells_by_key(load(base))
-        for run in doc["runs"]:
-            for cell in run["cells"]:
-                if cell["batch"] == batch:
-                    s_base = base_cells[(cell["tp"], batch)]["layer_speedup"]["speedup"]
-                    cell["layer_speedup"]["speedup"] = s_base**2 / cell["layer_speedup"]["speedup"]
-        mirrored = tmp_path / variant.name
-        mirrored.write_text(json.dumps(doc))
-        out.append((base, mirrored))
-    return out
+    return mirrored_rounds(rounds, tmp_path, lambda key: key[1] == batch)
 
 
 def test_a_round_where_staging_won_at_b1_at_both_tp_sizes_would_serve_it(tmp_path):

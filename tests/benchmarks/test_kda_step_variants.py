@@ -20,6 +20,7 @@ from k3_decode.kernels.kda_step_plan import (
     chosen_variant,
     variant_rules,
 )
+from tests.benchmarks.mirror import mirrored_rounds
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks/results"
@@ -128,15 +129,7 @@ def test_the_weighting_decides_where_the_two_layers_disagree(tmp_path):
     (saved,) = model_savings([LAYER_ROUNDS[0]], rules)
     _, on_six = bench.layer_savings(json.loads(six_base.read_text()), json.loads(six.read_text()))
     assert on_six[(8, 32)] < 0 < saved[(8, 32)]  # layer 6 lost, the model gained
-    doc = json.loads(late.read_text())
-    base_cells = bench.cells_by_key(json.loads(late_base.read_text()))
-    for run in doc["runs"]:
-        for cell in run["cells"]:
-            if (cell["tp"], cell["batch"]) == (8, 32):
-                s_base = base_cells[(8, 32)]["layer_speedup"]["speedup"]
-                cell["layer_speedup"]["speedup"] = s_base**2 / cell["layer_speedup"]["speedup"]  # the gain, inverted
-    worse = tmp_path / late.name
-    worse.write_text(json.dumps(doc))
+    ((_, worse),) = mirrored_rounds([(late_base, late)], tmp_path, lambda key: key == (8, 32))  # the gain, inverted
     (flipped,) = model_savings([[(six_base, six), (late_base, worse)]], rules)
     assert flipped[(8, 32)] < 0
     assert flipped[(8, 64)] == pytest.approx(saved[(8, 64)])  # only the tampered cell moved
@@ -362,16 +355,7 @@ def test_the_lean_start_is_served_exactly_where_it_saved_model_time_in_every_rou
 def test_rounds_where_the_lean_start_lost_at_tp8_b64_take_it_away(tmp_path):
     """Broken case: layer 86's rounds with B64's gains mirrored into losses; the weighted verdict at TP8 B64 flips and
     the served rule no longer matches."""
-    mirrored = []
-    for base, variant in LEAN_LATE_ROUNDS:
-        doc, base_cells = json.loads(variant.read_text()), bench.cells_by_key(json.loads(base.read_text()))
-        for run in doc["runs"]:
-            for cell in run["cells"]:
-                if cell["batch"] == 64:
-                    s_base = base_cells[(cell["tp"], 64)]["layer_speedup"]["speedup"]
-                    cell["layer_speedup"]["speedup"] = s_base**2 / cell["layer_speedup"]["speedup"]
-        (tmp_path / variant.name).write_text(json.dumps(doc))
-        mirrored.append((base, tmp_path / variant.name))
+    mirrored = mirrored_rounds(LEAN_LATE_ROUNDS, tmp_path, lambda key: key[1] == 64)
     verdicts = lean_verdicts(LEAN_SIX_ROUNDS, [mirrored, LEAN_LATE_48_ROUNDS])
     assert not verdicts[(8, 64)]
     assert lean_problems(verdicts) == ["TP8 B64: the lean start is served"]
