@@ -348,14 +348,12 @@ class KdaStepKernel:
             if const_expr(plan.local_decays):
                 bulk_copy(dt_s.iterator, dt_bias.iterator + head * HEAD_DIM, HEAD_DIM * 4, bars + 2)
             if const_expr(not plan.lean_start):
-                hint = slots[b]
-                self._prefetch(conv_state, state, hint, hint, TAPS, place)
+                self._warm_own_state(conv_state, state, slots, place)
         cute.arch.griddepcontrol_launch_dependents()  # o_proj may start its weight stream now (see the docstring)
         cute.arch.cluster_arrive_relaxed()
         if const_expr(plan.lean_start):  # noqa: SIM102 -- a compile-time branch cannot share a run-time condition
             if tidx == 0 and b < plan.wave_requests:  # the first wave (every CTA where it is the whole grid)
-                hint = slots[b]
-                self._prefetch(conv_state, state, hint, hint, TAPS, place)
+                self._warm_own_state(conv_state, state, slots, place)
         dt, decay_rate, w_norm = self._head_constants(a_log, dt_bias, o_norm, place)
 
         if const_expr(not plan.lean_start):  # a lean start waits after its copies are issued (below)
@@ -372,19 +370,15 @@ class KdaStepKernel:
         slot = Int32(slots[b])  # read again: the copy before the wait only steered the prefetch
         if const_expr(plan.lean_start):  # every read in flight before the cluster barrier's wait
             if tidx == 0 and slot > 0:
-                self._copy_state(state_s, taps_s, state, Int64(slot), conv_state[Int64(slot), None], TAPS, bars, place)
-                if const_expr(plan.ahead > 0):
-                    self._warm_ahead(conv_state, state, slots, place)
+                self._read_state(state_s, taps_s, state, conv_state, slots, Int64(slot), bars, place)
             cute.arch.cluster_wait()  # peers' barriers are initialized before anything is pushed to them
             trace_stamp(on, launches, cta, 1, tidx)
         if slot > 0:
             row0 = Int64(slot)  # 64-bit offsets: a slot of the recurrent state is 786 KB at TP8
             conv_row = conv_state[row0, None]
             if const_expr(not plan.lean_start):  # noqa: SIM102 -- a compile-time branch cannot share a run-time condition
-                if tidx == 0:  # the state rows, then the taps; both from L2 (prefetched before the wait)
-                    self._copy_state(state_s, taps_s, state, row0, conv_row, TAPS, bars, place)
-                    if const_expr(plan.ahead > 0):
-                        self._warm_ahead(conv_state, state, slots, place)
+                if tidx == 0:
+                    self._read_state(state_s, taps_s, state, conv_state, slots, row0, bars, place)
             trace_stamp(on, launches, cta, 3, tidx)
             beta = _sigmoid(x[sec["beta"] + head].to(Float32))
 
@@ -541,6 +535,31 @@ class KdaStepKernel:
         for start, _, count in plan.conv_runs(place.head, place.rank):
             run = cute.local_tile(taps, (columns * VECTOR,), (start // VECTOR,))
             bulk_prefetch_l2(run.iterator, count * columns * 2)
+
+    @cute.jit
+    def _warm_own_state(self, conv_state: cute.Tensor, state: cute.Tensor, slots: cute.Tensor, place: _Place):
+        """Thread 0, before the wait: the L2 prefetches of this CTA's state rows and taps, steered by its slot read
+        now (a hint: the slot is read again after the wait)."""
+        hint = slots[place.b]
+        self._prefetch(conv_state, state, hint, hint, TAPS, place)
+
+    @cute.jit
+    def _read_state(
+        self,
+        state_s: cute.Tensor,
+        taps_s: cute.Tensor,
+        state: cute.Tensor,
+        conv_state: cute.Tensor,
+        slots: cute.Tensor,
+        slot: Int64,
+        bars: Any,
+        place: _Place,
+    ):
+        """Thread 0, after the wait, for live slot `slot`: the state rows, then the taps, both from L2 (prefetched
+        before the wait); then, with warming, the next wave's."""
+        self._copy_state(state_s, taps_s, state, slot, conv_state[slot, None], TAPS, bars, place)
+        if const_expr(self.plan.ahead > 0):
+            self._warm_ahead(conv_state, state, slots, place)
 
     @cute.jit
     def _warm_ahead(self, conv_state: cute.Tensor, state: cute.Tensor, slots: cute.Tensor, place: _Place):
