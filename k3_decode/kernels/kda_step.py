@@ -87,12 +87,17 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   CTAs that wait for the projection), and waits for the peers' barriers after every copy is issued, which is still
   before its first push. Only the order of the start changes, so the bits are the plain start's (the GPU test
   compares them).
-- A lean conv (a plan with `lean_conv`, built, not yet measured). Every warp runs the conv code so that it is no
+- A lean conv (a plan with `lean_conv`, not served: its bits differed from the plain conv's on one H100 at clusters of
+  2, below). Every warp runs the conv code so that it is no
   divergent block, and warps 2 and up discard what they compute: about 215 of the ~800 instructions a warp of a
   live CTA issues. From B16 the grid runs in waves of up to 48 warps an SM and the step is bound by instruction
   issue more than by HBM (docs/kda-layer-h200.md, "Where a KDA step CTA's time goes"), so a lean conv has warps 2
   and up branch past it (warp-uniform: no divergence) and cuts a CTA's instructions by about a fifth; the conv
-  warps do exactly what they did, so the bits are the plain conv's (the GPU test compares them).
+  warps do exactly what they did, so the bits should be the plain conv's. The GPU test compares them: equal at B1
+  (clusters of 8, 4 warps a CTA), different at B16 and B64 at both TP sizes (clusters of 2, 16 warps) on one H100 at
+  e760a5c, though the two builds' PTX holds the same arithmetic in the same order (only the branch and some address
+  arithmetic move). Whatever makes a step's bits depend on its warps' timing is not found yet; until it is, the
+  lean conv is served nowhere (docs/kda-layer-h200.md, "A lean conv").
 - Warming the next wave (a plan with `warm_ahead`, not served until measured): from TP8 B16 and TP16 B32 the grid
   runs in waves of `wave_requests` requests, and each CTA's reads wait for HBM while its SM holds only the resident
   CTAs' chains. Thread 0, after its own copies, issues the same L2 prefetches for the CTA of its rank and head one

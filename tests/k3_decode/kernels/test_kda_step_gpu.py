@@ -297,6 +297,19 @@ LOCAL_CASES = [(tp, batch) for tp in (8, 16) for batch in (1, 2, 4, 8, 16, 32, 6
 assert {(b.tp, b.plan.batch) for b in LOCAL} <= set(LOCAL_CASES)
 
 
+def where_bits_differ(a: Tensor, b: Tensor) -> str:
+    """How many elements of two same-shaped tensors differ, by how much at most, and at which indices of each
+    dimension (the first few): enough to tell a race on a few rows from an arithmetic change everywhere."""
+    differ = a != b
+    at = differ.nonzero()
+    most = (a.double() - b.double()).abs()[differ].max().item()
+    parts = [f"{at.shape[0]} of {a.numel()} elements differ, at most by {most:.3g}"]
+    for dim in range(a.dim()):
+        seen = at[:, dim].unique()
+        parts.append(f"dim {dim} ({a.shape[dim]}): {seen.numel()} indices, first {seen[:8].tolist()}")
+    return "; ".join(parts)
+
+
 def assert_same_bits(step: Step, other: KdaStepPlan) -> None:
     """`step`'s plan and `other` (the same shape with a knob turned off) run from the same cache and inputs: the
     outputs, the recurrent state and the conv state must be equal bit for bit, NULL rows among them."""
@@ -318,9 +331,9 @@ def assert_same_bits(step: Step, other: KdaStepPlan) -> None:
     )
     torch.cuda.synchronize()
     what = f"TP{step.tp} B{step.batch} {plan.tag} against {other.tag}"
-    assert torch.equal(got, want), f"{what}: the outputs differ"
-    assert torch.equal(mine.recurrent, theirs.recurrent), f"{what}: the recurrent states differ"
-    assert torch.equal(mine.conv, theirs.conv), f"{what}: the conv states differ"
+    pairs = (("outputs", got, want), ("recurrent states", mine.recurrent, theirs.recurrent))
+    for name, a, b in (*pairs, ("conv states", mine.conv, theirs.conv)):
+        assert torch.equal(a, b), f"{what}: the {name} differ ({where_bits_differ(a, b)})"
     print(f"METRIC KDA step {what}: bit-identical")
 
 
