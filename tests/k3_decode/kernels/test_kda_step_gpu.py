@@ -382,6 +382,22 @@ def test_a_lean_conv_gives_the_plain_convs_bits(tp: int, batch: int):
     check_step(step)
 
 
+# The served plans and their lean-conv twins where a CTA has 16 warps (B16, B64) and 4 (B1).
+REPEAT_CASES = [(8, 1, False)] + [(tp, b, lean) for tp in (8, 16) for b in (16, 64) for lean in (False, True)]
+
+
+@pytest.mark.parametrize(
+    "tp, batch, lean_conv", REPEAT_CASES, ids=[f"tp{t}-b{b}{'-lean-conv' if c else ''}" for t, b, c in REPEAT_CASES]
+)
+def test_the_step_gives_the_same_bits_every_time(tp: int, batch: int, lean_conv: bool):
+    """From the same cache and inputs, one plan must give the same outputs, state and taps every time: no value a
+    step reads may depend on how its warps and CTAs happen to be timed. Three pairs of runs, so a race that shows
+    now and then has several chances; broken case: any two plans whose bits differ (the lean conv's test)."""
+    step = Step(tp, batch, seed=tp * 1000 + batch + 13, lean_conv=lean_conv)
+    for _ in range(3):
+        assert_same_bits(step, step.plan)
+
+
 def check_step(step: Step) -> None:
     """The kernel's step against the oracle (both tolerance styles, the conv state exact, nothing outside the
     write set touched) and the stock step from the same state."""
