@@ -468,6 +468,7 @@ class KdaStepBuild:
             "local_decays": p.local_decays,
             "lean_start": p.lean_start,
             "lean_conv": p.lean_conv,
+            "joint_sums": p.joint_sums,
             "barriers": 6 * n,
             "armed": 6 + 5 * (n - 1) - local,
             "weight_copies": 1 + 3 + local,
@@ -490,8 +491,12 @@ class KdaStepBuild:
             # mbarrier waits: weights, packed row, taps, decays, state, norm on the live path; weights, packed row on
             # the NULL path. A group waits for the weights once, and for each request's five others.
             "waits": 6 + 2 - local if n == 1 else 1 + 5 * n,
-            # The f_b rows (2 x 4 steps over a half-warp), the L2 norms (4), S k and S q per row (2 x 5), the norm (5).
-            "shuffles": (2 * 4 + 4 + rows * 2 * 5 + 5) * n,
+            # The f_b rows (2 x 4 steps over a half-warp), the L2 norms (4), S k and S q per row (2 x 5), the norm (5);
+            # with joint sums S k and S q of the warp's rows in two reductions of 2 + 1 + 3 steps each.
+            "shuffles": (2 * 4 + 4 + (2 * 6 if p.joint_sums else rows * 2 * 5) + 5) * n,
+            # Indexed shuffles: three at the start (the shared-memory base and the warp index made warp-uniform), and
+            # with joint sums the four sums handed to every lane, twice.
+            "indexed_shuffles": 3 + (2 * rows if p.joint_sums else 0),
         }
 
     def compile(self, arch: str) -> KernelArtifacts:
@@ -792,7 +797,7 @@ class K3KernelBuilds:
     def kda_step_builds(self) -> list[KdaStepBuild]:
         """The fused KDA decode step at every TP and batch of builds.toml's [kda_step], at each rank's heads: the
         served variant (kda_step_choice.toml), and every register budget, the warming, the request groups, the
-        local decays, the lean start and the lean conv where it lists them."""
+        local decays, the lean start, the lean conv and the joint sums where it lists them."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_step"]
         budgets = spec.get("every_budget", {"batches": []})["batches"]
@@ -801,6 +806,7 @@ class K3KernelBuilds:
         local = spec.get("local_decays", {"batches": []})["batches"]
         lean = spec.get("lean_start", {"batches": []})["batches"]
         lean_conv = spec.get("lean_conv", {"batches": []})["batches"]
+        joint = spec.get("joint_sums", {"batches": []})["batches"]
         builds = []
         for tp in spec["tp"]:
             try:
@@ -833,6 +839,7 @@ class K3KernelBuilds:
             mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, local_decays=True) for batch in local]
             mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, lean_start=True) for batch in lean]
             mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, lean_conv=True) for batch in lean_conv]
+            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, joint_sums=True) for batch in joint]
             builds += [KdaStepBuild(tp, plan) for plan in mine]
         # a variant kda_step_choice.toml serves is built once, whichever table entry also asks for it
         return list({b.name: b for b in builds}.values())

@@ -98,6 +98,12 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   e760a5c, though the two builds' PTX holds the same arithmetic in the same order (only the branch and some address
   arithmetic move). Whatever makes a step's bits depend on its warps' timing is not found yet; until it is, the
   lean conv is served nowhere (docs/kda-layer-h200.md, "A lean conv").
+- Joint sums (a plan with `joint_sums`, built, not yet run on a GPU). Each state row needs two sums over the warp's
+  32 lanes (S_v . k, then S_v . q), a 5-step butterfly each: 40 shuffles and 40 adds a warp for its four rows, the
+  delta rule's largest share of issue. `primitives.warp_sums4` reduces the four rows together in the same tree (lane
+  bits 0 to 4, the same pairs added), trading halves in the first two steps and broadcasting the four totals: 10
+  shuffles and 6 adds each time, the same bits. It needs the four decayed rows in registers at once (16 more live),
+  which still fits 40 registers without a frame at 1536 threads an SM.
 - Warming the next wave (a plan with `warm_ahead`, not served until measured): from TP8 B16 and TP16 B32 the grid
   runs in waves of `wave_requests` requests, and each CTA's reads wait for HBM while its SM holds only the resident
   CTAs' chains. Thread 0, after its own copies, issues the same L2 prefetches for the CTA of its rank and head one
@@ -156,6 +162,7 @@ from k3_decode.kernels.primitives import (
     launch_resident,
     trace_stamp,
     warp_sum,
+    warp_sums4,
 )
 
 TAPS = CONV_WIDTH - 1
@@ -727,12 +734,23 @@ class KdaStepKernel:
         trace_stamp(on, launches, cta, 7, tidx)
 
         o = [Float32(0.0)] * ROWS_PER_WARP
-        for i in cutlass.range_constexpr(ROWS_PER_WARP):
-            s = cute.make_rmem_tensor((4,), Float32)
-            _copy(area["state"][ROWS_PER_WARP * warp + i, None], 4, lane, s)
-            _delta_rule(s, g, k, v[i], beta)
-            _copy(s, 4, lane, state[row0, head, rank * rows + ROWS_PER_WARP * warp + i, None])
-            o[i] = warp_sum(_dot(s, q, 4))
+        if const_expr(plan.joint_sums):  # the warp's four rows' sums reduced together, same bits (warp_sums4)
+            rows_s = [cute.make_rmem_tensor((4,), Float32) for _ in range(ROWS_PER_WARP)]
+            for i in cutlass.range_constexpr(ROWS_PER_WARP):
+                _copy(area["state"][ROWS_PER_WARP * warp + i, None], 4, lane, rows_s[i])
+                _decay_row(rows_s[i], g)
+            predicted = warp_sums4([_dot(rows_s[i], k, 4) for i in range(ROWS_PER_WARP)], lane)
+            for i in cutlass.range_constexpr(ROWS_PER_WARP):
+                _correct_row(rows_s[i], k, v[i], predicted[i], beta)
+                _copy(rows_s[i], 4, lane, state[row0, head, rank * rows + ROWS_PER_WARP * warp + i, None])
+            o = warp_sums4([_dot(rows_s[i], q, 4) for i in range(ROWS_PER_WARP)], lane)
+        else:
+            for i in cutlass.range_constexpr(ROWS_PER_WARP):
+                s = cute.make_rmem_tensor((4,), Float32)
+                _copy(area["state"][ROWS_PER_WARP * warp + i, None], 4, lane, s)
+                _delta_rule(s, g, k, v[i], beta)
+                _copy(s, 4, lane, state[row0, head, rank * rows + ROWS_PER_WARP * warp + i, None])
+                o[i] = warp_sum(_dot(s, q, 4))
 
         # The gated RMSNorm: sum(o^2) over the head's 128 rows, from every (CTA, warp) of the cluster.
         trace_stamp(on, launches, cta, 8, tidx)
@@ -1048,9 +1066,20 @@ def _conv_silu(weights: cute.Tensor, taps: cute.Tensor, inputs: cute.Tensor, act
 @cute.jit
 def _delta_rule(s: cute.Tensor, g: cute.Tensor, k: cute.Tensor, v: Float32, beta: Float32):
     """One value row of the state, in place (a lane's 4 keys): S_v <- S_v * exp(g), then S_v += beta (v - S_v . k) k."""
+    _decay_row(s, g)
+    _correct_row(s, k, v, warp_sum(_dot(s, k, 4)), beta)
+
+
+@cute.jit
+def _decay_row(s: cute.Tensor, g: cute.Tensor):
+    """S_v <- S_v * exp(g) on a lane's 4 keys (`g` holds exp(g))."""
     for e in cutlass.range_constexpr(4):
         s[e] = s[e] * g[e]
-    predicted = warp_sum(_dot(s, k, 4))
+
+
+@cute.jit
+def _correct_row(s: cute.Tensor, k: cute.Tensor, v: Float32, predicted: Float32, beta: Float32):
+    """S_v += beta (v - S_v . k) k on a lane's 4 keys, given the decayed row's S_v . k (`predicted`)."""
     u = beta * (v - predicted)
     for e in cutlass.range_constexpr(4):
         s[e] = s[e] + u * k[e]

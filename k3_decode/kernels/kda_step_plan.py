@@ -59,6 +59,7 @@ class StepVariant:
     local_decays: bool = False
     lean_start: bool = False
     lean_conv: bool = False
+    joint_sums: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,15 +76,16 @@ class VariantRule:
 def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
     keys = {"resident_threads", "warm_ahead"}
     named = set(entry) - {"heads", "batches"} if rule and isinstance(entry, dict) else set(entry or ())
-    optional = {"requests_per_cta", "local_decays", "lean_start", "lean_conv"}
+    optional = {"requests_per_cta", "local_decays", "lean_start", "lean_conv", "joint_sums"}
     if not isinstance(entry, dict) or named - optional != keys:
         scope = "; a rule also batches and optionally heads" if rule else ", nothing else"
         raise ValueError(
-            f"{where} must name resident_threads and warm_ahead (requests_per_cta, local_decays, lean_start and "
-            f"lean_conv optional){scope}, got {entry!r}"
+            f"{where} must name resident_threads and warm_ahead (requests_per_cta, local_decays, lean_start, "
+            f"lean_conv and joint_sums optional){scope}, got {entry!r}"
         )
     threads, warm, group = entry["resident_threads"], entry["warm_ahead"], entry.get("requests_per_cta", 1)
     local, lean, conv = entry.get("local_decays", False), entry.get("lean_start", False), entry.get("lean_conv", False)
+    joint = entry.get("joint_sums", False)
     if threads not in RESIDENT_CHOICES or not isinstance(warm, bool) or group not in REQUEST_GROUPS:
         raise ValueError(
             f"{where}: resident_threads is one of {RESIDENT_CHOICES}, warm_ahead true or false, requests_per_cta "
@@ -95,14 +97,16 @@ def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
         raise ValueError(f"{where}: lean_start is true or false, got {lean!r}")
     if not isinstance(conv, bool):
         raise ValueError(f"{where}: lean_conv is true or false, got {conv!r}")
+    if not isinstance(joint, bool):
+        raise ValueError(f"{where}: joint_sums is true or false, got {joint!r}")
     if warm and group > 1:
         raise ValueError(f"{where}: warm_ahead and requests_per_cta > 1 are not built together")
     if local and group > 1:
         raise ValueError(f"{where}: local_decays and requests_per_cta > 1 are not built together")
-    for name, on in (("lean_start", lean), ("lean_conv", conv)):
+    for name, on in (("lean_start", lean), ("lean_conv", conv), ("joint_sums", joint)):
         if on and group > 1:
             raise ValueError(f"{where}: {name} and requests_per_cta > 1 are not built together")
-    return StepVariant(threads, warm, group, local, lean, conv)
+    return StepVariant(threads, warm, group, local, lean, conv, joint)
 
 
 def variant_rules(path: Path | None = None) -> tuple[StepVariant, tuple[VariantRule, ...]]:
@@ -156,6 +160,7 @@ class KdaStepPlan:
     local_decays: bool = False  # every CTA computes the head's 128 decays itself: no decay exchange (decay_rows)
     lean_start: bool = False  # the copies before the cluster barrier's wait; the slot hint only in the first wave
     lean_conv: bool = False  # only warps 0 and 1 (the conv lanes') run the conv; the others skip it, not discard it
+    joint_sums: bool = False  # a warp's four rows' butterfly sums reduced together (primitives.warp_sums4): same bits
 
     def __post_init__(self) -> None:
         if self.resident_threads not in RESIDENT_CHOICES:
@@ -187,7 +192,11 @@ class KdaStepPlan:
             raise ValueError("warm_ahead and requests_per_cta > 1 are not built together: choose one")
         if self.requests_per_cta > 1 and self.local_decays:
             raise ValueError("local_decays and requests_per_cta > 1 are not built together: choose one")
-        for name, on in (("lean_start", self.lean_start), ("lean_conv", self.lean_conv)):
+        for name, on in (
+            ("lean_start", self.lean_start),
+            ("lean_conv", self.lean_conv),
+            ("joint_sums", self.joint_sums),
+        ):
             if on and self.requests_per_cta > 1:
                 raise ValueError(f"{name} and requests_per_cta > 1 are not built together: choose one")
         if self.warm_ahead and self.wave_requests >= self.batch:
@@ -211,12 +220,14 @@ class KdaStepPlan:
         local_decays: bool | None = None,
         lean_start: bool | None = None,
         lean_conv: bool | None = None,
+        joint_sums: bool | None = None,
     ) -> KdaStepPlan:
         """The smallest cluster whose grid still gives every SM a CTA, else the largest (8), and the register budget,
-        the warming, the requests per CTA, the local decays, the lean start and the lean conv kda_step_choice.toml
-        serves at this batch (`chosen_variant`). `cluster`, `resident_threads`, `warm_ahead`, `requests_per_cta`,
-        `local_decays`, `lean_start` and `lean_conv` override each choice (the GPU test times and checks every cluster
-        at every batch, and the other variants at every cluster where they apply).
+        the warming, the requests per CTA, the local decays, the lean start, the lean conv and the joint sums
+        kda_step_choice.toml serves at this batch (`chosen_variant`). `cluster`, `resident_threads`, `warm_ahead`,
+        `requests_per_cta`, `local_decays`, `lean_start`, `lean_conv` and `joint_sums` override each choice (the GPU
+        test times and checks every cluster at every batch, and the other variants at every cluster where they
+        apply).
 
         Every head costs 32 warps of state work whatever the cluster (128 rows, 4 per warp); the cluster only
         groups them. Small clusters repeat less per-CTA work (every CTA convolves the head's whole q and k, and
@@ -238,8 +249,15 @@ class KdaStepPlan:
         local = served.local_decays and group == 1 if local_decays is None else local_decays
         lean = served.lean_start and group == 1 if lean_start is None else lean_start
         conv = served.lean_conv and group == 1 if lean_conv is None else lean_conv
+        joint = served.joint_sums and group == 1 if joint_sums is None else joint_sums
         return replace(
-            plan, warm_ahead=warm, requests_per_cta=group, local_decays=local, lean_start=lean, lean_conv=conv
+            plan,
+            warm_ahead=warm,
+            requests_per_cta=group,
+            local_decays=local,
+            lean_start=lean,
+            lean_conv=conv,
+            joint_sums=joint,
         )
 
     # --- the packed row ---------------------------------------------------------------------------------------
@@ -420,11 +438,12 @@ class KdaStepPlan:
     @property
     def variant_suffix(self) -> str:
         """ "" at 1024 threads per SM without warming, one request a cluster, decays exchanged, the plain start, else
-        "/t<threads per SM>", "/warm", "/r<requests per CTA>", "/local-decays", "/lean" and "/lean-conv": builds and
-        compiles of the variants are named apart."""
+        "/t<threads per SM>", "/warm", "/r<requests per CTA>", "/local-decays", "/lean", "/lean-conv" and
+        "/joint-sums": builds and compiles of the variants are named apart."""
         budget = "" if self.resident_threads == RESIDENT_THREADS else f"/t{self.resident_threads}"
         group = "" if self.requests_per_cta == 1 else f"/r{self.requests_per_cta}"
         lean = ("/lean" if self.lean_start else "") + ("/lean-conv" if self.lean_conv else "")
+        lean += "/joint-sums" if self.joint_sums else ""
         return (
             budget
             + ("/warm" if self.warm_ahead else "")

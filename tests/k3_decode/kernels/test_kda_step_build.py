@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from harness.kernels_cmd import cubin_resources, parse_expectations, select_builds
+from harness.kernels_cmd import cubin_resources, judge, parse_expectations, select_builds
 from k3_decode.config import K3
 from k3_decode.kernels import kda_step_plan
 from k3_decode.kernels.attn_res_plan import AttnResKind
@@ -186,6 +186,11 @@ def test_the_plan_takes_the_variant_the_choice_file_serves(tmp_path, monkeypatch
     monkeypatch.setattr(kda_step_plan, "CHOICE", _choice_file(tmp_path / "conv", conv))
     assert KdaStepPlan.for_shape(6, 3216, 1, H200_SMS).tag == "h6/b1/c8/lean-conv"
     assert KdaStepPlan.for_shape(6, 3216, 1, H200_SMS, lean_conv=False).tag == "h6/b1/c8"
+    # a joint-sums rule
+    joint = "{ batches = [16, 64], resident_threads = 1536, warm_ahead = false, joint_sums = true }"
+    monkeypatch.setattr(kda_step_plan, "CHOICE", _choice_file(tmp_path / "joint", joint))
+    assert KdaStepPlan.for_shape(12, 6288, 64, H200_SMS).tag == "h12/b64/c2/t1536/joint-sums"
+    assert KdaStepPlan.for_shape(12, 6288, 64, H200_SMS, joint_sums=False).tag == "h12/b64/c2/t1536"
     # the shipped file: the variant every measurement so far ran, at every batch
     monkeypatch.undo()
     default, shipped = kda_step_plan.variant_rules()
@@ -226,6 +231,14 @@ BAD_CHOICES = {
     "a group with a lean conv": (
         "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, requests_per_cta = 2, lean_conv = true }",
         "lean_conv and requests_per_cta > 1 are not built together",
+    ),
+    "a string for joint_sums": (
+        "{ batches = [1, 2], resident_threads = 1024, warm_ahead = false, joint_sums = 1 }",
+        "joint_sums is true or false",
+    ),
+    "a group with joint sums": (
+        "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, requests_per_cta = 2, joint_sums = true }",
+        "joint_sums and requests_per_cta > 1 are not built together",
     ),
     "a group with local decays": (
         "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, requests_per_cta = 2, local_decays = true }",
@@ -389,7 +402,8 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     one = [
         b
         for b in every
-        if b.plan.requests_per_cta == 1 and not (b.plan.local_decays or b.plan.lean_start or b.plan.lean_conv)
+        if b.plan.requests_per_cta == 1
+        and not (b.plan.local_decays or b.plan.lean_start or b.plan.lean_conv or b.plan.joint_sums)
     ]
     served = [
         b
@@ -446,7 +460,7 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
         assert b.plan == dataclasses.replace(chosen, local_decays=True), b.name
     # a lean start at B1, B8, B16 and B64, at the served plan otherwise
-    lean = [b for b in every if b.plan.lean_start and not b.plan.lean_conv]
+    lean = [b for b in every if b.plan.lean_start and not (b.plan.lean_conv or b.plan.joint_sums)]
     assert len(lean) == 8 and {(b.tp, b.plan.batch) for b in lean} == {(t, n) for t in (8, 16) for n in (1, 8, 16, 64)}
     for b in lean:
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
@@ -457,6 +471,12 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     for b in conv:
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
         assert b.plan == dataclasses.replace(chosen, lean_conv=True) and b.name.endswith("/lean-conv"), b.name
+    # joint sums at B1, B16 and B64, at the served plan otherwise
+    joint = [b for b in every if b.plan.joint_sums]
+    assert {(b.tp, b.plan.batch) for b in joint} == {(t, n) for t in (8, 16) for n in (1, 16, 64)} and len(joint) == 6
+    for b in joint:
+        chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
+        assert b.plan == dataclasses.replace(chosen, joint_sums=True) and b.name.endswith("/joint-sums"), b.name
     assert {b.kernel for b in every} == {"kda_step"} and {b.plan.slot_dtype for b in every} == {"int32"}
     assert K3_KERNEL_BUILDS.kda_step_builds() == every
 
@@ -496,8 +516,8 @@ def test_expectations_judge_every_kda_step_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_step/*")  # every named tag exists
     # 14 at 1024 threads per SM, 6 at 1536, 7 warming the next wave, 4 of request pairs, 6 with local decays, 8 with
-    # a lean start, 6 with a lean conv
-    assert len(builds) == 51
+    # a lean start, 6 with a lean conv, 6 with joint sums
+    assert len(builds) == 57
     step = expectations["kda_step"]
     assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
 
@@ -830,3 +850,34 @@ def test_a_lean_conv_branches_past_the_conv_and_the_plain_build_does_not(tmp_pat
     (plain,) = [b for b in builds if b.plan == dataclasses.replace(conv.plan, lean_conv=False)]  # the served build
     got = {b.name: skipped_conv_blocks(b.compile("sm_90a").sass) for b in (plain, conv)}
     assert got == {plain.name: [], conv.name: [16]}, got
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_joint_sums_trade_forty_butterfly_shuffles_for_twenty(tmp_path):
+    """Joint sums reduce each warp's four rows' S k, then S q, together (primitives.warp_sums4): 12 butterfly
+    shuffles and 8 indexed ones where the plain build has 40 butterfly ones, and 28 fewer adds, at TP8 B64 (the
+    served lean start, 40 registers) without a frame. Both builds pass their expectations; the broken case is the
+    plain build's code judged with the joint build's tags (its butterflies and broadcasts counted as joint), which
+    must fail exactly the two shuffle counts."""
+    expect = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")["kda_step"]
+    builds = [b for b in step_builds() if b.tp == 8 and b.plan.batch == 64]
+    (joint,) = [b for b in builds if b.plan.joint_sums]
+    (plain,) = [b for b in builds if b.plan == dataclasses.replace(joint.plan, joint_sums=False)]  # the served build
+    counts, arts = {}, {}
+    for b in (plain, joint):
+        arts[b.name] = art = b.compile("sm_90a")
+        ops = re.findall(r"\b(SHFL\.BFLY|SHFL\.IDX|FADD)\b", art.sass)
+        counts[b.name] = {op: ops.count(op) for op in ("SHFL.BFLY", "SHFL.IDX", "FADD")}
+        result = judge(b, "sm_90a", art, "", expect, tmp_path / "ok")
+        assert result.ok and result.resources.frame_bytes == 0, [c for c in result.checks if not c.passed]
+    mine, theirs = counts[joint.name], counts[plain.name]
+    assert theirs["SHFL.BFLY"] - mine["SHFL.BFLY"] == 28 and mine["SHFL.IDX"] - theirs["SHFL.IDX"] == 8, counts
+    assert theirs["FADD"] - mine["FADD"] == 28, counts
+    posing = dataclasses.replace(plain, plan=joint.plan)  # the joint build's name and tags, the plain build's code
+    failed = [
+        c.name for c in judge(posing, "sm_90a", arts[plain.name], "", expect, tmp_path / "bad").checks if not c.passed
+    ]
+    assert len(failed) == 2 and {"bfly", "idx"} == {kind for kind in ("bfly", "idx") for f in failed if kind in f}, (
+        failed
+    )

@@ -76,6 +76,7 @@ GROUP = [b for b in ALL_BUILDS if b.plan.requests_per_cta > 1]  # clusters servi
 LOCAL = [b for b in ALL_BUILDS if b.plan.local_decays]  # every CTA computes the head's decays: no decay exchange
 LEAN = [b for b in ALL_BUILDS if b.plan.lean_start]  # the copies before the cluster barrier's wait
 LEAN_CONV = [b for b in ALL_BUILDS if b.plan.lean_conv]  # only the conv warps run the conv
+JOINT = [b for b in ALL_BUILDS if b.plan.joint_sums]  # a warp's four rows reduced together
 WIDE_BUDGET = max(RESIDENT_CHOICES)
 # Every built shape, and two batches the builds do not list (the provider gets whatever the executor prepares).
 CASES = [(b.tp, b.plan.batch) for b in BUILDS] + [(8, 3), (16, 5)]
@@ -152,10 +153,12 @@ class Step:
         local_decays: bool | None = None,
         lean_start: bool | None = None,
         lean_conv: bool | None = None,
+        joint_sums: bool | None = None,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.tp, self.batch, self.forced, self.resident, self.warm = tp, batch, cluster, resident_threads, warm_ahead
         self.group, self.local, self.lean, self.lean_conv = requests_per_cta, local_decays, lean_start, lean_conv
+        self.joint = joint_sums
         self.spec, self.weights = spec_for(tp), kda_weights(tp)
         self.cache = random_kda_cache(self.spec, 2 * batch + 2, 0, gen, DEV)
         self.start = clone_cache(self.cache)
@@ -179,7 +182,7 @@ class Step:
     @property
     def knobs(self) -> tuple:
         """What this step overrides of the plan's choice, in decode_step's and plan_for's order (None: the choice)."""
-        return (self.forced, self.resident, self.warm, self.group, self.local, self.lean, self.lean_conv)
+        return (self.forced, self.resident, self.warm, self.group, self.local, self.lean, self.lean_conv, self.joint)
 
     def oracle(self, cache: rk.KdaCache, packed: Tensor | None = None) -> Tensor:
         packed = self.packed if packed is None else packed
@@ -328,6 +331,7 @@ def assert_same_bits(step: Step, other: KdaStepPlan) -> None:
         other.local_decays,
         other.lean_start,
         other.lean_conv,
+        other.joint_sums,
     )
     torch.cuda.synchronize()
     what = f"TP{step.tp} B{step.batch} {plan.tag} against {other.tag}"
@@ -378,6 +382,24 @@ def test_a_lean_conv_gives_the_plain_convs_bits(tp: int, batch: int):
     step = Step(tp, batch, seed=tp * 1000 + batch + 13, lean_conv=True)
     plain = dataclasses.replace(step.plan, lean_conv=False)
     assert step.plan.lean_conv and plain == step_plan(tp, batch, lean_conv=False)
+    assert_same_bits(step, plain)
+    check_step(step)
+
+
+# Joint sums (KdaStepPlan.joint_sums) at the plan's cluster and register budget: 4 and 16 warps a CTA, 64 and 40
+# registers, the served lean start at TP8 B64.
+JOINT_CASES = [(tp, batch) for tp in (8, 16) for batch in (1, 16, 64)]
+assert {(b.tp, b.plan.batch) for b in JOINT} <= set(JOINT_CASES)
+
+
+@pytest.mark.parametrize("tp, batch", JOINT_CASES, ids=[f"tp{t}-b{b}-joint-sums" for t, b in JOINT_CASES])
+def test_joint_sums_give_the_butterflies_bits(tp: int, batch: int):
+    """warp_sums4 adds the same partial sums in the same tree as four warp_sums (primitives.py), so reducing a warp's
+    four rows together must leave the outputs, state and taps bit for bit, NULL rows among them; then the oracle
+    checks."""
+    step = Step(tp, batch, seed=tp * 1000 + batch + 17, joint_sums=True)
+    plain = dataclasses.replace(step.plan, joint_sums=False)
+    assert step.plan.joint_sums and plain == step_plan(tp, batch, joint_sums=False)
     assert_same_bits(step, plain)
     check_step(step)
 
