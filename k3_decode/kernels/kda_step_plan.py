@@ -442,14 +442,14 @@ class KdaStepPlan:
         "/joint-sums": builds and compiles of the variants are named apart."""
         budget = "" if self.resident_threads == RESIDENT_THREADS else f"/t{self.resident_threads}"
         group = "" if self.requests_per_cta == 1 else f"/r{self.requests_per_cta}"
-        lean = ("/lean" if self.lean_start else "") + ("/lean-conv" if self.lean_conv else "")
-        lean += "/joint-sums" if self.joint_sums else ""
+        leaner = ("/lean" if self.lean_start else "") + ("/lean-conv" if self.lean_conv else "")
+        leaner += "/joint-sums" if self.joint_sums else ""
         return (
             budget
             + ("/warm" if self.warm_ahead else "")
             + group
             + ("/local-decays" if self.local_decays else "")
-            + lean
+            + leaner
         )
 
     @property

@@ -341,16 +341,22 @@ def assert_same_bits(step: Step, other: KdaStepPlan) -> None:
     print(f"METRIC KDA step {what}: bit-identical")
 
 
+def assert_the_knob_keeps_the_bits(tp: int, batch: int, seed: int, knob: str) -> None:
+    """The plan at (tp, batch) with `knob` on, against the same plan with it off (the choice's plan, which the builds
+    list): outputs, state and taps bit for bit (assert_same_bits), then the oracle checks, as for any plan."""
+    step = Step(tp, batch, seed=tp * 1000 + batch + seed, **{knob: True})
+    off = dataclasses.replace(step.plan, **{knob: False})
+    assert getattr(step.plan, knob) and off == step_plan(tp, batch, **{knob: False})
+    assert_same_bits(step, off)
+    check_step(step)
+
+
 @pytest.mark.parametrize("tp, batch", LOCAL_CASES, ids=[f"tp{t}-b{b}-local-decays" for t, b in LOCAL_CASES])
 def test_local_decays_give_the_exchanged_decays_bits(tp: int, batch: int):
     """Each decay is the same half-warp dot product from the same vectors whichever CTA computes it, so computing
     all 128 in every CTA instead of pushing them must give the exchanging kernel's outputs, state and taps bit for
     bit, NULL rows among them; then the oracle checks, as for any plan."""
-    step = Step(tp, batch, seed=tp * 1000 + batch + 7, local_decays=True)
-    exchanged = dataclasses.replace(step.plan, local_decays=False)
-    assert step.plan.local_decays and exchanged == step_plan(tp, batch, local_decays=False)
-    assert_same_bits(step, exchanged)
-    check_step(step)
+    assert_the_knob_keeps_the_bits(tp, batch, 7, "local_decays")
 
 
 # A lean start (KdaStepPlan.lean_start) at the plan's cluster and register budget: one wave (B1, B8) and several
@@ -363,11 +369,7 @@ assert {(b.tp, b.plan.batch) for b in LEAN} <= set(LEAN_CASES)
 def test_a_lean_start_gives_the_plain_starts_bits(tp: int, batch: int):
     """A lean start moves only when the CTA reads its slot hint and waits for its peers' barriers, so its outputs,
     state and taps must be the plain start's bit for bit, NULL rows among them; then the oracle checks."""
-    step = Step(tp, batch, seed=tp * 1000 + batch + 11, lean_start=True)
-    plain = dataclasses.replace(step.plan, lean_start=False)
-    assert step.plan.lean_start and plain == step_plan(tp, batch, lean_start=False)
-    assert_same_bits(step, plain)
-    check_step(step)
+    assert_the_knob_keeps_the_bits(tp, batch, 11, "lean_start")
 
 
 # A lean conv (KdaStepPlan.lean_conv) at the plan's cluster and register budget, where a CTA has 4, 16 and 16 warps.
@@ -379,11 +381,7 @@ assert {(b.tp, b.plan.batch) for b in LEAN_CONV} <= set(LEAN_CONV_CASES)
 def test_a_lean_conv_gives_the_plain_convs_bits(tp: int, batch: int):
     """Warps 2 and up discarded their conv; skipping it must leave the outputs, state and taps bit for bit, NULL rows
     among them; then the oracle checks."""
-    step = Step(tp, batch, seed=tp * 1000 + batch + 13, lean_conv=True)
-    plain = dataclasses.replace(step.plan, lean_conv=False)
-    assert step.plan.lean_conv and plain == step_plan(tp, batch, lean_conv=False)
-    assert_same_bits(step, plain)
-    check_step(step)
+    assert_the_knob_keeps_the_bits(tp, batch, 13, "lean_conv")
 
 
 # Joint sums (KdaStepPlan.joint_sums) at the plan's cluster and register budget: 4 and 16 warps a CTA, 64 and 40
@@ -397,11 +395,7 @@ def test_joint_sums_give_the_butterflies_bits(tp: int, batch: int):
     """warp_sums4 adds the same partial sums in the same tree as four warp_sums (primitives.py), so reducing a warp's
     four rows together must leave the outputs, state and taps bit for bit, NULL rows among them; then the oracle
     checks."""
-    step = Step(tp, batch, seed=tp * 1000 + batch + 17, joint_sums=True)
-    plain = dataclasses.replace(step.plan, joint_sums=False)
-    assert step.plan.joint_sums and plain == step_plan(tp, batch, joint_sums=False)
-    assert_same_bits(step, plain)
-    check_step(step)
+    assert_the_knob_keeps_the_bits(tp, batch, 17, "joint_sums")
 
 
 # The served plans and their lean-conv twins where a CTA has 16 warps (B16, B64) and 4 (B1).
