@@ -159,6 +159,7 @@ from k3_decode.kernels.primitives import (
     VECTOR,
     bulk_copy,
     bulk_prefetch_l2,
+    fma,
     launch_resident,
     trace_stamp,
     warp_sum,
@@ -690,7 +691,7 @@ class KdaStepKernel:
         plan = self.plan
         partial = o[0] * o[0]
         for i in cutlass.range_constexpr(1, ROWS_PER_WARP):
-            partial = partial + o[i] * o[i]
+            partial = fma(o[i], o[i], partial)
         if place.lane < plan.cluster:
             dst = norm_s.iterator + (at + place.rank * plan.warps + place.warp)
             cute.arch.store_async_dsmem(dst, partial.bitcast(Int32), bars + 1, place.lane)
@@ -907,7 +908,7 @@ class KdaStepKernel:
                         seq.append(x_s[t * tok + cl + c])
                         y = w[TAPS].to(Float32) * seq[t + TAPS].to(Float32)
                         for j in cutlass.range_constexpr(TAPS):
-                            y = y + w[j].to(Float32) * seq[t + j].to(Float32)
+                            y = fma(w[j].to(Float32), seq[t + j].to(Float32), y)
                         act = y * _sigmoid(y)
                         if is_qk:
                             qk_s[t * 2 * HEAD_DIM + cl + c] = act
@@ -1059,7 +1060,7 @@ def _conv_silu(weights: cute.Tensor, taps: cute.Tensor, inputs: cute.Tensor, act
     for c in cutlass.range_constexpr(VECTOR):
         y = weights[CONV_WIDTH * c + TAPS].to(Float32) * inputs[c].to(Float32)
         for t in cutlass.range_constexpr(TAPS):
-            y = y + weights[CONV_WIDTH * c + t].to(Float32) * taps[TAPS * c + t].to(Float32)
+            y = fma(weights[CONV_WIDTH * c + t].to(Float32), taps[TAPS * c + t].to(Float32), y)
         act[c] = y * _sigmoid(y)
 
 
@@ -1082,7 +1083,7 @@ def _correct_row(s: cute.Tensor, k: cute.Tensor, v: Float32, predicted: Float32,
     """S_v += beta (v - S_v . k) k on a lane's 4 keys, given the decayed row's S_v . k (`predicted`)."""
     u = beta * (v - predicted)
     for e in cutlass.range_constexpr(4):
-        s[e] = s[e] + u * k[e]
+        s[e] = fma(u, k[e], s[e])
 
 
 @cute.jit
@@ -1123,10 +1124,11 @@ def _null_output(bars: Any) -> cute.Tensor:
 
 @cute.jit
 def _dot(a: cute.Tensor, b: cute.Tensor, n: cutlass.Constexpr[int]) -> Float32:
-    """sum_i a_i b_i in FP32, one product then n - 1 FMAs (so a butterfly over it never starts with a bare product)."""
+    """sum_i a_i b_i in FP32: the product of element 0, then n - 1 FMAs in element order (primitives.fma pins
+    which product each one fuses, so every build of a kernel gives the same bits)."""
     total = a[0].to(Float32) * b[0].to(Float32)
     for i in cutlass.range_constexpr(1, n):
-        total = total + a[i].to(Float32) * b[i].to(Float32)
+        total = fma(a[i].to(Float32), b[i].to(Float32), total)
     return total
 
 

@@ -1,5 +1,5 @@
 """CuTe DSL building blocks that several kernels of this package share: 16-byte vector moves, BF16 to FP32
-conversion, the butterfly sum over lanes, the launch of a kernel whose CTAs must all be resident, and the
+conversion, a pinned FMA, the butterfly sum over lanes, the launch of a kernel whose CTAs must all be resident, and the
 phase-trace stamp (phase_trace.py).
 
 Every function here is traced inline into the kernel that calls it (a `cute.jit` function called while a kernel
@@ -53,6 +53,14 @@ def to_f32(v: cute.TensorSSA) -> cute.Tensor:
     frag = cute.make_rmem_tensor((VECTOR,), Float32)
     frag.store(v.to(Float32))
     return frag
+
+
+@cute.jit
+def fma(a: Float32, b: Float32, c: Float32) -> Float32:
+    """a * b + c rounded once, with the product the source names fused. Written as `c + a * b` where c is itself
+    a product, the sum gives the compiler two products to choose from, and two builds that differ elsewhere fused
+    different ones: a lean conv's L2 norm of k then rounded apart from the plain conv's (same bits otherwise)."""
+    return cute.math.fma(a, b, c)
 
 
 @cute.jit
