@@ -879,3 +879,33 @@ def test_joint_sums_trade_forty_butterfly_shuffles_for_twenty(tmp_path):
         c.name for c in judge(posing, "sm_90a", arts[plain.name], "", expect, tmp_path / "bad").checks if not c.passed
     ]
     assert len(failed) == 2 and "bfly" in failed[0] + failed[1] and "idx" in failed[0] + failed[1], failed
+
+
+def _roles(plan: KdaStepPlan) -> list[int]:
+    """One thread of each part a step CTA's threads play: warp 0's q lanes (0, 15) and k lanes (16, 31), warp 1's
+    v lanes (first, last) and a lane past them, warp 2, and the last thread."""
+    v_last = 32 + plan.v_lanes - 1
+    return sorted({0, 15, 16, 31, 32, v_last, v_last + 1, 64, 32 * plan.warps - 1})
+
+
+LEAN_CONV_BUILDS = [b for b in step_builds() if b.plan.lean_conv]
+
+
+@pytest.mark.parametrize("build", LEAN_CONV_BUILDS, ids=[b.name for b in LEAN_CONV_BUILDS])
+def test_a_lean_conv_stores_the_plain_convs_values_in_every_role(build):
+    """A lean conv only skips work warps 2 and up discarded, so every thread must store the same expressions at
+    the same addresses as the plain build (harness.ptx_values: the PTX run per thread, integers concrete, floats
+    symbolic): before primitives.fma pinned the fused products, the two builds' L2 norms of q and k fused
+    different ones and their states differed by an ulp on the GPU. The broken case: the joint-sums build of the
+    same shape reorders its reductions, and the check must see it in every warp."""
+    from harness.ptx_values import compare
+
+    same_tp = [b for b in step_builds() if b.tp == build.tp]
+    (plain,) = [b for b in same_tp if b.plan == dataclasses.replace(build.plan, lean_conv=False)]
+    block = (build.plan.cluster - 1, 1, min(1, build.plan.batch - 1))  # a peer's rank, head 1, a live request
+    threads = _roles(build.plan)
+    assert compare(plain.compile("sm_90a").ptx, build.compile("sm_90a").ptx, threads, block) == []
+    joint = [b for b in same_tp if b.plan == dataclasses.replace(plain.plan, joint_sums=True)]
+    if joint:
+        diffs = compare(plain.compile("sm_90a").ptx, joint[0].compile("sm_90a").ptx, threads, block)
+        assert {d.thread for d in diffs} == set(threads), [str(d) for d in diffs[:3]]

@@ -1,0 +1,386 @@
+"""What one thread of a PTX kernel stores, as expressions: a check that two builds compute the same values.
+
+Two builds of a kernel that claim the same arithmetic (a variant that only skips discarded work, or moves when a
+copy is issued) must store the same values at the same addresses, bit for bit. A GPU test compares their outputs
+on one set of inputs; this compares their PTX on the CPU, for every input at once. One thread is run at a time:
+integer registers hold concrete values (its thread and block indices are given, kernel parameters and the shared
+memory base become distinct constants), so addresses and branches on them are exact; loaded words and floating
+point values stay symbolic, each a hash-consed expression (`a * b + c` fused by the source is `fma(a, b, c)`,
+never an `add` of a `mul`), so two stores are equal only if the same operations combine the same loaded words in
+the same order. A branch on a symbolic value (a loaded slot, a flag) is reported and not taken, in both builds.
+
+Inline-assembly blocks (barrier waits) and synchronization define no values and are skipped. The run is linear in
+the instructions executed; a loop whose bound is symbolic is cut at `max_steps`, and that is an error, never
+"equal".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+MASK32 = (1 << 32) - 1
+PARAM_STRIDE = 1 << 20  # kernel parameter i reads as the constant (i + 1) * PARAM_STRIDE + its byte offset
+# Operations that define nothing a store can depend on (ordering, copies into shared memory, prefetches).
+NO_VALUE = {
+    "bar",
+    "barrier",
+    "fence",
+    "membar",
+    "griddepcontrol",
+    "cp",
+    "prefetch",
+    "red",
+    "applypriority",
+    "discard",
+    "createpolicy",
+    "setmaxnreg",
+    "nanosleep",
+    "trap",
+}
+INT_OPS = {
+    "add",
+    "sub",
+    "mul",
+    "mad",
+    "shl",
+    "shr",
+    "and",
+    "or",
+    "xor",
+    "not",
+    "selp",
+    "setp",
+    "cvt",
+    "min",
+    "max",
+    "neg",
+    "mov",
+    "rem",
+    "div",
+    "cvta",
+    "mapa",
+}
+FLOAT_TYPES = {"f16", "f16x2", "bf16", "bf16x2", "f32", "f64"}
+
+
+class PtxValueError(ValueError):
+    """The PTX holds something this reader cannot run: an operation on integers it does not know, a runaway loop."""
+
+
+@dataclass(frozen=True)
+class Expr:
+    """A symbolic value: an operation over arguments (expressions, integers or names), identified by its hash."""
+
+    op: str
+    args: tuple
+    key: str = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        parts = [self.op] + [a.key if isinstance(a, Expr) else repr(a) for a in self.args]
+        object.__setattr__(self, "key", hashlib.sha1("|".join(parts).encode()).hexdigest()[:16])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Expr) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def brief(self, depth: int = 4) -> str:
+        if depth == 0:
+            return "…"
+        inner = ", ".join(a.brief(depth - 1) if isinstance(a, Expr) else repr(a) for a in self.args)
+        return f"{self.op}({inner})"
+
+
+Value = int | Expr
+Address = tuple  # ("abs", int) for a concrete address, ("sym", key, offset) for one computed from a loaded value
+
+
+@dataclass
+class ThreadRun:
+    """What one thread stored, and the symbolic branches it did not take."""
+
+    stores: dict[tuple[str, Address], Value]
+    untaken: list[str]
+
+
+def _split_operands(text: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+@dataclass(frozen=True)
+class _Inst:
+    op: str
+    operands: tuple[str, ...]
+    pred: str | None
+
+
+def parse(ptx: str) -> tuple[list[_Inst | None], dict[str, int]]:
+    """The first kernel's instructions (None for an inline-assembly block) and its labels."""
+    start = ptx.find(".entry")
+    if start < 0:
+        raise PtxValueError("no .entry in the PTX: not a kernel")
+    body = ptx[ptx.index("{", start) + 1 :]
+    insts: list[_Inst | None] = []
+    labels: dict[str, int] = {}
+    in_asm = False
+    for raw in body.split("\n"):
+        line = raw.split("//")[0].strip()
+        if not line:
+            continue
+        if line.startswith("{") and not line.startswith("{%"):
+            in_asm = True
+            insts.append(None)
+            continue
+        if in_asm:
+            in_asm = not line.startswith("}")
+            continue
+        if line.endswith(":"):
+            labels[line[:-1].strip()] = len(insts)
+        elif line.endswith(";") and not line.startswith("."):
+            text = line[:-1].strip()
+            pred = None
+            if text.startswith("@"):
+                pred, text = text.split(None, 1)
+            op, _, rest = text.partition(" ")
+            insts.append(_Inst(op, tuple(_split_operands(rest)), pred))
+    return insts, labels
+
+
+def _signed(v: int, bits: int) -> int:
+    v &= (1 << bits) - 1
+    return v - (1 << bits) if v >> (bits - 1) else v
+
+
+def _int_op(op: str, a: list[int]) -> int:
+    parts = op.split(".")
+    name = parts[0]
+    bits = 64 if any(t in ("b64", "u64", "s64") for t in parts) else 32
+    mask = (1 << bits) - 1
+    signed = any(re.fullmatch(r"s\d+", t) for t in parts)
+
+    def s(x: int) -> int:
+        return _signed(x, bits) if signed else x & mask
+
+    if name == "mov":
+        return a[0]
+    if name in ("add", "sub"):
+        return (a[0] + a[1] if name == "add" else a[0] - a[1]) & mask
+    if name == "neg":
+        return -a[0] & mask
+    if name in ("mul", "mad"):
+        extra = a[2] if name == "mad" else 0
+        if "wide" in parts:
+            x, y = (_signed(a[0], 32), _signed(a[1], 32)) if signed else (a[0] & MASK32, a[1] & MASK32)
+            return (x * y + extra) & ((1 << 64) - 1)
+        if "hi" in parts:
+            return ((s(a[0]) * s(a[1])) >> bits) & mask
+        return (a[0] * a[1] + extra) & mask
+    if name == "shl":
+        return (a[0] << a[1]) & mask
+    if name == "shr":
+        return (s(a[0]) >> a[1]) & mask
+    if name in ("and", "or", "xor"):
+        return {"and": a[0] & a[1], "or": a[0] | a[1], "xor": a[0] ^ a[1]}[name]
+    if name == "not":
+        return ~a[0] & mask
+    if name in ("min", "max"):
+        return (min if name == "min" else max)(s(a[0]), s(a[1])) & mask
+    if name == "selp":
+        return a[0] if a[2] else a[1]
+    if name == "setp":
+        x, y = s(a[0]), s(a[1])
+        tests = {
+            "eq": x == y,
+            "ne": x != y,
+            "lt": x < y,
+            "le": x <= y,
+            "gt": x > y,
+            "ge": x >= y,
+            "lo": x < y,
+            "ls": x <= y,
+            "hi": x > y,
+            "hs": x >= y,
+        }
+        return int(tests[parts[1]])
+    if name == "cvt":
+        return (_signed(a[0], int(parts[-1][1:])) if parts[-1].startswith("s") else a[0]) & mask
+    if name == "cvta":
+        return a[0]
+    if name == "mapa":  # the peer CTA's window of the same shared address
+        return a[0] | (a[1] << 24)
+    if name in ("rem", "div"):
+        return a[0] % a[1] if name == "rem" else a[0] // a[1]
+    raise PtxValueError(f"integer operation {op} is not known to harness.ptx_values")
+
+
+def _is_int_op(op: str) -> bool:
+    parts = op.split(".")
+    if parts[0] not in INT_OPS:
+        return False
+    if parts[0] == "setp":
+        return not any(t in FLOAT_TYPES for t in parts[2:])
+    return not any(t in FLOAT_TYPES or t in ("rn", "rz", "rm", "rp", "ftz", "approx", "sat") for t in parts[1:])
+
+
+def run_thread(ptx: str, tid: int, ctaid: tuple[int, int, int], max_steps: int = 200_000) -> ThreadRun:
+    """Run thread `tid` of block `ctaid` of the PTX's kernel; see the module docstring."""
+    insts, labels = parse(ptx)
+    special = {
+        "%tid.x": tid,
+        "%tid.y": 0,
+        "%tid.z": 0,
+        "%laneid": tid % 32,
+        "%ctaid.x": ctaid[0],
+        "%ctaid.y": ctaid[1],
+        "%ctaid.z": ctaid[2],
+    }
+    regs: dict[str, Value] = {}
+    stores: dict[tuple[str, Address], Value] = {}
+    untaken: list[str] = []
+
+    def value(tok: str) -> Value:
+        tok = tok.strip()
+        if tok in special:
+            return special[tok]
+        if tok.startswith("%"):
+            return regs.get(tok, Expr("unset", (tok,)))
+        if re.fullmatch(r"0[fd][0-9A-Fa-f]+", tok):
+            return Expr("const", (tok,))
+        if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", tok):
+            return int(tok, 0) & ((1 << 64) - 1)
+        return 0  # a symbol's address (the shared memory base): every build's shared memory starts at 0
+
+    def address(tok: str) -> Address:
+        inner = tok.strip()[1:-1].replace(" ", "")
+        if "_param_" in inner:
+            name, _, off = inner.rpartition("_param_")[2].partition("+")
+            return ("abs", (int(name) + 1) * PARAM_STRIDE + int(off or 0))
+        m = re.fullmatch(r"([%\w]+)?(?:\+(-?\d+))?", inner)
+        if m is None:
+            raise PtxValueError(f"address {tok} is not [reg+offset]")
+        base = value(m.group(1)) if m.group(1) else 0
+        off = int(m.group(2) or 0)
+        return ("sym", base.key, off) if isinstance(base, Expr) else ("abs", base + off)
+
+    def width(op: str) -> int:
+        return 8 if re.search(r"\.[bsuf]64", op) else 2 if re.search(r"\.[bsuf]16", op) else 4
+
+    def at(addr: Address, i: int, w: int) -> Address:
+        return (*addr[:-1], addr[-1] + i * w)
+
+    pc = steps = 0
+    while pc < len(insts):
+        steps += 1
+        if steps > max_steps:
+            raise PtxValueError(f"more than {max_steps} instructions run: a loop on a symbolic bound?")
+        inst = insts[pc]
+        pc += 1
+        if inst is None:
+            continue
+        op, ops = inst.op, inst.operands
+        if inst.pred is not None:
+            p = value(inst.pred.lstrip("@!"))
+            negate = inst.pred.startswith("@!")
+            if isinstance(p, Expr):
+                if op.startswith("bra"):
+                    untaken.append(f"{inst.pred} {op} {ops[0]} on {p.brief(2)}")
+                    continue
+                before = regs.get(ops[0]) if ops else None
+                _execute(op, ops, regs, value, address, stores, width, at)
+                if ops and ops[0] in regs:
+                    regs[ops[0]] = Expr("select", (p, negate, regs[ops[0]], before if before is not None else 0))
+                continue
+            if bool(p) == negate:
+                continue
+        if op.startswith("bra"):
+            pc = labels[ops[0]]
+        elif op in ("ret", "exit"):
+            break
+        else:
+            _execute(op, ops, regs, value, address, stores, width, at)
+    return ThreadRun(stores, untaken)
+
+
+def _execute(op, ops, regs, value, address, stores, width, at) -> None:  # the closures of run_thread
+    name = op.split(".")[0]
+    if name in NO_VALUE:
+        return
+    if name in ("mbarrier", "atom", "elect"):  # a token or an old value: opaque, never a stored value's input here
+        if ops and ops[0].startswith("%"):
+            regs[ops[0].strip("{}").split(",")[0].strip()] = Expr(op, tuple(ops[1:]))
+        return
+    if name == "st":
+        addr = address(ops[0])
+        space = op.split(".")[1]
+        for i, v in enumerate(ops[1].strip("{}").split(",")):
+            stores[(space, at(addr, i, width(op)))] = value(v)
+        return
+    if name == "ld":
+        addr = address(ops[1])
+        for i, dst in enumerate(d.strip() for d in ops[0].strip("{}").split(",")):
+            where = at(addr, i, width(op))
+            regs[dst] = where[1] if "param" in op else Expr("ld." + op.split(".")[1], (where,))
+        return
+    dst = ops[0]
+    if dst.startswith("{"):  # an unpack: {lo, hi} of a 32-bit register
+        src = value(ops[1])
+        for i, d in enumerate(x.strip() for x in dst.strip("{}").split(",")):
+            regs[d] = (src >> (16 * i)) & 0xFFFF if isinstance(src, int) else Expr("half", (i, src))
+        return
+    if len(ops) > 1 and ops[1].startswith("{"):  # a pack
+        parts = [value(p) for p in ops[1].strip("{}").split(",")]
+        concrete = all(isinstance(p, int) for p in parts)
+        regs[dst] = parts[0] | (parts[1] << 16) if concrete else Expr("pack", tuple(parts))
+        return
+    args = [value(o) for o in ops[1:]]
+    if all(isinstance(a, int) for a in args) and _is_int_op(op):
+        regs[dst] = _int_op(op, args)
+    elif name == "mov" and len(args) == 1:
+        regs[dst] = args[0]
+    elif name == "shfl" and ".idx" in op and isinstance(args[0], int):
+        regs[dst] = args[0]  # an integer broadcast: the kernel broadcasts values uniform over the warp
+    elif all(isinstance(a, int) for a in args) and not set(op.split(".")[1:]) & FLOAT_TYPES and name != "shfl":
+        raise PtxValueError(f"integer operation {op} is not known to harness.ptx_values")
+    else:
+        regs[dst] = Expr(op, tuple(args))
+
+
+@dataclass(frozen=True)
+class StoreDifference:
+    thread: int
+    space: str
+    address: Address
+    mine: str
+    theirs: str
+
+    def __str__(self) -> str:
+        return f"thread {self.thread}: {self.space} store at {self.address}: {self.mine} against {self.theirs}"
+
+
+def compare(ptx: str, other: str, threads: list[int], ctaid: tuple[int, int, int] = (1, 2, 3)) -> list[StoreDifference]:
+    """The stores where the two kernels' threads differ: an address only one stores to, or a different value."""
+    out = []
+    for tid in threads:
+        mine, theirs = run_thread(ptx, tid, ctaid).stores, run_thread(other, tid, ctaid).stores
+        for key in sorted(set(mine) | set(theirs), key=repr):
+            a, b = mine.get(key), theirs.get(key)
+            if a != b:
+                show = [x.brief() if isinstance(x, Expr) else repr(x) for x in (a, b)]
+                out.append(StoreDifference(tid, key[0], key[1], *show))
+    return out
