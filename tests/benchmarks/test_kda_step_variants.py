@@ -359,3 +359,63 @@ def test_rounds_where_the_lean_start_lost_at_tp8_b64_take_it_away(tmp_path):
     verdicts = lean_verdicts(LEAN_SIX_ROUNDS, [mirrored, LEAN_LATE_48_ROUNDS])
     assert not verdicts[(8, 64)]
     assert lean_problems(verdicts) == ["TP8 B64: the lean start is served"]
+
+
+# One H100 at ec00445, against the tree, joint sums on every rule and the default (`joint_sums = true`): layer 6 at
+# B16-B64, three rounds of 60, and layer 86 at B32 and B64, two rounds.
+JOINT_SIX_ROUNDS = _rounds("step-joint-sums")
+JOINT_LATE_ROUNDS = [
+    (RESULTS / f"kda-layer-variants-h100/step-joint-sums-late-base-{i}.json",
+     RESULTS / f"kda-layer-variants-h100/step-joint-sums-late-{i}.json")
+    for i in (1, 2)
+]  # fmt: skip
+
+
+def knob_verdicts(rounds: list[tuple[Path, Path]], knob: str) -> dict[tuple[int, int], str]:
+    """Per measured (TP, batch): the rounds' verdict on serving `knob` (bench.every_round), after checking that each
+    variant ran the step with it at every cell and no base did."""
+    docs = [(json.loads(base.read_text()), json.loads(variant.read_text())) for base, variant in rounds]
+    suffix = "/" + knob.replace("_", "-")
+    for base, variant in docs:
+        assert base["variant"] == {"name": "plain", "choice_files": {}}
+        assert f"{knob} = true" in variant["variant"]["choice_files"]["kda_step_choice.toml"]
+        for doc, on in ((base, False), (variant, True)):
+            for key, cell in bench.cells_by_key(doc).items():
+                assert cell["kda_step_plan"].endswith(suffix) == on, (key, cell["kda_step_plan"])
+    _, saved = bench.round_savings(docs)
+    return {key: bench.every_round(per_round) for key, per_round in saved.items()}
+
+
+def knob_problems(verdicts: dict[tuple[int, int], str], knob: str, choice: Path | None = None) -> list[str]:
+    """Where the choice file (the served one by default) serves `knob` at a measured cell that did not save layer
+    time in every round."""
+    return [
+        f"TP{tp} B{batch}: {knob} served but {verdict}"
+        for (tp, batch), verdict in sorted(verdicts.items())
+        if getattr(chosen_variant(K3.shard(tp).kda_heads, batch, choice), knob) and verdict != "saved in every round"
+    ]
+
+
+def test_joint_sums_are_served_nowhere_because_they_saved_in_no_cell():
+    """Twenty shuffles and 28 adds fewer a warp, the same bits, and yet slower: layer 6 lost in every round at TP8
+    B16-B64 (B16 -1.32, -0.77, -0.78 us) and was mixed or lost at TP16; layer 86 saved in no cell in every round."""
+    six, late = knob_verdicts(JOINT_SIX_ROUNDS, "joint_sums"), knob_verdicts(JOINT_LATE_ROUNDS, "joint_sums")
+    assert set(six) == {(tp, b) for tp in (8, 16) for b in (16, 32, 64)}
+    assert set(late) == {(tp, b) for tp in (8, 16) for b in (32, 64)}
+    assert "saved in every round" not in {*six.values(), *late.values()}
+    assert [six[(8, b)] for b in (16, 32, 64)] == ["lost in every round"] * 3
+    assert knob_problems(six, "joint_sums") == knob_problems(late, "joint_sums") == []
+    default, rules = variant_rules()
+    assert not default.joint_sums and not any(r.variant.joint_sums for r in rules)
+
+
+def test_a_choice_serving_joint_sums_contradicts_the_rounds(tmp_path):
+    """Broken case: the choice the rounds ran, served; every measured cell is named on both layers."""
+    served = RESULTS.parent.parent / "k3_decode/kernels/kda_step_choice.toml"
+    text = served.read_text().replace("warm_ahead = false }", "warm_ahead = false, joint_sums = true }")
+    choice = tmp_path / "kda_step_choice.toml"
+    choice.write_text(text.replace("lean_start = true }", "lean_start = true, joint_sums = true }"))
+    assert chosen_variant(12, 64, choice).joint_sums and chosen_variant(6, 16, choice).joint_sums
+    six = knob_problems(knob_verdicts(JOINT_SIX_ROUNDS, "joint_sums"), "joint_sums", choice)
+    late = knob_problems(knob_verdicts(JOINT_LATE_ROUNDS, "joint_sums"), "joint_sums", choice)
+    assert len(six) == 6 and len(late) == 4, (six, late)
