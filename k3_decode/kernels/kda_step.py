@@ -87,23 +87,21 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   CTAs that wait for the projection), and waits for the peers' barriers after every copy is issued, which is still
   before its first push. Only the order of the start changes, so the bits are the plain start's (the GPU test
   compares them).
-- A lean conv (a plan with `lean_conv`, not served: its bits differed from the plain conv's on one H100 at clusters of
-  2, below). Every warp runs the conv code so that it is no
-  divergent block, and warps 2 and up discard what they compute: about 215 of the ~800 instructions a warp of a
-  live CTA issues. From B16 the grid runs in waves of up to 48 warps an SM and the step is bound by instruction
-  issue more than by HBM (docs/kda-layer-h200.md, "Where a KDA step CTA's time goes"), so a lean conv has warps 2
-  and up branch past it (warp-uniform: no divergence) and cuts a CTA's instructions by about a fifth; the conv
-  warps do exactly what they did, so the bits should be the plain conv's. The GPU test compares them: equal at B1
-  (clusters of 8, 4 warps a CTA), different at B16 and B64 at both TP sizes (clusters of 2, 16 warps) on one H100 at
-  e760a5c, though the two builds' PTX holds the same arithmetic in the same order (only the branch and some address
-  arithmetic move). Whatever makes a step's bits depend on its warps' timing is not found yet; until it is, the
-  lean conv is served nowhere (docs/kda-layer-h200.md, "A lean conv").
-- Joint sums (a plan with `joint_sums`, built, not yet run on a GPU). Each state row needs two sums over the warp's
-  32 lanes (S_v . k, then S_v . q), a 5-step butterfly each: 40 shuffles and 40 adds a warp for its four rows, the
-  delta rule's largest share of issue. `primitives.warp_sums4` reduces the four rows together in the same tree (lane
-  bits 0 to 4, the same pairs added), trading halves in the first two steps and broadcasting the four totals: 10
-  shuffles and 6 adds each time, the same bits. It needs the four decayed rows in registers at once (16 more live),
-  which still fits 40 registers without a frame at 1536 threads an SM.
+- A lean conv (a plan with `lean_conv`, not served until its GPU bit test passes at this tree). Every warp runs the
+  conv code so that it is no divergent block, and warps 2 and up discard what they compute: about 215 of the ~800
+  instructions a warp of a live CTA issues. From B16 the grid runs in waves of up to 48 warps an SM and the step is
+  bound by instruction issue more than by HBM (docs/kda-layer-h200.md, "Where a KDA step CTA's time goes"), so a
+  lean conv has warps 2 and up branch past it (warp-uniform: no divergence) and cuts a CTA's instructions by about a
+  fifth; the conv warps do exactly what they did. On one H100 its bits differed from the plain conv's by an ulp in a
+  few heads' states at B16 and B64: `_dot` then left the compiler free to fuse either of the first two products, and
+  the two builds chose differently in the L2 norm of q and k. primitives.fma pins every such product now, and CI
+  checks that a lean-conv build's every thread stores what its plain twin's does (harness/ptx_values.py).
+- Joint sums (a plan with `joint_sums`, not served: the same bits on one H100, but the layer got slower). Each
+  state row needs two sums over the warp's 32 lanes (S_v . k, then S_v . q), a 5-step butterfly each: 40 shuffles
+  and 40 adds a warp for its four rows, the delta rule's largest share of issue. `primitives.warp_sums4` reduces the
+  four rows together in the same tree (lane bits 0 to 4, the same pairs added), trading halves in the first two
+  steps and broadcasting the four totals: 10 shuffles and 6 adds each time, the same bits. It needs the four
+  decayed rows in registers at once (16 more live), which still fits 40 registers without a frame at 1536 threads.
 - Warming the next wave (a plan with `warm_ahead`, not served until measured): from TP8 B16 and TP16 B32 the grid
   runs in waves of `wave_requests` requests, and each CTA's reads wait for HBM while its SM holds only the resident
   CTAs' chains. Thread 0, after its own copies, issues the same L2 prefetches for the CTA of its rank and head one
