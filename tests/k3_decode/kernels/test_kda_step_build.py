@@ -888,20 +888,30 @@ def _roles(plan: KdaStepPlan) -> list[int]:
     return sorted({0, 15, 16, 31, 32, v_last, v_last + 1, 64, 32 * plan.warps - 1})
 
 
-LEAN_CONV_BUILDS = [b for b in step_builds() if b.plan.lean_conv]
+# The knobs that claim the plain build's arithmetic: a lean conv skips only discarded work, a lean start only moves
+# when its copies are issued.
+# Each such build whose twin with the knob off is built too (a lean start beside a lean conv has none).
+SAME_VALUE_BUILDS = [
+    (b, k)
+    for b in step_builds()
+    for k in ("lean_conv", "lean_start")
+    if getattr(b.plan, k) and any(o.plan == dataclasses.replace(b.plan, **{k: False}) for o in step_builds())
+]
+assert {k for _, k in SAME_VALUE_BUILDS} == {"lean_conv", "lean_start"}
 
 
-@pytest.mark.parametrize("build", LEAN_CONV_BUILDS, ids=[b.name for b in LEAN_CONV_BUILDS])
-def test_a_lean_conv_stores_the_plain_convs_values_in_every_role(build):
-    """A lean conv only skips work warps 2 and up discarded, so every thread must store the same expressions at
-    the same addresses as the plain build (harness.ptx_values: the PTX run per thread, integers concrete, floats
-    symbolic): before primitives.fma pinned the fused products, the two builds' L2 norms of q and k fused
-    different ones and their states differed by an ulp on the GPU. The broken case: the joint-sums build of the
-    same shape reorders its reductions, and the check must see it in every warp."""
+@pytest.mark.parametrize("build, knob", SAME_VALUE_BUILDS, ids=[b.name for b, _ in SAME_VALUE_BUILDS])
+def test_a_lean_build_stores_the_plain_builds_values_in_every_role(build, knob):
+    """A lean conv or a lean start must store the same expressions at the same addresses as the build with the
+    knob off, in every thread (harness.ptx_values: the PTX run per thread, integers concrete, floats symbolic).
+    Before primitives.fma pinned the fused products, the lean conv's L2 norms of q and k fused another product
+    than the plain build's and their states differed by an ulp on the GPU; this check fails on that code at B16
+    and B64. The broken case: the joint-sums build of the same shape reorders its reductions, and the check must
+    see it in every thread."""
     from harness.ptx_values import compare
 
     same_tp = [b for b in step_builds() if b.tp == build.tp]
-    (plain,) = [b for b in same_tp if b.plan == dataclasses.replace(build.plan, lean_conv=False)]
+    (plain,) = [b for b in same_tp if b.plan == dataclasses.replace(build.plan, **{knob: False})]
     block = (build.plan.cluster - 1, 1, min(1, build.plan.batch - 1))  # a peer's rank, head 1, a live request
     threads = _roles(build.plan)
     assert compare(plain.compile("sm_90a").ptx, build.compile("sm_90a").ptx, threads, block) == []
