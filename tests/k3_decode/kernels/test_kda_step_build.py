@@ -905,9 +905,9 @@ def test_a_lean_build_stores_the_plain_builds_values_in_every_role(build, knob):
     """A lean conv or a lean start must store the same expressions at the same addresses as the build with the
     knob off, in every thread (harness.ptx_values: the PTX run per thread, integers concrete, floats symbolic).
     Before primitives.fma pinned the fused products, the lean conv's L2 norms of q and k fused another product
-    than the plain build's and their states differed by an ulp on the GPU; this check fails on that code at B16
-    and B64. The broken case: the joint-sums build of the same shape reorders its reductions, and the check must
-    see it in every thread."""
+    than the plain build's and their states differed by an ulp on the GPU; this check fails on that code at
+    every lean-conv build. The broken case: the joint-sums build of the same shape reorders its reductions, and
+    the check must see it in every thread."""
     from harness.ptx_values import compare
 
     same_tp = [b for b in step_builds() if b.tp == build.tp]
