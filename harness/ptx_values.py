@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 MASK32 = (1 << 32) - 1
+MAX_STEPS = 200_000  # instructions one thread may run before the run is an error
 PARAM_STRIDE = 1 << 20  # kernel parameter i reads as the constant (i + 1) * PARAM_STRIDE + its byte offset
 # Operations that define nothing a store can depend on (ordering, copies into shared memory, prefetches).
 NO_VALUE = {
@@ -238,35 +239,45 @@ def _is_int_op(op: str) -> bool:
     return not any(t in FLOAT_TYPES or t in ("rn", "rz", "rm", "rp", "ftz", "approx", "sat") for t in parts[1:])
 
 
-def run_thread(ptx: str, tid: int, ctaid: tuple[int, int, int], max_steps: int = 200_000) -> ThreadRun:
-    """Run thread `tid` of block `ctaid` of the PTX's kernel; see the module docstring."""
-    insts, labels = parse(ptx)
-    special = {
-        "%tid.x": tid,
-        "%tid.y": 0,
-        "%tid.z": 0,
-        "%laneid": tid % 32,
-        "%ctaid.x": ctaid[0],
-        "%ctaid.y": ctaid[1],
-        "%ctaid.z": ctaid[2],
-    }
-    regs: dict[str, Value] = {}
-    stores: dict[tuple[str, Address], Value] = {}
-    untaken: list[str] = []
+def _width(op: str) -> int:
+    """Bytes of one element of a load or store."""
+    return 8 if re.search(r"\.[bsuf]64", op) else 2 if re.search(r"\.[bsuf]16", op) else 4
 
-    def value(tok: str) -> Value:
+
+def _element(addr: Address, i: int, width: int) -> Address:
+    return (*addr[:-1], addr[-1] + i * width)
+
+
+class _Thread:
+    """One thread's registers and stores while it runs a parsed kernel."""
+
+    def __init__(self, tid: int, ctaid: tuple[int, int, int]) -> None:
+        self.special = {
+            "%tid.x": tid,
+            "%tid.y": 0,
+            "%tid.z": 0,
+            "%laneid": tid % 32,
+            "%ctaid.x": ctaid[0],
+            "%ctaid.y": ctaid[1],
+            "%ctaid.z": ctaid[2],
+        }
+        self.regs: dict[str, Value] = {}
+        self.stores: dict[tuple[str, Address], Value] = {}
+        self.untaken: list[str] = []
+
+    def value(self, tok: str) -> Value:
         tok = tok.strip()
-        if tok in special:
-            return special[tok]
+        if tok in self.special:
+            return self.special[tok]
         if tok.startswith("%"):
-            return regs.get(tok, Expr("unset", (tok,)))
+            return self.regs.get(tok, Expr("unset", (tok,)))
         if re.fullmatch(r"0[fd][0-9A-Fa-f]+", tok):
             return Expr("const", (tok,))
         if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", tok):
             return int(tok, 0) & ((1 << 64) - 1)
         return 0  # a symbol's address (the shared memory base): every build's shared memory starts at 0
 
-    def address(tok: str) -> Address:
+    def address(self, tok: str) -> Address:
         inner = tok.strip()[1:-1].replace(" ", "")
         if "_param_" in inner:
             name, _, off = inner.rpartition("_param_")[2].partition("+")
@@ -274,91 +285,93 @@ def run_thread(ptx: str, tid: int, ctaid: tuple[int, int, int], max_steps: int =
         m = re.fullmatch(r"([%\w]+)?(?:\+(-?\d+))?", inner)
         if m is None:
             raise PtxValueError(f"address {tok} is not [reg+offset]")
-        base = value(m.group(1)) if m.group(1) else 0
+        base = self.value(m.group(1)) if m.group(1) else 0
         off = int(m.group(2) or 0)
         return ("sym", base.key, off) if isinstance(base, Expr) else ("abs", base + off)
 
-    def width(op: str) -> int:
-        return 8 if re.search(r"\.[bsuf]64", op) else 2 if re.search(r"\.[bsuf]16", op) else 4
-
-    def at(addr: Address, i: int, w: int) -> Address:
-        return (*addr[:-1], addr[-1] + i * w)
-
-    pc = steps = 0
-    while pc < len(insts):
-        steps += 1
-        if steps > max_steps:
-            raise PtxValueError(f"more than {max_steps} instructions run: a loop on a symbolic bound?")
-        inst = insts[pc]
-        pc += 1
-        if inst is None:
-            continue
-        op, ops = inst.op, inst.operands
-        if inst.pred is not None:
-            p = value(inst.pred.lstrip("@!"))
-            negate = inst.pred.startswith("@!")
-            if isinstance(p, Expr):
-                if op.startswith("bra"):
-                    untaken.append(f"{inst.pred} {op} {ops[0]} on {p.brief(2)}")
+    def run(self, insts: list[_Inst | None], labels: dict[str, int], max_steps: int) -> ThreadRun:
+        pc = steps = 0
+        while pc < len(insts):
+            steps += 1
+            if steps > max_steps:
+                raise PtxValueError(f"more than {max_steps} instructions run: a loop on a symbolic bound?")
+            inst = insts[pc]
+            pc += 1
+            if inst is None:
+                continue
+            op, ops = inst.op, inst.operands
+            if inst.pred is not None:
+                p = self.value(inst.pred.lstrip("@!"))
+                negate = inst.pred.startswith("@!")
+                if isinstance(p, Expr):
+                    if op.startswith("bra"):
+                        self.untaken.append(f"{inst.pred} {op} {ops[0]} on {p.brief(2)}")
+                        continue
+                    before = self.regs.get(ops[0]) if ops else None
+                    self.execute(op, ops)
+                    if ops and ops[0] in self.regs:
+                        kept = before if before is not None else 0
+                        self.regs[ops[0]] = Expr("select", (p, negate, self.regs[ops[0]], kept))
                     continue
-                before = regs.get(ops[0]) if ops else None
-                _execute(op, ops, regs, value, address, stores, width, at)
-                if ops and ops[0] in regs:
-                    regs[ops[0]] = Expr("select", (p, negate, regs[ops[0]], before if before is not None else 0))
-                continue
-            if bool(p) == negate:
-                continue
-        if op.startswith("bra"):
-            pc = labels[ops[0]]
-        elif op in ("ret", "exit"):
-            break
+                if bool(p) == negate:
+                    continue
+            if op.startswith("bra"):
+                pc = labels[ops[0]]
+            elif op in ("ret", "exit"):
+                break
+            else:
+                self.execute(op, ops)
+        return ThreadRun(self.stores, self.untaken)
+
+    def execute(self, op: str, ops: tuple[str, ...]) -> None:
+        regs, value = self.regs, self.value
+        name = op.split(".")[0]
+        if name in NO_VALUE:
+            return
+        if name in ("mbarrier", "atom", "elect"):  # a token or an old value: opaque, never a stored value's input here
+            if ops and ops[0].startswith("%"):
+                regs[ops[0].strip("{}").split(",")[0].strip()] = Expr(op, tuple(ops[1:]))
+            return
+        if name == "st":
+            addr = self.address(ops[0])
+            space = op.split(".")[1]
+            for i, v in enumerate(ops[1].strip("{}").split(",")):
+                self.stores[(space, _element(addr, i, _width(op)))] = value(v)
+            return
+        if name == "ld":
+            addr = self.address(ops[1])
+            for i, dst in enumerate(d.strip() for d in ops[0].strip("{}").split(",")):
+                where = _element(addr, i, _width(op))
+                regs[dst] = where[1] if "param" in op else Expr("ld." + op.split(".")[1], (where,))
+            return
+        dst = ops[0]
+        if dst.startswith("{"):  # an unpack: {lo, hi} of a 32-bit register
+            src = value(ops[1])
+            for i, d in enumerate(x.strip() for x in dst.strip("{}").split(",")):
+                regs[d] = (src >> (16 * i)) & 0xFFFF if isinstance(src, int) else Expr("half", (i, src))
+            return
+        if len(ops) > 1 and ops[1].startswith("{"):  # a pack
+            parts = [value(p) for p in ops[1].strip("{}").split(",")]
+            concrete = all(isinstance(p, int) for p in parts)
+            regs[dst] = parts[0] | (parts[1] << 16) if concrete else Expr("pack", tuple(parts))
+            return
+        args = [value(o) for o in ops[1:]]
+        concrete = all(isinstance(a, int) for a in args)
+        if concrete and _is_int_op(op):
+            regs[dst] = _int_op(op, args)
+        elif name == "mov" and len(args) == 1:
+            regs[dst] = args[0]
+        elif name == "shfl" and ".idx" in op and isinstance(args[0], int):
+            regs[dst] = args[0]  # an integer broadcast: the kernel broadcasts values uniform over the warp
+        elif concrete and not set(op.split(".")[1:]) & FLOAT_TYPES and name != "shfl":
+            raise PtxValueError(f"integer operation {op} is not known to harness.ptx_values")
         else:
-            _execute(op, ops, regs, value, address, stores, width, at)
-    return ThreadRun(stores, untaken)
+            regs[dst] = Expr(op, tuple(args))
 
 
-def _execute(op, ops, regs, value, address, stores, width, at) -> None:  # the closures of run_thread
-    name = op.split(".")[0]
-    if name in NO_VALUE:
-        return
-    if name in ("mbarrier", "atom", "elect"):  # a token or an old value: opaque, never a stored value's input here
-        if ops and ops[0].startswith("%"):
-            regs[ops[0].strip("{}").split(",")[0].strip()] = Expr(op, tuple(ops[1:]))
-        return
-    if name == "st":
-        addr = address(ops[0])
-        space = op.split(".")[1]
-        for i, v in enumerate(ops[1].strip("{}").split(",")):
-            stores[(space, at(addr, i, width(op)))] = value(v)
-        return
-    if name == "ld":
-        addr = address(ops[1])
-        for i, dst in enumerate(d.strip() for d in ops[0].strip("{}").split(",")):
-            where = at(addr, i, width(op))
-            regs[dst] = where[1] if "param" in op else Expr("ld." + op.split(".")[1], (where,))
-        return
-    dst = ops[0]
-    if dst.startswith("{"):  # an unpack: {lo, hi} of a 32-bit register
-        src = value(ops[1])
-        for i, d in enumerate(x.strip() for x in dst.strip("{}").split(",")):
-            regs[d] = (src >> (16 * i)) & 0xFFFF if isinstance(src, int) else Expr("half", (i, src))
-        return
-    if len(ops) > 1 and ops[1].startswith("{"):  # a pack
-        parts = [value(p) for p in ops[1].strip("{}").split(",")]
-        concrete = all(isinstance(p, int) for p in parts)
-        regs[dst] = parts[0] | (parts[1] << 16) if concrete else Expr("pack", tuple(parts))
-        return
-    args = [value(o) for o in ops[1:]]
-    if all(isinstance(a, int) for a in args) and _is_int_op(op):
-        regs[dst] = _int_op(op, args)
-    elif name == "mov" and len(args) == 1:
-        regs[dst] = args[0]
-    elif name == "shfl" and ".idx" in op and isinstance(args[0], int):
-        regs[dst] = args[0]  # an integer broadcast: the kernel broadcasts values uniform over the warp
-    elif all(isinstance(a, int) for a in args) and not set(op.split(".")[1:]) & FLOAT_TYPES and name != "shfl":
-        raise PtxValueError(f"integer operation {op} is not known to harness.ptx_values")
-    else:
-        regs[dst] = Expr(op, tuple(args))
+def run_thread(ptx: str, tid: int, ctaid: tuple[int, int, int], max_steps: int = MAX_STEPS) -> ThreadRun:
+    """Run thread `tid` of block `ctaid` of the PTX's kernel; see the module docstring."""
+    return _Thread(tid, ctaid).run(*parse(ptx), max_steps)
 
 
 @dataclass(frozen=True)
@@ -375,9 +388,10 @@ class StoreDifference:
 
 def compare(ptx: str, other: str, threads: list[int], ctaid: tuple[int, int, int] = (1, 2, 3)) -> list[StoreDifference]:
     """The stores where the two kernels' threads differ: an address only one stores to, or a different value."""
+    programs = parse(ptx), parse(other)
     out = []
     for tid in threads:
-        mine, theirs = run_thread(ptx, tid, ctaid).stores, run_thread(other, tid, ctaid).stores
+        mine, theirs = (_Thread(tid, ctaid).run(*program, MAX_STEPS).stores for program in programs)
         for key in sorted(set(mine) | set(theirs), key=repr):
             a, b = mine.get(key), theirs.get(key)
             if a != b:

@@ -229,29 +229,29 @@ LOCAL_DECAY_ROUNDS = [
 ]  # fmt: skip
 
 
-def local_decay_verdicts(rounds: list[tuple[Path, Path]]) -> dict[tuple[int, int], bool]:
-    """Per measured (TP, batch): whether local decays saved layer time in every round, after checking that each
-    variant ran the step with them at every cell and no base did."""
+def knob_verdicts(rounds: list[tuple[Path, Path]], knob: str, layer: int) -> dict[tuple[int, int], str]:
+    """Per measured (TP, batch): the rounds' verdict on serving `knob` (bench.every_round), after checking that each
+    variant ran the step with it at every cell and no base did, all on `layer`."""
     docs = [(json.loads(base.read_text()), json.loads(variant.read_text())) for base, variant in rounds]
+    suffix = "/" + knob.replace("_", "-")
     for base, variant in docs:
         assert base["variant"] == {"name": "plain", "choice_files": {}}
-        assert "local_decays = true" in variant["variant"]["choice_files"]["kda_step_choice.toml"]
-        for doc, local in ((base, False), (variant, True)):
+        assert f"{knob} = true" in variant["variant"]["choice_files"]["kda_step_choice.toml"]
+        for doc, on in ((base, False), (variant, True)):
             for key, cell in bench.cells_by_key(doc).items():
-                assert cell["kda_step_plan"].endswith("/local-decays") == local, (key, cell["kda_step_plan"])
+                assert cell["kda_step_plan"].endswith(suffix) == on, (key, cell["kda_step_plan"])
     timed, saved = bench.round_savings(docs)
-    assert timed == 6
-    return {key: bench.every_round(per_round) == "saved in every round" for key, per_round in saved.items()}
+    assert timed == layer
+    return {key: bench.every_round(per_round) for key, per_round in saved.items()}
 
 
-def local_decay_problems(verdicts: dict[tuple[int, int], bool], choice: Path | None = None) -> list[str]:
-    """Where the choice file (the served one by default) serves local decays at a measured cell that did not save in
-    every round. A cell that did is not served on layer 6's word alone: the step's rules are judged on both stacks
-    (layer 86 too, test_the_served_choice_file_is_what_the_committed_runs_support), and layer 86 was not timed."""
+def knob_problems(verdicts: dict[tuple[int, int], str], knob: str, choice: Path | None = None) -> list[str]:
+    """Where the choice file (the served one by default) serves `knob` at a measured cell that did not save layer
+    time in every round."""
     return [
-        f"TP{tp} B{batch}: local decays served but did not save in every round"
-        for (tp, batch), won in sorted(verdicts.items())
-        if chosen_variant(K3.shard(tp).kda_heads, batch, choice).local_decays and not won
+        f"TP{tp} B{batch}: {knob} served but {verdict}"
+        for (tp, batch), verdict in sorted(verdicts.items())
+        if getattr(chosen_variant(K3.shard(tp).kda_heads, batch, choice), knob) and verdict != "saved in every round"
     ]
 
 
@@ -259,10 +259,10 @@ def test_local_decays_are_served_nowhere_because_they_lost_or_saved_only_on_one_
     """Lost in every round at TP8 B1-B4 (-0.65 to -2.57 us a layer) and TP16 B1 and B4, mixed at TP16 B2 and B8;
     TP8 B8 saved +0.16 to +0.37 us in every round (inside the intervals) on layer 6 only. The served file has no
     local-decays rule."""
-    verdicts = local_decay_verdicts(LOCAL_DECAY_ROUNDS)
+    verdicts = knob_verdicts(LOCAL_DECAY_ROUNDS, "local_decays", 6)
     assert set(verdicts) == {(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8)}
-    assert {key for key, won in verdicts.items() if won} == {(8, 8)}
-    assert local_decay_problems(verdicts) == []
+    assert {key for key, verdict in verdicts.items() if verdict == "saved in every round"} == {(8, 8)}
+    assert knob_problems(verdicts, "local_decays") == []
     default, rules = variant_rules()
     assert not default.local_decays and not any(r.variant.local_decays for r in rules)
 
@@ -274,7 +274,7 @@ def test_a_choice_serving_local_decays_at_b1_to_b8_contradicts_the_rounds(tmp_pa
         "default = { resident_threads = 1024, warm_ahead = false }\n"
         "rules = [{ batches = [1, 8], resident_threads = 1024, warm_ahead = false, local_decays = true }]\n"
     )
-    problems = local_decay_problems(local_decay_verdicts(LOCAL_DECAY_ROUNDS), choice)
+    problems = knob_problems(knob_verdicts(LOCAL_DECAY_ROUNDS, "local_decays", 6), "local_decays", choice)
     assert len(problems) == 7 and "TP8 B8" not in " ".join(problems), problems
 
 
@@ -371,35 +371,11 @@ JOINT_LATE_ROUNDS = [
 ]  # fmt: skip
 
 
-def knob_verdicts(rounds: list[tuple[Path, Path]], knob: str) -> dict[tuple[int, int], str]:
-    """Per measured (TP, batch): the rounds' verdict on serving `knob` (bench.every_round), after checking that each
-    variant ran the step with it at every cell and no base did."""
-    docs = [(json.loads(base.read_text()), json.loads(variant.read_text())) for base, variant in rounds]
-    suffix = "/" + knob.replace("_", "-")
-    for base, variant in docs:
-        assert base["variant"] == {"name": "plain", "choice_files": {}}
-        assert f"{knob} = true" in variant["variant"]["choice_files"]["kda_step_choice.toml"]
-        for doc, on in ((base, False), (variant, True)):
-            for key, cell in bench.cells_by_key(doc).items():
-                assert cell["kda_step_plan"].endswith(suffix) == on, (key, cell["kda_step_plan"])
-    _, saved = bench.round_savings(docs)
-    return {key: bench.every_round(per_round) for key, per_round in saved.items()}
-
-
-def knob_problems(verdicts: dict[tuple[int, int], str], knob: str, choice: Path | None = None) -> list[str]:
-    """Where the choice file (the served one by default) serves `knob` at a measured cell that did not save layer
-    time in every round."""
-    return [
-        f"TP{tp} B{batch}: {knob} served but {verdict}"
-        for (tp, batch), verdict in sorted(verdicts.items())
-        if getattr(chosen_variant(K3.shard(tp).kda_heads, batch, choice), knob) and verdict != "saved in every round"
-    ]
-
-
 def test_joint_sums_are_served_nowhere_because_they_saved_in_no_cell():
     """Twenty shuffles and 28 adds fewer a warp, the same bits, and yet slower: layer 6 lost in every round at TP8
     B16-B64 (B16 -1.32, -0.77, -0.78 us) and was mixed or lost at TP16; layer 86 saved in no cell in every round."""
-    six, late = knob_verdicts(JOINT_SIX_ROUNDS, "joint_sums"), knob_verdicts(JOINT_LATE_ROUNDS, "joint_sums")
+    six = knob_verdicts(JOINT_SIX_ROUNDS, "joint_sums", 6)
+    late = knob_verdicts(JOINT_LATE_ROUNDS, "joint_sums", LATE_LAYER)
     assert set(six) == {(tp, b) for tp in (8, 16) for b in (16, 32, 64)}
     assert set(late) == {(tp, b) for tp in (8, 16) for b in (32, 64)}
     assert "saved in every round" not in {*six.values(), *late.values()}
@@ -411,11 +387,11 @@ def test_joint_sums_are_served_nowhere_because_they_saved_in_no_cell():
 
 def test_a_choice_serving_joint_sums_contradicts_the_rounds(tmp_path):
     """Broken case: the choice the rounds ran, served; every measured cell is named on both layers."""
-    served = RESULTS.parent.parent / "k3_decode/kernels/kda_step_choice.toml"
+    served = REPO / "k3_decode/kernels/kda_step_choice.toml"
     text = served.read_text().replace("warm_ahead = false }", "warm_ahead = false, joint_sums = true }")
     choice = tmp_path / "kda_step_choice.toml"
     choice.write_text(text.replace("lean_start = true }", "lean_start = true, joint_sums = true }"))
     assert chosen_variant(12, 64, choice).joint_sums and chosen_variant(6, 16, choice).joint_sums
-    six = knob_problems(knob_verdicts(JOINT_SIX_ROUNDS, "joint_sums"), "joint_sums", choice)
-    late = knob_problems(knob_verdicts(JOINT_LATE_ROUNDS, "joint_sums"), "joint_sums", choice)
+    six = knob_problems(knob_verdicts(JOINT_SIX_ROUNDS, "joint_sums", 6), "joint_sums", choice)
+    late = knob_problems(knob_verdicts(JOINT_LATE_ROUNDS, "joint_sums", LATE_LAYER), "joint_sums", choice)
     assert len(six) == 6 and len(late) == 4, (six, late)

@@ -891,11 +891,12 @@ def _roles(plan: KdaStepPlan) -> list[int]:
 # The knobs that claim the plain build's arithmetic: a lean conv skips only discarded work, a lean start only moves
 # when its copies are issued.
 # Each such build whose twin with the knob off is built too (a lean start beside a lean conv has none).
+_STEP_PLANS = {b.plan for b in step_builds()}
 SAME_VALUE_BUILDS = [
     (b, k)
     for b in step_builds()
     for k in ("lean_conv", "lean_start")
-    if getattr(b.plan, k) and any(o.plan == dataclasses.replace(b.plan, **{k: False}) for o in step_builds())
+    if getattr(b.plan, k) and dataclasses.replace(b.plan, **{k: False}) in _STEP_PLANS
 ]
 assert {k for _, k in SAME_VALUE_BUILDS} == {"lean_conv", "lean_start"}
 
@@ -914,8 +915,9 @@ def test_a_lean_build_stores_the_plain_builds_values_in_every_role(build, knob):
     (plain,) = [b for b in same_tp if b.plan == dataclasses.replace(build.plan, **{knob: False})]
     block = (build.plan.cluster - 1, 1, min(1, build.plan.batch - 1))  # a peer's rank, head 1, a live request
     threads = _roles(build.plan)
-    assert compare(plain.compile("sm_90a").ptx, build.compile("sm_90a").ptx, threads, block) == []
+    plain_ptx = plain.compile("sm_90a").ptx
+    assert compare(plain_ptx, build.compile("sm_90a").ptx, threads, block) == []
     joint = [b for b in same_tp if b.plan == dataclasses.replace(plain.plan, joint_sums=True)]
     if joint:
-        diffs = compare(plain.compile("sm_90a").ptx, joint[0].compile("sm_90a").ptx, threads, block)
+        diffs = compare(plain_ptx, joint[0].compile("sm_90a").ptx, threads, block)
         assert {d.thread for d in diffs} == set(threads), [str(d) for d in diffs[:3]]
