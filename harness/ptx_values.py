@@ -9,7 +9,8 @@ point values stay symbolic, each a hash-consed expression (`a * b + c` fused by 
 never an `add` of a `mul`), so two stores are equal only if the same operations combine the same loaded words in
 the same order. A branch on a symbolic value (a loaded slot, a flag) is reported and not taken, in both builds.
 
-Inline-assembly blocks (barrier waits) and synchronization define no values and are skipped. The run is linear in
+Synchronization and inline-assembly blocks that write no kernel register (barrier waits, bulk copies) define no
+values and are skipped; a block that does write one (a wgmma's accumulators) is an error. The run is linear in
 the instructions executed; a loop whose bound is symbolic is cut at `max_steps`, and that is an error, never
 "equal".
 """
@@ -131,36 +132,68 @@ class _Inst:
     pred: str | None
 
 
-def parse(ptx: str) -> tuple[list[_Inst | None], dict[str, int]]:
-    """The first kernel's instructions (None for an inline-assembly block) and its labels."""
+def parse(ptx: str) -> tuple[list[_Inst], dict[str, int]]:
+    """The first kernel's instructions (an inline-assembly block is one "asm" instruction whose operands are the
+    kernel registers it writes) and its labels. A statement may span lines (mma.sync's operand lists)."""
     start = ptx.find(".entry")
     if start < 0:
         raise PtxValueError("no .entry in the PTX: not a kernel")
     body = ptx[ptx.index("{", start) + 1 :]
-    insts: list[_Inst | None] = []
+    insts: list[_Inst] = []
     labels: dict[str, int] = {}
-    in_asm = False
+    asm: list[str] | None = None
+    pending = ""
     for raw in body.split("\n"):
         line = raw.split("//")[0].strip()
         if not line:
             continue
-        if line.startswith("{") and not line.startswith("{%"):
-            in_asm = True
-            insts.append(None)
+        if asm is None and line == "}" and not pending:
+            break  # the kernel's closing brace
+        if asm is not None:
+            if line.startswith("}"):
+                insts.append(_Inst("asm", tuple(_asm_outputs(asm)), None))
+                asm = None
+            else:
+                asm.append(line)
             continue
-        if in_asm:
-            in_asm = not line.startswith("}")
+        if line.startswith("{") and not line.startswith("{%") and not pending:
+            asm = []
             continue
-        if line.endswith(":"):
+        if line.endswith(":") and not pending:
             labels[line[:-1].strip()] = len(insts)
-        elif line.endswith(";") and not line.startswith("."):
-            text = line[:-1].strip()
-            pred = None
-            if text.startswith("@"):
-                pred, text = text.split(None, 1)
-            op, _, rest = text.partition(" ")
-            insts.append(_Inst(op, tuple(_split_operands(rest)), pred))
+            continue
+        if line.startswith(".") and not pending:
+            continue
+        pending = f"{pending} {line}".strip()
+        if not pending.endswith(";"):
+            continue  # the statement goes on on the next line
+        text, pending = pending[:-1].strip(), ""
+        pred = None
+        if text.startswith("@"):
+            pred, text = text.split(None, 1)
+        op, _, rest = text.partition(" ")
+        insts.append(_Inst(op, tuple(_split_operands(rest)), pred))
     return insts, labels
+
+
+def _asm_outputs(lines: list[str]) -> list[str]:
+    """The kernel registers (%-named) an inline-assembly block writes: the first operand of an instruction that
+    is a register or a register list, not an address. Its own registers (declared in the block) are not listed."""
+    out = []
+    for line in lines:
+        if line.startswith(".") or line.endswith(":"):
+            continue
+        text = line.rstrip(";").strip()
+        if text.startswith("@"):
+            text = text.split(None, 1)[1] if " " in text else ""
+        first = _split_operands(text.partition(" ")[2])[:1]
+        out += [r for r in _register_list(first[0]) if r.startswith("%")] if first else []
+    return out
+
+
+def _register_list(tok: str) -> list[str]:
+    """The registers of "{%r1, %r2}" or the one of "%r1"."""
+    return [t.strip() for t in tok.strip().strip("{}").split(",") if t.strip()]
 
 
 def _signed(v: int, bits: int) -> int:
@@ -289,7 +322,7 @@ class _Thread:
         off = int(m.group(2) or 0)
         return ("sym", base.key, off) if isinstance(base, Expr) else ("abs", base + off)
 
-    def run(self, insts: list[_Inst | None], labels: dict[str, int], max_steps: int) -> ThreadRun:
+    def run(self, insts: list[_Inst], labels: dict[str, int], max_steps: int) -> ThreadRun:
         pc = steps = 0
         while pc < len(insts):
             steps += 1
@@ -297,9 +330,11 @@ class _Thread:
                 raise PtxValueError(f"more than {max_steps} instructions run: a loop on a symbolic bound?")
             inst = insts[pc]
             pc += 1
-            if inst is None:
-                continue
             op, ops = inst.op, inst.operands
+            if op == "asm":
+                if ops:  # e.g. a wgmma's accumulators: values this reader cannot follow, so never "equal"
+                    raise PtxValueError(f"inline assembly writes {', '.join(ops[:3])}: not run by harness.ptx_values")
+                continue
             if inst.pred is not None:
                 p = self.value(inst.pred.lstrip("@!"))
                 negate = inst.pred.startswith("@!")
@@ -326,7 +361,7 @@ class _Thread:
     def execute(self, op: str, ops: tuple[str, ...]) -> None:
         regs, value = self.regs, self.value
         name = op.split(".")[0]
-        if name in NO_VALUE:
+        if name in NO_VALUE or not ops:  # no operands (a wgmma fence, a cluster barrier): no value either
             return
         if name in ("mbarrier", "atom", "elect"):  # a token or an old value: opaque, never a stored value's input here
             if ops and ops[0].startswith("%"):
@@ -345,17 +380,27 @@ class _Thread:
                 regs[dst] = where[1] if "param" in op else Expr("ld." + op.split(".")[1], (where,))
             return
         dst = ops[0]
-        if dst.startswith("{"):  # an unpack: {lo, hi} of a 32-bit register
-            src = value(ops[1])
-            for i, d in enumerate(x.strip() for x in dst.strip("{}").split(",")):
-                regs[d] = (src >> (16 * i)) & 0xFFFF if isinstance(src, int) else Expr("half", (i, src))
+        if dst.startswith("{") and name != "mov":  # several results (mma.sync): each a function of every input
+            inputs = tuple(value(r) for o in ops[1:] for r in _register_list(o))
+            for i, d in enumerate(_register_list(dst)):
+                regs[d] = Expr(op, (i, *inputs))
             return
-        if len(ops) > 1 and ops[1].startswith("{"):  # a pack
-            parts = [value(p) for p in ops[1].strip("{}").split(",")]
-            concrete = all(isinstance(p, int) for p in parts)
-            regs[dst] = parts[0] | (parts[1] << 16) if concrete else Expr("pack", tuple(parts))
+        bits = 64 if ".b64" in op or ".u64" in op else 32
+        if dst.startswith("{"):  # an unpack: {lo, hi} of a 32- or 64-bit register
+            src, parts = value(ops[1]), _register_list(dst)
+            width = bits // len(parts)
+            for i, d in enumerate(parts):
+                regs[d] = (src >> (width * i)) & ((1 << width) - 1) if isinstance(src, int) else Expr("half", (i, src))
             return
-        args = [value(o) for o in ops[1:]]
+        if len(ops) > 1 and ops[1].startswith("{") and name == "mov":  # a pack
+            parts = [value(p) for p in _register_list(ops[1])]
+            width = bits // len(parts)
+            if all(isinstance(p, int) for p in parts):
+                regs[dst] = sum(p << (width * i) for i, p in enumerate(parts))
+            else:
+                regs[dst] = Expr("pack", tuple(parts))
+            return
+        args = [value(r) for o in ops[1:] for r in _register_list(o)]
         concrete = all(isinstance(a, int) for a in args)
         if concrete and _is_int_op(op):
             regs[dst] = _int_op(op, args)

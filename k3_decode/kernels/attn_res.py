@@ -54,6 +54,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from k3_decode.kernels import cutedsl
 from k3_decode.kernels.attn_res_plan import VECTOR, AttnResKind, ClusterPlan
+from k3_decode.kernels.primitives import warp_sum
 
 
 def compile_args(hidden: int, kind: AttnResKind, batch: int, capacity: int) -> tuple[Any, ...]:
@@ -239,9 +240,7 @@ class AttnResKernel:
             alphas = [Float32(1.0)]
             if const_expr(kind.num_blocks > 0):
                 alphas = self._alphas(areas[j][1], areas[j][0], eps)
-            m = sources[j][0] * alphas[0]
-            for s in cutlass.range_constexpr(1, kind.sources):
-                m = m + sources[j][s] * alphas[s]
+            m = _mix(sources[j], alphas)
             if const_expr(kind.out_norm):
                 squares = (m * m).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 self._push_sum(Float32(squares), areas[j][2], areas[j][0] + 1, tidx, rank)
@@ -285,8 +284,8 @@ class AttnResKernel:
         waits for them)."""
         plan, k = self.plan, self.kind.sources
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-        partial = [_warp_sum(Float32((s * w_mix).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))) for s in sources]
-        partial += [_warp_sum(Float32((s * s).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))) for s in sources]
+        partial = [warp_sum(Float32((s * w_mix).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))) for s in sources]
+        partial += [warp_sum(Float32((s * s).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))) for s in sources]
         partial += [Float32(0.0)] * (self.partials - 2 * k)
         if tidx == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, self.partials * plan.slots * 4)
@@ -318,7 +317,7 @@ class AttnResKernel:
         e = Float32(0.0)
         if lane < k:
             e = cute.math.exp(logit - peak)
-        alpha = e * cute.arch.rcp_approx(_warp_sum(e))
+        alpha = e * cute.arch.rcp_approx(warp_sum(e))
         return [cute.arch.shuffle_sync(alpha, s) for s in range(k)]
 
     @cute.jit
@@ -326,7 +325,7 @@ class AttnResKernel:
         """Each warp's sum of `x`, pushed to every CTA of the cluster (`_summed` waits for them)."""
         plan = self.plan
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-        x = _warp_sum(x)
+        x = warp_sum(x)
         if tidx == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, plan.slots * 4)
         if lane < plan.cluster:
@@ -341,7 +340,7 @@ class AttnResKernel:
         y = Float32(0.0)
         if lane < plan.slots:
             y = area[lane]
-        return _warp_sum(y)
+        return warp_sum(y)
 
 
 @cute.jit
@@ -365,8 +364,11 @@ def _store8(values: cute.TensorSSA, row: cute.Tensor, vec: Int32):
 
 
 @cute.jit
-def _warp_sum(x: Float32) -> Float32:
-    """Butterfly sum: every lane ends with the same bits (each step adds the same pair, in either order)."""
-    for i in cutlass.range_constexpr(5):
-        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << i)
-    return x
+def _mix(sources: list, alphas: list) -> cute.TensorSSA:
+    """sum_s alpha_s source_s, left to right. Which product the first add fuses is the compiler's (pinning it with
+    primitives.fma costs the B64 eight-block o_proj epilogue a spill); builds claiming the same bits are checked to
+    store the same expressions (test_kda_o_proj_build) or the same outputs on the GPU."""
+    m = sources[0] * alphas[0]
+    for s in cutlass.range_constexpr(1, len(sources)):
+        m = m + sources[s] * alphas[s]
+    return m

@@ -76,3 +76,56 @@ def test_what_it_cannot_run_is_an_error_never_equal():
         run_thread(loop, 0, (0, 0, 0), max_steps=1000)
     with pytest.raises(PtxValueError, match=r"no \.entry"):
         run_thread("// not a kernel", 0, (0, 0, 0))
+
+
+# out[tid] = mma's first result over two loaded words, written over several lines as the compiler prints mma.sync
+MMA = """
+    ld.global.v2.b32 {{%r3, %r4}}, [%rd4];
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+        {{%r5, %r6, %r7, %r8}},
+        {{{a}, %r4, %r4}},
+        {{%r3, %r4}},
+        {{%r9, %r9, %r9, %r9}};
+    mov.f32 %r6, %r5;"""
+
+
+def test_an_mma_over_several_lines_is_a_value_of_every_input():
+    plain = kernel(fused=MMA.format(a="%r3, %r4"), extra="")
+    assert compare(plain, kernel(fused=MMA.format(a="%r3, %r4"), extra="", index=INDEX_SHIFTED), [0, 7]) == []
+    swapped = compare(plain, kernel(fused=MMA.format(a="%r4, %r3"), extra=""), [0, 7])
+    assert [d.thread for d in swapped] == [0, 7] and "mma.sync" in swapped[0].mine
+
+
+WAIT_ASM = """    {{
+    .reg .pred P1;
+    LAB_WAIT:
+    mbarrier.try_wait.parity.shared.b64 P1, [%r1], 0, 10000000;
+    @P1 bra.uni DONE;
+    bra.uni LAB_WAIT;
+    DONE:
+    }}
+"""
+WGMMA_ASM = """    {{
+    .reg .pred p;
+    setp.ne.b32 p, %r1, 0;
+    wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {{%r5, %r6, %r7, %r8}}, %rd1, %rd2, p, 1, 1, 0, 0;
+    }}
+"""
+
+
+def test_inline_assembly_that_writes_a_kernel_register_is_an_error_and_a_wait_is_not():
+    """A wait block defines nothing a store reads, so it is skipped; a wgmma block writes accumulators this reader
+    cannot follow, and skipping it would compare stale registers: an error, never "equal"."""
+    waiting = kernel(fused=WAIT_ASM + FUSED, extra="")
+    assert compare(kernel(extra=""), waiting, [0, 3]) == []
+    with pytest.raises(PtxValueError, match=r"inline assembly writes %r5, %r6, %r7"):
+        run_thread(kernel(fused=WGMMA_ASM + FUSED, extra=""), 0, (0, 0, 0))
+
+
+def test_a_64_bit_address_split_into_halves_and_packed_again_is_the_same_address():
+    """mov.b64 {lo, hi} splits at bit 32 (mov.b32 {lo, hi} at bit 16): a pointer taken apart and put back must
+    store where the original does, and a wrong split would store elsewhere."""
+    split = INDEX + "\n    mov.b64 {%r7, %r8}, %rd4;\n    mov.b64 %rd4, {%r7, %r8};"
+    assert compare(kernel(), kernel(index=split), [0, 9]) == []
+    swapped = INDEX + "\n    mov.b64 {%r7, %r8}, %rd4;\n    mov.b64 %rd4, {%r8, %r7};"
+    assert [d.thread for d in compare(kernel(), kernel(index=swapped), [0, 9])] == [0, 0, 9, 9]  # x loaded elsewhere

@@ -4,6 +4,7 @@ the grid-wide arrival that the expectations must fail (slow; needs CuTe DSL, `pi
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -853,3 +854,74 @@ def test_the_provider_never_serves_more_rows_than_the_kernel_takes():
     for tp in (8, 16):
         served = max_rows("o_proj", "cute-kda-o-proj", tp)
         assert served is not None and 1 <= served[0] <= MAX_BATCH, (tp, served)
+
+
+# The knobs that change only when W's bytes arrive (prefetched into L2), never what a thread loads or computes: their
+# builds must store the plain stream's values. W staged in shared memory is loaded from there (ptx_values does not
+# follow the bulk copy that put it there), and one pass and paired rows move partial sums and rows to other threads
+# and shared-memory slots, so only their GPU tests compare bits.
+SAME_VALUE_KNOBS = ("warm_l2", "w_l2")
+SAME_VALUE_BUILDS = [
+    b for b in o_proj_builds() if any(getattr(b.plan, k) for k in SAME_VALUE_KNOBS) and not b.plan.paired_rows
+]
+assert {k for b in SAME_VALUE_BUILDS for k in SAME_VALUE_KNOBS if getattr(b.plan, k)} == set(SAME_VALUE_KNOBS)
+
+
+def plain_twin(build: KdaOProjBuild) -> KdaOProjBuild:
+    return dataclasses.replace(build, plan=dataclasses.replace(build.plan, **dict.fromkeys(SAME_VALUE_KNOBS, False)))
+
+
+def value_roles(plan) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Threads (the first, one inside warp 1, the last) of a CTA of the first epilogue cluster, which also mixes
+    AttnRes, and of the grid's last cluster, which only streams W (the grid is rank in cluster by cluster)."""
+    assert plan.clusters - 1 >= plan.first_epilogue_cluster + plan.epilogue_clusters, plan.tag
+    return [0, 37, plan.threads - 1], [
+        (min(1, plan.cluster - 1), plan.first_epilogue_cluster, 0),
+        (0, plan.clusters - 1, 0),
+    ]
+
+
+@pytest.mark.slow
+@needs_cutedsl
+@pytest.mark.parametrize("build", SAME_VALUE_BUILDS, ids=[b.name for b in SAME_VALUE_BUILDS])
+def test_a_build_that_only_moves_w_stores_the_plain_streams_values(build):
+    """Warming L2 and W in L2 claim the plain stream's bits: every traced thread stores
+    the same expressions at the same addresses (harness.ptx_values: integers concrete, floats symbolic), for every
+    input at once, where the GPU test compares one input's outputs."""
+    from harness.ptx_values import compare
+
+    plain = plain_twin(build)
+    plain_ptx, ptx = plain.compile("sm_90a").ptx, build.compile("sm_90a").ptx
+    threads, blocks = value_roles(build.plan)
+    for block in blocks:
+        assert compare(plain_ptx, ptx, threads, block) == [], block
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_variant_whose_mixing_fuses_another_product_is_seen_in_every_mixing_thread(monkeypatch):
+    """The broken case: the W-to-L2 build compiled with AttnRes's mixing fusing each source's product
+    into the sum instead of the compiler's choice (the rounding difference an unpinned `a * b + c * d` allows two
+    builds) must store other output values than the plain stream in every thread of the mixing CTA, and nothing
+    else in the CTA that only streams W."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from harness.ptx_values import compare
+    from k3_decode.kernels import attn_res
+
+    @cute.jit
+    def mix_other_product(sources: list, alphas: list) -> cute.TensorSSA:
+        m = sources[0] * alphas[0]
+        for s in cutlass.range_constexpr(1, len(sources)):
+            m = cute.math.fma(sources[s], cute.full_like(m, alphas[s]), m)
+        return m
+
+    (build,) = [b for b in SAME_VALUE_BUILDS if b.name == "kda_o_proj/tp8/b4/n8-add-norm/w-l2"]
+    plain_ptx = plain_twin(build).compile("sm_90a").ptx
+    threads, (mixing, streaming) = value_roles(build.plan)
+    monkeypatch.setattr(attn_res, "_mix", mix_other_product)
+    broken = build.compile("sm_90a").ptx
+    diffs = compare(plain_ptx, broken, threads, mixing)
+    assert {d.thread for d in diffs if d.space == "global"} == set(threads), diffs[:3]  # the output rows
+    assert compare(plain_ptx, broken, threads, streaming) == []
