@@ -18,10 +18,10 @@ the instructions executed; a loop whose bound is symbolic is cut at `max_steps`,
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass, field
 
-MASK32 = (1 << 32) - 1
 MAX_STEPS = 200_000  # instructions one thread may run before the run is an error
 PARAM_STRIDE = 1 << 20  # kernel parameter i reads as the constant (i + 1) * PARAM_STRIDE + its byte offset
 # Operations that define nothing a store can depend on (ordering, copies into shared memory, prefetches).
@@ -130,6 +130,7 @@ class _Inst:
     op: str
     operands: tuple[str, ...]
     pred: str | None
+    body: tuple[_Inst, ...] = ()  # an inline-assembly block's bulk copies into shared memory
 
 
 def parse(ptx: str) -> tuple[list[_Inst], dict[str, int]]:
@@ -151,7 +152,7 @@ def parse(ptx: str) -> tuple[list[_Inst], dict[str, int]]:
             break  # the kernel's closing brace
         if asm is not None:
             if line.startswith("}"):
-                insts.append(_Inst("asm", tuple(_asm_outputs(asm)), None))
+                insts.append(_Inst("asm", tuple(_asm_outputs(asm)), None, _asm_copies(asm)))
                 asm = None
             else:
                 asm.append(line)
@@ -191,6 +192,22 @@ def _asm_outputs(lines: list[str]) -> list[str]:
     return out
 
 
+def _asm_copies(lines: list[str]) -> tuple[_Inst, ...]:
+    """An inline-assembly block's unpredicated bulk copies from global into shared memory (a predicated one, or a
+    tensor copy through a tensor map, is not followed: what it loads is left symbolic)."""
+    copies = []
+    for line in lines:
+        op, _, rest = line.rstrip(";").strip().partition(" ")
+        if _followed_copy(op):
+            copies.append(_Inst(op, tuple(_split_operands(rest)), None))
+    return tuple(copies)
+
+
+def _followed_copy(op: str) -> bool:
+    """A bulk copy from global into shared memory by address (not a tensor copy through a tensor map)."""
+    return op.startswith("cp.async.bulk.shared") and ".global" in op and ".tensor" not in op
+
+
 def _register_list(tok: str) -> list[str]:
     """The registers of "{%r1, %r2}" or the one of "%r1"."""
     return [t.strip() for t in tok.strip().strip("{}").split(",") if t.strip()]
@@ -204,15 +221,16 @@ def _signed(v: int, bits: int) -> int:
 def _int_op(op: str, a: list[int]) -> int:
     parts = op.split(".")
     name = parts[0]
-    bits = 64 if any(t in ("b64", "u64", "s64") for t in parts) else 32
+    types = [t for t in parts[1:] if re.fullmatch(r"[bsu](8|16|32|64)", t)]
+    bits = int(types[-1][1:]) if types else 32  # the operands' type (cvt: the source's, and types[0] the result's)
     mask = (1 << bits) - 1
-    signed = any(re.fullmatch(r"s\d+", t) for t in parts)
+    signed = bool(types) and types[-1].startswith("s")
 
     def s(x: int) -> int:
         return _signed(x, bits) if signed else x & mask
 
     if name == "mov":
-        return a[0]
+        return a[0] & mask
     if name in ("add", "sub"):
         return (a[0] + a[1] if name == "add" else a[0] - a[1]) & mask
     if name == "neg":
@@ -220,8 +238,8 @@ def _int_op(op: str, a: list[int]) -> int:
     if name in ("mul", "mad"):
         extra = a[2] if name == "mad" else 0
         if "wide" in parts:
-            x, y = (_signed(a[0], 32), _signed(a[1], 32)) if signed else (a[0] & MASK32, a[1] & MASK32)
-            return (x * y + extra) & ((1 << 64) - 1)
+            x, y = (_signed(a[0], bits), _signed(a[1], bits)) if signed else (a[0] & mask, a[1] & mask)
+            return (x * y + extra) & ((1 << (2 * bits)) - 1)
         if "hi" in parts:
             return ((s(a[0]) * s(a[1])) >> bits) & mask
         return (a[0] * a[1] + extra) & mask
@@ -230,7 +248,7 @@ def _int_op(op: str, a: list[int]) -> int:
     if name == "shr":
         return (s(a[0]) >> a[1]) & mask
     if name in ("and", "or", "xor"):
-        return {"and": a[0] & a[1], "or": a[0] | a[1], "xor": a[0] ^ a[1]}[name]
+        return {"and": a[0] & a[1], "or": a[0] | a[1], "xor": a[0] ^ a[1]}[name] & mask
     if name == "not":
         return ~a[0] & mask
     if name in ("min", "max"):
@@ -252,14 +270,16 @@ def _int_op(op: str, a: list[int]) -> int:
             "hs": x >= y,
         }
         return int(tests[parts[1]])
-    if name == "cvt":
-        return (_signed(a[0], int(parts[-1][1:])) if parts[-1].startswith("s") else a[0]) & mask
+    if name == "cvt":  # cvt.<result>.<source>: the source's bits, sign-extended if signed, cut to the result's
+        return (_signed(a[0], bits) if signed else a[0] & mask) & ((1 << int(types[0][1:])) - 1)
     if name == "cvta":
         return a[0]
     if name == "mapa":  # the peer CTA's window of the same shared address
         return a[0] | (a[1] << 24)
-    if name in ("rem", "div"):
-        return a[0] % a[1] if name == "rem" else a[0] // a[1]
+    if name in ("rem", "div"):  # C's: the quotient rounds toward zero
+        x, y = s(a[0]), s(a[1])
+        q = abs(x) // abs(y) * (1 if (x < 0) == (y < 0) else -1)
+        return (x - q * y if name == "rem" else q) & mask
     raise PtxValueError(f"integer operation {op} is not known to harness.ptx_values")
 
 
@@ -297,6 +317,10 @@ class _Thread:
         self.regs: dict[str, Value] = {}
         self.stores: dict[tuple[str, Address], Value] = {}
         self.untaken: list[str] = []
+        self.copies: list[tuple[int, int, int]] = []  # (shared address, global address, bytes) this thread issued
+        self.staged: dict[int, tuple[int, float]] = {}  # shared byte -> (global byte, first epoch stored): staging
+        self.epoch = 0  # block-wide barriers passed
+        self.shared_writes: list[tuple[int, int, int]] = []  # (shared address, bytes, epoch) of this thread's stores
 
     def value(self, tok: str) -> Value:
         tok = tok.strip()
@@ -334,6 +358,8 @@ class _Thread:
             if op == "asm":
                 if ops:  # e.g. a wgmma's accumulators: values this reader cannot follow, so never "equal"
                     raise PtxValueError(f"inline assembly writes {', '.join(ops[:3])}: not run by harness.ptx_values")
+                for copy in inst.body:
+                    self.copy(copy.operands)
                 continue
             if inst.pred is not None:
                 p = self.value(inst.pred.lstrip("@!"))
@@ -342,6 +368,8 @@ class _Thread:
                     if op.startswith("bra"):
                         self.untaken.append(f"{inst.pred} {op} {ops[0]} on {p.brief(2)}")
                         continue
+                    if _followed_copy(op):
+                        continue  # a copy that may not happen stages nothing
                     before = self.regs.get(ops[0]) if ops else None
                     self.execute(op, ops)
                     if ops and ops[0] in self.regs:
@@ -361,6 +389,11 @@ class _Thread:
     def execute(self, op: str, ops: tuple[str, ...]) -> None:
         regs, value = self.regs, self.value
         name = op.split(".")[0]
+        if _followed_copy(op):
+            self.copy(ops)
+            return
+        if op.startswith(("bar.sync", "barrier.sync", "barrier.cluster.wait")) and len(ops) <= 1:
+            self.epoch += 1  # every thread of the block passes it (a named barrier with a count is not counted)
         if name in NO_VALUE or not ops:  # no operands (a wgmma fence, a cluster barrier): no value either
             return
         if name in ("mbarrier", "atom", "elect"):  # a token or an old value: opaque, never a stored value's input here
@@ -372,12 +405,19 @@ class _Thread:
             space = op.split(".")[1]
             for i, v in enumerate(ops[1].strip("{}").split(",")):
                 self.stores[(space, _element(addr, i, _width(op)))] = value(v)
+                if space == "shared" and addr[0] == "abs":
+                    self.shared_writes.append((addr[1] + i * _width(op), _width(op), self.epoch))
             return
         if name == "ld":
             addr = self.address(ops[1])
             for i, dst in enumerate(d.strip() for d in ops[0].strip("{}").split(",")):
                 where = _element(addr, i, _width(op))
                 regs[dst] = where[1] if "param" in op else Expr("ld." + op.split(".")[1], (where,))
+                if op.startswith("ld.shared") and where[0] == "abs":
+                    staged = [self.staged.get(where[1] + b, (None, 0)) for b in range(_width(op))]
+                    source = [g for g, stored in staged if stored > self.epoch]
+                    if len(source) == len(staged) and source == list(range(source[0], source[0] + len(source))):
+                        regs[dst] = Expr("ld.global", (("abs", source[0]),))  # what the copy brought: global's word
             return
         dst = ops[0]
         if dst.startswith("{") and name != "mov":  # several results (mma.sync): each a function of every input
@@ -413,6 +453,43 @@ class _Thread:
         else:
             regs[dst] = Expr(op, tuple(args))
 
+    def copy(self, ops: tuple[str, ...]) -> None:
+        dst, src = self.address(ops[0]), self.address(ops[1])
+        size = self.value(ops[2])
+        if dst[0] == "abs" and src[0] == "abs" and isinstance(size, int):
+            self.copies.append((dst[1], src[1], size))
+
+
+def staging(ptx: str, ctaid: tuple[int, int, int]) -> dict[int, tuple[int, float]]:
+    """Shared byte -> (global byte, the first barrier epoch in which a thread stores to it), from the bulk copies
+    every thread of the block (`.reqntid`) issues, for bytes exactly one copy writes. A shared load of such a byte
+    before that epoch reads global's byte, once the copy has landed: the kernel's barriers order that, and
+    racecheck and the GPU tests check them, not this. A store in a later epoch comes after the load (a block-wide
+    barrier lies between them), so memory reused for an exchange is followed until it is reused; a byte two copies
+    write (a ring refilled) stays a shared load."""
+    insts, labels = parse(ptx)
+    if not any(_followed_copy(i.op) or i.body for i in insts):
+        return {}
+    header = re.search(r"\.entry[^{]*", ptx)
+    threads = re.search(r"\.reqntid\s+(\d+)", header.group(0) if header else "")
+    if threads is None:
+        raise PtxValueError("the kernel has no .reqntid: its threads, whose copies stage shared memory, are unknown")
+    written: dict[int, int] = {}
+    twice: set[int] = set()
+    stored: dict[int, int] = {}
+    for tid in range(int(threads.group(1))):
+        run = _Thread(tid, ctaid)
+        run.run(insts, labels, MAX_STEPS)
+        for dst, src, size in run.copies:
+            for b in range(size):
+                if dst + b in written and written[dst + b] != src + b:
+                    twice.add(dst + b)
+                written[dst + b] = src + b
+        for start, size, epoch in run.shared_writes:
+            for b in range(start, start + size):
+                stored[b] = min(epoch, stored.get(b, epoch))
+    return {a: (g, stored.get(a, math.inf)) for a, g in written.items() if a not in twice}
+
 
 def run_thread(ptx: str, tid: int, ctaid: tuple[int, int, int], max_steps: int = MAX_STEPS) -> ThreadRun:
     """Run thread `tid` of block `ctaid` of the PTX's kernel; see the module docstring."""
@@ -431,12 +508,22 @@ class StoreDifference:
         return f"thread {self.thread}: {self.space} store at {self.address}: {self.mine} against {self.theirs}"
 
 
-def compare(ptx: str, other: str, threads: list[int], ctaid: tuple[int, int, int] = (1, 2, 3)) -> list[StoreDifference]:
-    """The stores where the two kernels' threads differ: an address only one stores to, or a different value."""
+def compare(
+    ptx: str, other: str, threads: list[int], ctaid: tuple[int, int, int] = (1, 2, 3), follow_copies: bool = False
+) -> list[StoreDifference]:
+    """The stores where the two kernels' threads differ: an address only one stores to, or a different value.
+    `follow_copies`: a shared load of a byte a bulk copy staged is global's byte (`staging`), so a build that stages
+    what the other loads directly can compare equal; it runs every thread of the block once more per kernel."""
     programs = parse(ptx), parse(other)
+    staged = [staging(p, ctaid) if follow_copies else {} for p in (ptx, other)]
     out = []
     for tid in threads:
-        mine, theirs = (_Thread(tid, ctaid).run(*program, MAX_STEPS).stores for program in programs)
+        runs = []
+        for program, copies in zip(programs, staged, strict=True):
+            thread = _Thread(tid, ctaid)
+            thread.staged = copies
+            runs.append(thread.run(*program, MAX_STEPS).stores)
+        mine, theirs = runs
         for key in sorted(set(mine) | set(theirs), key=repr):
             a, b = mine.get(key), theirs.get(key)
             if a != b:

@@ -129,3 +129,71 @@ def test_a_64_bit_address_split_into_halves_and_packed_again_is_the_same_address
     assert compare(kernel(), kernel(index=split), [0, 9]) == []
     swapped = INDEX + "\n    mov.b64 {%r7, %r8}, %rd4;\n    mov.b64 %rd4, {%r8, %r7};"
     assert [d.thread for d in compare(kernel(), kernel(index=swapped), [0, 9])] == [0, 0, 9, 9]  # x loaded elsewhere
+
+
+# Thread 0 stages x[0..63] (256 bytes) into shared memory with one bulk copy (and EXTRA, if given); every thread
+# then loads its pair from there instead of from global (STAGED_INDEX replaces INDEX's global address with the
+# shared one).
+STAGING = """    setp.ne.u32 %p2, %r1, 0;
+    @%p2 bra $L__staged;
+    {guard}cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{dst}], [%rd1{src}], 256, [64];
+{extra}$L__staged:
+    bar.sync 0;
+"""
+STAGED_INDEX = "    shl.b32 %r8, %r1, 3;\n    add.s32 %r2, %r8, 512;\n    cvt.u64.u32 %rd4, %r2;"
+LOADED_FLAG = "    ld.global.u32 %r9, [%rd2];\n    setp.eq.u32 %p3, %r9, 0;\n"
+
+
+def staged(dst: str = "512", src: str = "", extra: str = "", guard: str = "", fused: str = FUSED) -> str:
+    """KERNEL with x staged through shared memory, and the block's size, which says whose copies to collect."""
+    index = STAGING.format(dst=dst, src=src, extra=extra, guard=guard) + STAGED_INDEX
+    text = kernel(index=index, fused=fused, extra="")
+    text = text.replace("k_param_1)\n", "k_param_1)\n.reqntid 32, 1, 1\n")
+    return text.replace("ld.global.v2.f32", "ld.shared.v2.f32")
+
+
+def test_a_load_of_what_a_bulk_copy_staged_is_the_global_load_it_replaces():
+    plain = kernel(extra="")
+    assert compare(plain, staged(), [0, 5, 31], follow_copies=True) == []
+    assert len(compare(plain, staged(), [5], follow_copies=False)) == 1  # not followed: a shared load
+    # a copy from the wrong place, or to the wrong place, is a difference where the loads see it
+    assert [d.thread for d in compare(plain, staged(src="+8"), [0, 5], follow_copies=True)] == [0, 5]
+    assert [d.thread for d in compare(plain, staged(dst="520"), [0, 5], follow_copies=True)] == [0, 5]
+
+
+def test_what_no_single_copy_stages_is_not_followed():
+    """A ring refilled from elsewhere, shared memory a thread overwrites, or a copy on a loaded flag hold no one
+    global byte: their loads stay shared loads, a difference."""
+    plain = kernel(extra="")
+    refill = "    cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [512], [%rd1+4096], 16, [64];\n"
+    assert [d.thread for d in compare(plain, staged(extra=refill), [0, 1, 2], follow_copies=True)] == [0, 1]
+    overwrite = "    st.shared.f32 [520], %r1;\n"  # thread 0's store; thread 1 loads those bytes
+    assert [d.thread for d in compare(plain, staged(extra=overwrite), [1, 3], follow_copies=True)] == [1]
+    guarded = staged(guard="@%p3 ").replace("    @%p2 bra", LOADED_FLAG + "    @%p2 bra")
+    assert [d.thread for d in compare(plain, guarded, [3], follow_copies=True)] == [3]
+    with pytest.raises(PtxValueError, match=r"no \.reqntid"):
+        compare(plain, staged().replace(".reqntid 32, 1, 1", ""), [0], follow_copies=True)
+
+
+def test_staged_memory_reused_after_a_block_wide_barrier_is_followed_until_then():
+    """Every thread stores over x's staged bytes after its loads, past a barrier of the whole block: the loads
+    came first, so they read what the copy brought. Past a named barrier of part of the block they may not have."""
+    reuse = FUSED + "\n    bar.sync 0;\n    st.shared.f32 [520], %r1;"
+    assert compare(kernel(fused=reuse, extra=""), staged(fused=reuse), [1, 3], follow_copies=True) == []
+    part = reuse.replace("bar.sync 0;", "bar.sync 1, 64;")
+    assert [
+        d.thread for d in compare(kernel(fused=part, extra=""), staged(fused=part), [1, 3], follow_copies=True)
+    ] == [1]
+
+
+def test_16_bit_integer_steps_wrap_and_divide_at_16_bits():
+    """Compilers divide by a constant in 16 bits (mul.hi.u16 by a magic number): x[tid / 3] addressed that way
+    must be the address div.u32 gives, and a register cut to 16 bits must lose its high bits."""
+    by_div = "    div.u32 %r8, %r1, 3;\n    mul.wide.u32 %rd3, %r8, 8;\n    add.s64 %rd4, %rd1, %rd3;"
+    by_magic = (
+        "    cvt.u16.u32 %rs1, %r1;\n    mul.hi.u16 %rs2, %rs1, 21846;\n    shl.b16 %rs3, %rs2, 3;\n"
+        "    cvt.u32.u16 %r8, %rs3;\n    cvt.u64.u32 %rd7, %r8;\n    add.s64 %rd4, %rd7, %rd1;"
+    )
+    assert compare(kernel(index=by_div, extra=""), kernel(index=by_magic, extra=""), [0, 5, 40, 1000]) == []
+    wrapped = by_magic.replace("cvt.u16.u32 %rs1, %r1;", "add.u32 %r9, %r1, 196608;\n    cvt.u16.u32 %rs1, %r9;")
+    assert compare(kernel(index=by_div, extra=""), kernel(index=wrapped, extra=""), [40]) == []  # 3 << 16 is cut

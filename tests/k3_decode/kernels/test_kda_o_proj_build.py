@@ -856,11 +856,11 @@ def test_the_provider_never_serves_more_rows_than_the_kernel_takes():
         assert served is not None and 1 <= served[0] <= MAX_BATCH, (tp, served)
 
 
-# The knobs that change only when W's bytes arrive (prefetched into L2), never what a thread loads or computes: their
-# builds must store the plain stream's values. W staged in shared memory is loaded from there (ptx_values does not
-# follow the bulk copy that put it there), and one pass and paired rows move partial sums and rows to other threads
-# and shared-memory slots, so only their GPU tests compare bits.
-SAME_VALUE_KNOBS = ("warm_l2", "w_l2")
+# The knobs that change only when and where from W's bytes arrive (prefetched into L2, staged in shared memory by
+# bulk copies), never which thread computes what: their builds must store the plain stream's values. One pass and
+# paired rows move partial sums and rows to other threads and shared-memory slots, so only their GPU tests compare
+# bits.
+SAME_VALUE_KNOBS = ("warm_l2", "w_l2", "w_smem")
 SAME_VALUE_BUILDS = [
     b for b in o_proj_builds() if any(getattr(b.plan, k) for k in SAME_VALUE_KNOBS) and not b.plan.paired_rows
 ]
@@ -885,25 +885,27 @@ def value_roles(plan) -> tuple[list[int], list[tuple[int, int, int]]]:
 @needs_cutedsl
 @pytest.mark.parametrize("build", SAME_VALUE_BUILDS, ids=[b.name for b in SAME_VALUE_BUILDS])
 def test_a_build_that_only_moves_w_stores_the_plain_streams_values(build):
-    """Warming L2 and W in L2 claim the plain stream's bits: every traced thread stores
-    the same expressions at the same addresses (harness.ptx_values: integers concrete, floats symbolic), for every
-    input at once, where the GPU test compares one input's outputs."""
+    """Warming L2, W in L2 and W staged in shared memory claim the plain stream's bits: every traced thread stores
+    the same expressions at the same addresses (harness.ptx_values: integers concrete, floats symbolic; a shared
+    load of W a bulk copy staged reads W's global word), for every input at once, where the GPU test compares one
+    input's outputs."""
     from harness.ptx_values import compare
 
     plain = plain_twin(build)
     plain_ptx, ptx = plain.compile("sm_90a").ptx, build.compile("sm_90a").ptx
     threads, blocks = value_roles(build.plan)
     for block in blocks:
-        assert compare(plain_ptx, ptx, threads, block) == [], block
+        assert compare(plain_ptx, ptx, threads, block, follow_copies=build.plan.w_smem) == [], block
 
 
 @pytest.mark.slow
 @needs_cutedsl
-def test_a_variant_whose_mixing_fuses_another_product_is_seen_in_every_mixing_thread(monkeypatch):
-    """The broken case: the W-to-L2 build compiled with AttnRes's mixing fusing each source's product
-    into the sum instead of the compiler's choice (the rounding difference an unpinned `a * b + c * d` allows two
-    builds) must store other output values than the plain stream in every thread of the mixing CTA, and nothing
-    else in the CTA that only streams W."""
+@pytest.mark.parametrize("name", ["kda_o_proj/tp8/b4/n8-add-norm/w-l2", "kda_o_proj/tp16/b16/n8-add-norm/w-smem"])
+def test_a_variant_whose_mixing_fuses_another_product_is_seen_in_every_mixing_thread(name, monkeypatch):
+    """The broken case: a W-to-L2 and a W-in-shared-memory build compiled with AttnRes's mixing fusing each
+    source's product into the sum instead of the compiler's choice (the rounding difference an unpinned
+    `a * b + c * d` allows two builds) must store other output values than the plain stream in every thread of the
+    mixing CTA, and nothing else in the CTA that only streams W."""
     import cutlass
     import cutlass.cute as cute
 
@@ -917,11 +919,11 @@ def test_a_variant_whose_mixing_fuses_another_product_is_seen_in_every_mixing_th
             m = cute.math.fma(sources[s], cute.full_like(m, alphas[s]), m)
         return m
 
-    (build,) = [b for b in SAME_VALUE_BUILDS if b.name == "kda_o_proj/tp8/b4/n8-add-norm/w-l2"]
+    (build,) = [b for b in SAME_VALUE_BUILDS if b.name == name]
     plain_ptx = plain_twin(build).compile("sm_90a").ptx
     threads, (mixing, streaming) = value_roles(build.plan)
     monkeypatch.setattr(attn_res, "_mix", mix_other_product)
     broken = build.compile("sm_90a").ptx
-    diffs = compare(plain_ptx, broken, threads, mixing)
+    diffs = compare(plain_ptx, broken, threads, mixing, follow_copies=build.plan.w_smem)
     assert {d.thread for d in diffs if d.space == "global"} == set(threads), diffs[:3]  # the output rows
-    assert compare(plain_ptx, broken, threads, streaming) == []
+    assert compare(plain_ptx, broken, threads, streaming, follow_copies=build.plan.w_smem) == []
