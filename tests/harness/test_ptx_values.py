@@ -123,12 +123,14 @@ def test_inline_assembly_that_writes_a_kernel_register_is_an_error_and_a_wait_is
 
 
 def test_a_64_bit_address_split_into_halves_and_packed_again_is_the_same_address():
-    """mov.b64 {lo, hi} splits at bit 32 (mov.b32 {lo, hi} at bit 16): a pointer taken apart and put back must
-    store where the original does, and a wrong split would store elsewhere."""
-    split = INDEX + "\n    mov.b64 {%r7, %r8}, %rd4;\n    mov.b64 %rd4, {%r7, %r8};"
-    assert compare(kernel(), kernel(index=split), [0, 9]) == []
-    swapped = INDEX + "\n    mov.b64 {%r7, %r8}, %rd4;\n    mov.b64 %rd4, {%r8, %r7};"
-    assert [d.thread for d in compare(kernel(), kernel(index=swapped), [0, 9])] == [0, 0, 9, 9]  # x loaded elsewhere
+    """mov.b64 {lo, hi} splits at bit 32 (mov.b32 {lo, hi} at bit 16): a pointer above 4 GiB taken apart and put
+    back must load where the original does (split at bit 16, its high word would be lost), and swapping the
+    halves must not."""
+    high = INDEX + "\n    add.s64 %rd4, %rd4, 4294967296;"
+    split = high + "\n    mov.b64 {%r7, %r8}, %rd4;\n    mov.b64 %rd4, {%r7, %r8};"
+    assert compare(kernel(index=high), kernel(index=split), [0, 9]) == []
+    swapped = high + "\n    mov.b64 {%r7, %r8}, %rd4;\n    mov.b64 %rd4, {%r8, %r7};"
+    assert [d.thread for d in compare(kernel(index=high), kernel(index=swapped), [0, 9])] == [0, 0, 9, 9]
 
 
 # Thread 0 stages x[0..63] (256 bytes) into shared memory with one bulk copy (and EXTRA, if given); every thread
