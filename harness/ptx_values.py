@@ -10,9 +10,11 @@ never an `add` of a `mul`), so two stores are equal only if the same operations 
 the same order. A branch on a symbolic value (a loaded slot, a flag) is reported and not taken, in both builds.
 
 Synchronization and inline-assembly blocks that write no kernel register (barrier waits, bulk copies) define no
-values and are skipped; a block that does write one (a wgmma's accumulators) is an error. The run is linear in
-the instructions executed; a loop whose bound is symbolic is cut at `max_steps`, and that is an error, never
-"equal".
+values and are skipped; a block that does write one (a wgmma's accumulators) is an error. A shared load reads a
+symbol of its address, unless `compare(follow_copies=True)` finds the byte staged by one bulk copy from global
+memory (`staging`): then it reads that global byte. The run is linear in the instructions executed; a loop whose
+bound is symbolic is cut at `max_steps`, and that is an error, never "equal". Not checked here: whether barriers
+order what they must (racecheck and the GPU tests do).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from dataclasses import dataclass, field
 
 MAX_STEPS = 200_000  # instructions one thread may run before the run is an error
 PARAM_STRIDE = 1 << 20  # kernel parameter i reads as the constant (i + 1) * PARAM_STRIDE + its byte offset
-# Operations that define nothing a store can depend on (ordering, copies into shared memory, prefetches).
+# Operations that define nothing a store can depend on (ordering, prefetches; bulk copies stage shared memory, see
+# staging).
 NO_VALUE = {
     "bar",
     "barrier",

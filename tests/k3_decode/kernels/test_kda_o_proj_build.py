@@ -856,10 +856,10 @@ def test_the_provider_never_serves_more_rows_than_the_kernel_takes():
         assert served is not None and 1 <= served[0] <= MAX_BATCH, (tp, served)
 
 
-# The knobs that change only when and where from W's bytes arrive (prefetched into L2, staged in shared memory by
-# bulk copies), never which thread computes what: their builds must store the plain stream's values. One pass and
-# paired rows move partial sums and rows to other threads and shared-memory slots, so only their GPU tests compare
-# bits.
+# The knobs that change only when W's bytes arrive and where they are read from (prefetched into L2, staged in
+# shared memory by bulk copies), never which thread computes what: their builds must store the plain stream's
+# values. One pass and paired rows move partial sums and rows to other threads and shared-memory slots, so only
+# their GPU tests compare bits.
 SAME_VALUE_KNOBS = ("warm_l2", "w_l2", "w_smem")
 SAME_VALUE_BUILDS = [
     b for b in o_proj_builds() if any(getattr(b.plan, k) for k in SAME_VALUE_KNOBS) and not b.plan.paired_rows
@@ -871,7 +871,7 @@ def plain_twin(build: KdaOProjBuild) -> KdaOProjBuild:
     return dataclasses.replace(build, plan=dataclasses.replace(build.plan, **dict.fromkeys(SAME_VALUE_KNOBS, False)))
 
 
-def value_roles(plan) -> tuple[list[int], list[tuple[int, int, int]]]:
+def value_roles(plan: OProjPlan) -> tuple[list[int], list[tuple[int, int, int]]]:
     """Threads (the first, one inside warp 1, the last) of a CTA of the first epilogue cluster, which also mixes
     AttnRes, and of the grid's last cluster, which only streams W (the grid is rank in cluster by cluster)."""
     assert plan.clusters - 1 >= plan.first_epilogue_cluster + plan.epilogue_clusters, plan.tag
