@@ -133,10 +133,12 @@ class _Inst:
     op: str
     operands: tuple[str, ...]
     pred: str | None
-    body: tuple[_Inst, ...] = ()  # an inline-assembly block's bulk copies into shared memory
 
 
-def parse(ptx: str) -> tuple[list[_Inst], dict[str, int]]:
+_Program = tuple[list[_Inst], dict[str, int]]
+
+
+def parse(ptx: str) -> _Program:
     """The first kernel's instructions (an inline-assembly block is one "asm" instruction whose operands are the
     kernel registers it writes) and its labels. A statement may span lines (mma.sync's operand lists)."""
     start = ptx.find(".entry")
@@ -155,7 +157,7 @@ def parse(ptx: str) -> tuple[list[_Inst], dict[str, int]]:
             break  # the kernel's closing brace
         if asm is not None:
             if line.startswith("}"):
-                insts.append(_Inst("asm", tuple(_asm_outputs(asm)), None, _asm_copies(asm)))
+                insts.append(_Inst("asm", tuple(_asm_outputs(asm)), None))
                 asm = None
             else:
                 asm.append(line)
@@ -195,19 +197,9 @@ def _asm_outputs(lines: list[str]) -> list[str]:
     return out
 
 
-def _asm_copies(lines: list[str]) -> tuple[_Inst, ...]:
-    """An inline-assembly block's unpredicated bulk copies from global into shared memory (a predicated one, or a
-    tensor copy through a tensor map, is not followed: what it loads is left symbolic)."""
-    copies = []
-    for line in lines:
-        op, _, rest = line.rstrip(";").strip().partition(" ")
-        if _followed_copy(op):
-            copies.append(_Inst(op, tuple(_split_operands(rest)), None))
-    return tuple(copies)
-
-
 def _followed_copy(op: str) -> bool:
-    """A bulk copy from global into shared memory by address (not a tensor copy through a tensor map)."""
+    """A bulk copy from global into shared memory by address (not a tensor copy through a tensor map, nor one inside
+    a braced inline-assembly block, which no kernel here emits: what those stage stays a shared load)."""
     return op.startswith("cp.async.bulk.shared") and ".global" in op and ".tensor" not in op
 
 
@@ -361,8 +353,6 @@ class _Thread:
             if op == "asm":
                 if ops:  # e.g. a wgmma's accumulators: values this reader cannot follow, so never "equal"
                     raise PtxValueError(f"inline assembly writes {', '.join(ops[:3])}: not run by harness.ptx_values")
-                for copy in inst.body:
-                    self.copy(copy.operands)
                 continue
             if inst.pred is not None:
                 p = self.value(inst.pred.lstrip("@!"))
@@ -463,15 +453,15 @@ class _Thread:
             self.copies.append((dst[1], src[1], size))
 
 
-def staging(ptx: str, ctaid: tuple[int, int, int]) -> dict[int, tuple[int, float]]:
+def staging(ptx: str, program: _Program, ctaid: tuple[int, int, int]) -> dict[int, tuple[int, float]]:
     """Shared byte -> (global byte, the first barrier epoch in which a thread stores to it), from the bulk copies
     every thread of the block (`.reqntid`) issues, for bytes exactly one copy writes. A shared load of such a byte
     before that epoch reads global's byte, once the copy has landed: the kernel's barriers order that, and
     racecheck and the GPU tests check them, not this. A store in a later epoch comes after the load (a block-wide
     barrier lies between them), so memory reused for an exchange is followed until it is reused; a byte two copies
     write (a ring refilled) stays a shared load."""
-    insts, labels = parse(ptx)
-    if not any(_followed_copy(i.op) or i.body for i in insts):
+    insts, labels = program
+    if not any(_followed_copy(i.op) for i in insts):
         return {}
     header = re.search(r"\.entry[^{]*", ptx)
     threads = re.search(r"\.reqntid\s+(\d+)", header.group(0) if header else "")
@@ -518,7 +508,7 @@ def compare(
     `follow_copies`: a shared load of a byte a bulk copy staged is global's byte (`staging`), so a build that stages
     what the other loads directly can compare equal; it runs every thread of the block once more per kernel."""
     programs = parse(ptx), parse(other)
-    staged = [staging(p, ctaid) if follow_copies else {} for p in (ptx, other)]
+    staged = [staging(p, prog, ctaid) if follow_copies else {} for p, prog in zip((ptx, other), programs, strict=True)]
     out = []
     for tid in threads:
         runs = []

@@ -687,9 +687,7 @@ class KdaStepKernel:
         """The warp's partial of sum(o^2) (its rows), pushed to norm_s[at + (CTA, warp)] of every CTA of the
         cluster (barrier 1)."""
         plan = self.plan
-        partial = o[0] * o[0]
-        for i in cutlass.range_constexpr(1, ROWS_PER_WARP):
-            partial = fma(o[i], o[i], partial)
+        partial = _dot(o, o, ROWS_PER_WARP)
         if place.lane < plan.cluster:
             dst = norm_s.iterator + (at + place.rank * plan.warps + place.warp)
             cute.arch.store_async_dsmem(dst, partial.bitcast(Int32), bars + 1, place.lane)

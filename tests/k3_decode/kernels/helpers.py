@@ -1,7 +1,9 @@
-"""What the kernel build tests share: where the repo is, whether CuTe DSL is here, and the driverless launch probe."""
+"""What the kernel build tests share: where the repo is, whether CuTe DSL is here, the driverless launch probe, and
+sm_90a PTX compiled once per build for the same-values checks."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -18,6 +20,13 @@ REPO = Path(__file__).resolve().parents[3]
 BUILDS = "k3_decode.kernels.builds:K3_KERNEL_BUILDS"
 HAS_CUTEDSL = importlib.util.find_spec("cutlass") is not None
 needs_cutedsl = pytest.mark.skipif(not HAS_CUTEDSL, reason="CuTe DSL is not installed: pip install 'k3gate[cutedsl]'")
+
+
+@functools.cache
+def sm90_ptx(build: Any) -> str:
+    """A build's sm_90a PTX, compiled once a test session: several variants compare against one plain twin. Not for
+    a build compiled under a patch (compile that one directly)."""
+    return build.compile("sm_90a").ptx
 
 
 def assert_launch_reaches_the_driver(script: str, tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from tests.k3_decode.kernels.helpers import (
     build_command,
     failed_checks_of_broken_build,
     needs_cutedsl,
+    sm90_ptx,
 )
 
 SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory; the driver reserves 1 KiB per CTA
@@ -891,11 +892,10 @@ def test_a_build_that_only_moves_w_stores_the_plain_streams_values(build):
     input's outputs."""
     from harness.ptx_values import compare
 
-    plain = plain_twin(build)
-    plain_ptx, ptx = plain.compile("sm_90a").ptx, build.compile("sm_90a").ptx
+    plain, ptx = sm90_ptx(plain_twin(build)), sm90_ptx(build)
     threads, blocks = value_roles(build.plan)
     for block in blocks:
-        assert compare(plain_ptx, ptx, threads, block, follow_copies=build.plan.w_smem) == [], block
+        assert compare(plain, ptx, threads, block, follow_copies=build.plan.w_smem) == [], block
 
 
 @pytest.mark.slow
@@ -920,10 +920,10 @@ def test_a_variant_whose_mixing_fuses_another_product_is_seen_in_every_mixing_th
         return m
 
     (build,) = [b for b in SAME_VALUE_BUILDS if b.name == name]
-    plain_ptx = plain_twin(build).compile("sm_90a").ptx
+    plain = sm90_ptx(plain_twin(build))  # compiled before the patch (or cached by the same-values test)
     threads, (mixing, streaming) = value_roles(build.plan)
     monkeypatch.setattr(attn_res, "_mix", mix_other_product)
     broken = build.compile("sm_90a").ptx
-    diffs = compare(plain_ptx, broken, threads, mixing, follow_copies=build.plan.w_smem)
+    diffs = compare(plain, broken, threads, mixing, follow_copies=build.plan.w_smem)
     assert {d.thread for d in diffs if d.space == "global"} == set(threads), diffs[:3]  # the output rows
-    assert compare(plain_ptx, broken, threads, streaming, follow_copies=build.plan.w_smem) == []
+    assert compare(plain, broken, threads, streaming, follow_copies=build.plan.w_smem) == []

@@ -34,6 +34,7 @@ from tests.k3_decode.kernels.helpers import (
     build_command,
     failed_checks_of_broken_build,
     needs_cutedsl,
+    sm90_ptx,
 )
 
 SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory; the driver reserves 1 KiB per CTA
@@ -915,9 +916,9 @@ def test_a_lean_build_stores_the_plain_builds_values_in_every_role(build, knob):
     (plain,) = [b for b in same_tp if b.plan == dataclasses.replace(build.plan, **{knob: False})]
     block = (build.plan.cluster - 1, 1, min(1, build.plan.batch - 1))  # a peer's rank, head 1, a live request
     threads = _roles(build.plan)
-    plain_ptx = plain.compile("sm_90a").ptx
-    assert compare(plain_ptx, build.compile("sm_90a").ptx, threads, block) == []
+    plain_ptx = sm90_ptx(plain)
+    assert compare(plain_ptx, sm90_ptx(build), threads, block) == []
     joint = [b for b in same_tp if b.plan == dataclasses.replace(plain.plan, joint_sums=True)]
     if joint:
-        diffs = compare(plain_ptx, joint[0].compile("sm_90a").ptx, threads, block)
+        diffs = compare(plain_ptx, sm90_ptx(joint[0]), threads, block)
         assert {d.thread for d in diffs} == set(threads), [str(d) for d in diffs[:3]]
