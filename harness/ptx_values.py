@@ -105,10 +105,12 @@ Address = tuple  # ("abs", int) for a concrete address, ("sym", key, offset) for
 
 @dataclass
 class ThreadRun:
-    """What one thread stored, and the symbolic branches it did not take."""
+    """What one thread stored, the symbolic branches it did not take, and how many instructions it ran (labels and
+    skipped predicated ones not counted): a build's work per thread, comparable between builds of one kernel."""
 
     stores: dict[tuple[str, Address], Value]
     untaken: list[str]
+    executed: int = 0
 
 
 def _split_operands(text: str) -> list[str]:
@@ -287,6 +289,62 @@ def _is_int_op(op: str) -> bool:
     return not any(t in FLOAT_TYPES or t in ("rn", "rz", "rm", "rp", "ftz", "approx", "sat") for t in parts[1:])
 
 
+def _affine(op: str, args: list[Value]) -> Expr | int | None:
+    """A 64-bit add, subtract, shift or multiply by a constant over symbolic integers, as a sum of terms (an opaque
+    symbolic value times a coefficient) plus a constant, all modulo 2^64, where the ring's laws make every order of
+    the same sum one value: so `(slot * K + a) + b` and `slot * K + (a + b)` address the same byte. None for any
+    other operation (and for 32-bit ones, whose wrap-around a later widening would not commute with)."""
+    name, mask = op.split(".")[0], (1 << 64) - 1
+    if (
+        not re.search(r"\.[bsu]64\b", op)
+        or ".wide" in op
+        or ".hi" in op
+        or name not in ("add", "sub", "shl", "mul", "mad")
+    ):
+        return None
+
+    def terms(v: Value) -> tuple[dict[str, tuple[Expr, int]], int]:
+        if isinstance(v, int):
+            return {}, v
+        if v.op == "affine":
+            return {atom.key: (atom, coef) for atom, coef in v.args[0]}, v.args[1]
+        return {v.key: (v, 1)}, 0
+
+    def scaled(t: tuple[dict, int], k: int) -> tuple[dict, int]:
+        return {key: (atom, coef * k & mask) for key, (atom, coef) in t[0].items()}, t[1] * k & mask
+
+    def added(a: tuple[dict, int], b: tuple[dict, int]) -> tuple[dict, int]:
+        out = dict(a[0])
+        for key, (atom, coef) in b[0].items():
+            out[key] = (atom, (out[key][1] + coef if key in out else coef) & mask)
+        return out, (a[1] + b[1]) & mask
+
+    parts = [terms(a) for a in args]
+    if name in ("add", "sub"):
+        total = added(parts[0], scaled(parts[1], mask) if name == "sub" else parts[1])
+    elif name == "shl" and isinstance(args[1], int):
+        total = scaled(parts[0], 1 << (args[1] & 63))
+    elif name in ("mul", "mad") and (isinstance(args[0], int) or isinstance(args[1], int)):
+        k, other = (args[0], parts[1]) if isinstance(args[0], int) else (args[1], parts[0])
+        total = scaled(other, k)
+        if name == "mad":
+            total = added(total, parts[2])
+    else:
+        return None
+    kept = tuple(sorted(((atom, coef) for atom, coef in total[0].values() if coef), key=lambda t: t[0].key))
+    return Expr("affine", (kept, total[1])) if kept else total[1]
+
+
+def _commuted(op: str, args: list[Value]) -> tuple:
+    """The arguments of a floating-point add, multiply or fma in one order: the GPU's a + b and b + a (a * b, b * a)
+    have the same bits, NaN included (a result NaN is the canonical one), and the compiler may emit either."""
+    name = op.split(".")[0]
+    if name in ("add", "mul", "fma") and set(op.split(".")[1:]) & FLOAT_TYPES and len(args) >= 2:
+        first = sorted(args[:2], key=lambda a: a.key if isinstance(a, Expr) else repr(a))
+        return (*first, *args[2:])
+    return tuple(args)
+
+
 def _width(op: str) -> int:
     """Bytes of one element of a load or store."""
     return 8 if re.search(r"\.[bsuf]64", op) else 2 if re.search(r"\.[bsuf]16", op) else 4
@@ -339,10 +397,12 @@ class _Thread:
             raise PtxValueError(f"address {tok} is not [reg+offset]")
         base = self.value(m.group(1)) if m.group(1) else 0
         off = int(m.group(2) or 0)
+        if isinstance(base, Expr) and base.op == "affine":  # the symbolic terms, and every constant in the offset
+            return ("sym", Expr("affine", (base.args[0], 0)).key, _signed(base.args[1] + off, 64))
         return ("sym", base.key, off) if isinstance(base, Expr) else ("abs", base + off)
 
     def run(self, insts: list[_Inst], labels: dict[str, int], max_steps: int) -> ThreadRun:
-        pc = steps = 0
+        pc = steps = executed = 0
         while pc < len(insts):
             steps += 1
             if steps > max_steps:
@@ -371,13 +431,14 @@ class _Thread:
                     continue
                 if bool(p) == negate:
                     continue
+            executed += 1
             if op.startswith("bra"):
                 pc = labels[ops[0]]
             elif op in ("ret", "exit"):
                 break
             else:
                 self.execute(op, ops)
-        return ThreadRun(self.stores, self.untaken)
+        return ThreadRun(self.stores, self.untaken, executed)
 
     def execute(self, op: str, ops: tuple[str, ...]) -> None:
         regs, value = self.regs, self.value
@@ -394,23 +455,28 @@ class _Thread:
                 regs[ops[0].strip("{}").split(",")[0].strip()] = Expr(op, tuple(ops[1:]))
             return
         if name == "st":
-            addr = self.address(ops[0])
+            addr, width = self.address(ops[0]), _width(op)
             space = op.split(".")[1]
             for i, v in enumerate(ops[1].strip("{}").split(",")):
-                self.stores[(space, _element(addr, i, _width(op)))] = value(v)
+                at, stored = _element(addr, i, width), value(v)
+                if isinstance(stored, Expr) and stored.op == "pack":  # its parts at their own bytes, as narrower
+                    for j, part in enumerate(stored.args):  # stores of them would put them: memory is bytes
+                        self.stores[(space, _element(at, j, width // len(stored.args)))] = part
+                else:
+                    self.stores[(space, at)] = stored
                 if space == "shared" and addr[0] == "abs":
-                    self.shared_writes.append((addr[1] + i * _width(op), _width(op), self.epoch))
+                    self.shared_writes.append((addr[1] + i * width, width, self.epoch))
             return
         if name == "ld":
             addr = self.address(ops[1])
             for i, dst in enumerate(d.strip() for d in ops[0].strip("{}").split(",")):
                 where = _element(addr, i, _width(op))
-                regs[dst] = where[1] if "param" in op else Expr("ld." + op.split(".")[1], (where,))
+                regs[dst] = where[1] if "param" in op else Expr("ld." + op.split(".")[1], (where, _width(op)))
                 if op.startswith("ld.shared") and where[0] == "abs":
                     staged = [self.staged.get(where[1] + b, (None, 0)) for b in range(_width(op))]
                     source = [g for g, stored in staged if stored > self.epoch]
                     if len(source) == len(staged) and source == list(range(source[0], source[0] + len(source))):
-                        regs[dst] = Expr("ld.global", (("abs", source[0]),))  # what the copy brought: global's word
+                        regs[dst] = Expr("ld.global", (("abs", source[0]), _width(op)))  # what the copy brought
             return
         dst = ops[0]
         if dst.startswith("{") and name != "mov":  # several results (mma.sync): each a function of every input
@@ -423,7 +489,12 @@ class _Thread:
             src, parts = value(ops[1]), _register_list(dst)
             width = bits // len(parts)
             for i, d in enumerate(parts):
-                regs[d] = (src >> (width * i)) & ((1 << width) - 1) if isinstance(src, int) else Expr("half", (i, src))
+                if isinstance(src, int):
+                    regs[d] = (src >> (width * i)) & ((1 << width) - 1)
+                elif src.op.startswith("ld."):  # part of a loaded word is what a narrower load there would read
+                    regs[d] = Expr(src.op, (_element(src.args[0], i, width // 8), width // 8))
+                else:
+                    regs[d] = Expr("half", (i, src))
             return
         if len(ops) > 1 and ops[1].startswith("{") and name == "mov":  # a pack
             parts = [value(p) for p in _register_list(ops[1])]
@@ -435,7 +506,9 @@ class _Thread:
             return
         args = [value(r) for o in ops[1:] for r in _register_list(o)]
         concrete = all(isinstance(a, int) for a in args)
-        if concrete and _is_int_op(op):
+        if not concrete and (folded := _affine(op, args)) is not None:
+            regs[dst] = folded
+        elif concrete and _is_int_op(op):
             regs[dst] = _int_op(op, args)
         elif name == "mov" and len(args) == 1:
             regs[dst] = args[0]
@@ -444,7 +517,7 @@ class _Thread:
         elif concrete and not set(op.split(".")[1:]) & FLOAT_TYPES and name != "shfl":
             raise PtxValueError(f"integer operation {op} is not known to harness.ptx_values")
         else:
-            regs[dst] = Expr(op, tuple(args))
+            regs[dst] = Expr(op, _commuted(op, args))
 
     def copy(self, ops: tuple[str, ...]) -> None:
         dst, src = self.address(ops[0]), self.address(ops[1])
@@ -507,19 +580,38 @@ def compare(
     """The stores where the two kernels' threads differ: an address only one stores to, or a different value.
     `follow_copies`: a shared load of a byte a bulk copy staged is global's byte (`staging`), so a build that stages
     what the other loads directly can compare equal; it runs every thread of the block once more per kernel."""
+    return compare_groups(ptx, other, [([t], [t]) for t in threads], ctaid, follow_copies)
+
+
+def compare_groups(
+    ptx: str,
+    other: str,
+    groups: list[tuple[list[int], list[int]]],
+    ctaid: tuple[int, int, int] = (1, 2, 3),
+    follow_copies: bool = False,
+) -> list[StoreDifference]:
+    """`compare` for builds that split the work between their threads differently: per group, what the first
+    kernel's threads store together against what the other's do (a difference names the group's first thread).
+    Two threads of one group storing different values at one address is an error: their order is not this tool's
+    to know."""
     programs = parse(ptx), parse(other)
     staged = [staging(p, prog, ctaid) if follow_copies else {} for p, prog in zip((ptx, other), programs, strict=True)]
     out = []
-    for tid in threads:
+    for group in groups:
         runs = []
-        for program, copies in zip(programs, staged, strict=True):
-            thread = _Thread(tid, ctaid)
-            thread.staged = copies
-            runs.append(thread.run(*program, MAX_STEPS).stores)
+        for program, copies, tids in zip(programs, staged, group, strict=True):
+            together: dict[tuple[str, Address], Value] = {}
+            for tid in tids:
+                thread = _Thread(tid, ctaid)
+                thread.staged = copies
+                for key, value in thread.run(*program, MAX_STEPS).stores.items():
+                    if together.setdefault(key, value) != value:
+                        raise PtxValueError(f"threads {tids} store two values at {key}: which lands is not known")
+            runs.append(together)
         mine, theirs = runs
         for key in sorted(set(mine) | set(theirs), key=repr):
             a, b = mine.get(key), theirs.get(key)
             if a != b:
                 show = [x.brief() if isinstance(x, Expr) else repr(x) for x in (a, b)]
-                out.append(StoreDifference(tid, key[0], key[1], *show))
+                out.append(StoreDifference(group[0][0], key[0], key[1], *show))
     return out

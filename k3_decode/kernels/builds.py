@@ -446,7 +446,7 @@ class KdaStepBuild:
         same for every plan but for its constants (the plan sets the grid, the block, the sizes and the offsets), so
         the counts are fixed by its structure (kda_step.py)."""
         p = self.plan
-        rows, n, local = ROWS_PER_WARP, p.requests_per_cta, int(p.local_decays)
+        rows, n, local = p.rows_per_warp, p.requests_per_cta, int(p.local_decays)
         return {
             "tp": self.tp,
             "batch": p.batch,
@@ -469,6 +469,7 @@ class KdaStepBuild:
             "lean_start": p.lean_start,
             "lean_conv": p.lean_conv,
             "joint_sums": p.joint_sums,
+            "wide_warps": p.wide_warps,
             "barriers": 6 * n,
             "armed": 6 + 5 * (n - 1) - local,
             "weight_copies": 1 + 3 + local,
@@ -478,22 +479,27 @@ class KdaStepBuild:
             "prefetches": (1 + 3) * n,  # before the wait, into L2: the state rows and the three runs' taps
             "warm_ahead": p.warm_ahead,
             "warm_prefetches": 1 + 3 if p.ahead else 0,  # after it, the same for the CTA one wave later
-            # Plain loads before the wait: A_log, dt_bias (two), o_norm (8 bytes), the slot steering the prefetch;
-            # after it: the slot again and beta (and the next wave's slot, when warming).
-            "early_loads": 1 + 2 * (1 - local) + 1 + n,
+            # Plain loads before the wait: A_log, dt_bias (one per f_b row of the lane: two, four with wide warps),
+            # o_norm (the warp's rows, one load), the slot steering the prefetch; after it: the slot again and beta
+            # (and the next wave's slot, when warming).
+            "early_loads": 1 + rows // 2 * (1 - local) + 1 + n,
             "late_loads": 3 if p.ahead else 2 * n,
             "state_stores": rows * n,
             "tap_stores": 3 * n,
             # the output of a live request and the zeros of a NULL one; a group's NULL requests are zeroed where
             # the group has a live one and where it has none
             "out_stores": 2 if n == 1 else 3 * n,
-            "pushes": (2 * (1 - local) + 1) * n,  # the decay pairs of both f_b rows, the norm partial
+            # with wide warps both are 16-byte vectors (eight BF16 a warp), the live one before the taps' barrier
+            "wide_out_stores": 2 if p.wide_warps else 0,
+            "wide_live_out": int(p.wide_warps),
+            # the decay pairs of the lane's f_b rows, the norm partial (a wide warp's two as one pair)
+            "pushes": (rows // 2 * (1 - local) + 1) * n,
             # mbarrier waits: weights, packed row, taps, decays, state, norm on the live path; weights, packed row on
             # the NULL path. A group waits for the weights once, and for each request's five others.
             "waits": 6 + 2 - local if n == 1 else 1 + 5 * n,
-            # The f_b rows (2 x 4 steps over a half-warp), the L2 norms (4), S k and S q per row (2 x 5), the norm (5);
-            # with joint sums S k and S q of the warp's rows in two reductions of 2 + 1 + 3 steps each.
-            "shuffles": (2 * 4 + 4 + (2 * 6 if p.joint_sums else rows * 2 * 5) + 5) * n,
+            # The f_b rows (4 steps each over a half-warp), the L2 norms (4), S k and S q per row (2 x 5), the norm
+            # (5); with joint sums S k and S q of the warp's rows in two reductions of 2 + 1 + 3 steps each.
+            "shuffles": (rows // 2 * 4 + 4 + (2 * 6 if p.joint_sums else rows * 2 * 5) + 5) * n,
             # Indexed shuffles: three at the start (the shared-memory base and the warp index made warp-uniform), and
             # with joint sums the four sums handed to every lane, twice.
             "indexed_shuffles": 3 + (2 * rows if p.joint_sums else 0),
@@ -797,7 +803,8 @@ class K3KernelBuilds:
     def kda_step_builds(self) -> list[KdaStepBuild]:
         """The fused KDA decode step at every TP and batch of builds.toml's [kda_step], at each rank's heads: the
         served variant (kda_step_choice.toml), and every register budget, the warming, the request groups, the
-        local decays, the lean start, the lean conv and the joint sums where it lists them."""
+        local decays, the lean start, the lean conv, the joint sums and the wide warps (at every register budget)
+        where it lists them."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_step"]
         budgets = spec.get("every_budget", {"batches": []})["batches"]
@@ -807,6 +814,7 @@ class K3KernelBuilds:
         lean = spec.get("lean_start", {"batches": []})["batches"]
         lean_conv = spec.get("lean_conv", {"batches": []})["batches"]
         joint = spec.get("joint_sums", {"batches": []})["batches"]
+        wide = spec.get("wide_warps", {"batches": []})["batches"]
         builds = []
         for tp in spec["tp"]:
             try:
@@ -840,6 +848,11 @@ class K3KernelBuilds:
             mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, lean_start=True) for batch in lean]
             mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, lean_conv=True) for batch in lean_conv]
             mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, joint_sums=True) for batch in joint]
+            mine += [
+                KdaStepPlan.for_shape(heads, rows, batch, sms, resident_threads=threads, wide_warps=True)
+                for batch in wide
+                for threads in RESIDENT_CHOICES
+            ]
             builds += [KdaStepBuild(tp, plan) for plan in mine]
         # a variant kda_step_choice.toml serves is built once, whichever table entry also asks for it
         return list({b.name: b for b in builds}.values())

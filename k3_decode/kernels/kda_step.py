@@ -102,6 +102,15 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   four rows together in the same tree (lane bits 0 to 4, the same pairs added), trading halves in the first two
   steps and broadcasting the four totals: 10 shuffles and 6 adds each time, the same bits. It needs the four
   decayed rows in registers at once (16 more live), which still fits 40 registers without a frame at 1536 threads.
+- Wide warps (a plan with `wide_warps`, not served until measured in the layer). Every warp pays a fixed share of a
+  CTA's work whatever its rows: its half-warps' decays, q, k, v and the decays read from shared memory, the barrier
+  waits, the norm's butterfly and rsqrt, the output's store. A wide warp owns eight value rows (R / 8 warps a CTA),
+  so it pays that once for eight rows: a live CTA runs 72-74 % of a four-row CTA's instructions at every build
+  (harness/ptx_values.py counts them), and at 1024 threads an SM holds four CTAs of 256 threads instead of two of 512,
+  twice the state copies in flight. The arithmetic is the four-row warps': each decay is pushed by another lane but
+  computed the same way, and a wide warp pushes its two four-row norm partials as one pair into the slots two
+  four-row warps would fill, so every CTA sums the same 32 partials in the same order (CI compares the PTX: every
+  lane of all warps together stores what the four-row build's do).
 - Warming the next wave (a plan with `warm_ahead`, not served until measured): from TP8 B16 and TP16 B32 the grid
   runs in waves of `wave_requests` requests, and each CTA's reads wait for HBM while its SM holds only the resident
   CTAs' chains. Thread 0, after its own copies, issues the same L2 prefetches for the CTA of its rank and head one
@@ -413,7 +422,7 @@ class KdaStepKernel:
             if const_expr(plan.local_decays):
                 self._local_decays(fb_s, fa, dt_s, decay_rate, lower_bound, decay_s, place)
             else:
-                for j in cutlass.range_constexpr(2):
+                for j in cutlass.range_constexpr(len(fb_rows)):
                     fb = cute.make_rmem_tensor((VECTOR,), BFloat16)
                     _copy(fb_s[fb_rows[j], None], VECTOR, col, fb)
                     self._push_decay(fb, fa, j, dt, decay_rate, lower_bound, decay_s, 0, bars, place)
@@ -435,9 +444,10 @@ class KdaStepKernel:
             self._rewrite_taps(conv_row, area, inputs, place)
             trace_stamp(on, launches, cta, 10, tidx)
         else:  # NULL: zero output, no state touched
-            y = _null_output(bars)
+            w = plan.rows_per_warp
+            y = _null_output(bars, w)
             if lane == 0:
-                _copy(y, ROWS_PER_WARP, first // ROWS_PER_WARP + warp, out[b, None])
+                _copy(y, w, first // w + warp, out[b, None])
 
     # --- what the decode and the verify kernel share -------------------------------------------------------------
 
@@ -459,8 +469,9 @@ class KdaStepKernel:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         first = head * HEAD_DIM + rank * rows
         col = lane % 16
-        # The f_b rows (decay channels) of half-warp `lane // 16`, local to the CTA: 2 w + half and R/2 more.
-        fb_rows = [2 * warp + lane // 16 + j * (rows // 2) for j in range(2)]
+        # The f_b rows (decay channels) of half-warp `lane // 16`, local to the CTA: 2 w + half, then every 2 W more
+        # (W warps: R/2 at four rows a warp); two per half-warp, four with wide warps.
+        fb_rows = [2 * warp + lane // 16 + j * (2 * plan.warps) for j in range(plan.rows_per_warp // 2)]
         is_qk = warp == 0
         is_conv = is_qk or (warp == 1 and lane < plan.v_lanes)
         cl = VECTOR * lane  # warp 0: q, then k
@@ -588,11 +599,11 @@ class KdaStepKernel:
     def _head_constants(self, a_log: cute.Tensor, dt_bias: cute.Tensor, o_norm: cute.Tensor, place: _Place):
         """Read into registers before the wait: dt_bias of the lane's two decay channels (none with local_decays:
         the head's are copied into shared memory), exp(A_log) of the head, and o_norm of the warp's rows."""
-        rows = self.plan.rows_per_cta
-        dt = [] if const_expr(self.plan.local_decays) else [dt_bias[place.first + place.fb_rows[j]] for j in range(2)]
+        rows, w = self.plan.rows_per_cta, self.plan.rows_per_warp
+        dt = [] if const_expr(self.plan.local_decays) else [dt_bias[place.first + row] for row in place.fb_rows]
         decay_rate = cute.math.exp(a_log[place.head])
-        w_norm = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
-        _copy(o_norm, ROWS_PER_WARP, place.rank * (rows // ROWS_PER_WARP) + place.warp, w_norm)
+        w_norm = cute.make_rmem_tensor((w,), BFloat16)
+        _copy(o_norm, w, place.rank * (rows // w) + place.warp, w_norm)
         return dt, decay_rate, w_norm
 
     @cute.jit
@@ -652,7 +663,7 @@ class KdaStepKernel:
         decay = _decay(fb, fa, dt[j], decay_rate, lower_bound)
         odd = cute.arch.shuffle_sync_down(decay, offset=16)  # the next row, from the other half-warp
         if place.lane < plan.cluster:
-            c = at + place.rank * rows + 2 * place.warp + j * (rows // 2)
+            c = at + place.rank * rows + 2 * place.warp + j * (2 * plan.warps)
             dst = decay_s.iterator + cute.assume(c, divby=2)
             cute.arch.store_async_dsmem(dst, (decay.bitcast(Int32), odd.bitcast(Int32)), bars, place.lane)
 
@@ -684,13 +695,20 @@ class KdaStepKernel:
 
     @cute.jit
     def _push_norm(self, o: list, norm_s: cute.Tensor, at: cutlass.Constexpr[int], bars: Any, place: _Place):
-        """The warp's partial of sum(o^2) (its rows), pushed to norm_s[at + (CTA, warp)] of every CTA of the
-        cluster (barrier 1)."""
+        """The warp's partial of sum(o^2) over each four of its rows, pushed to norm_s[at + (CTA, four rows)] of every
+        CTA of the cluster (barrier 1): one partial, or a wide warp's two as one pair, so the partials are those of
+        four-row warps."""
         plan = self.plan
-        partial = _dot(o, o, ROWS_PER_WARP)
+        quads = plan.rows_per_warp // ROWS_PER_WARP
+        partials = [_dot(o[ROWS_PER_WARP * i :], o[ROWS_PER_WARP * i :], ROWS_PER_WARP) for i in range(quads)]
         if place.lane < plan.cluster:
-            dst = norm_s.iterator + (at + place.rank * plan.warps + place.warp)
-            cute.arch.store_async_dsmem(dst, partial.bitcast(Int32), bars + 1, place.lane)
+            c = at + place.rank * (plan.rows_per_cta // ROWS_PER_WARP) + quads * place.warp
+            if const_expr(quads == 1):
+                cute.arch.store_async_dsmem(norm_s.iterator + c, partials[0].bitcast(Int32), bars + 1, place.lane)
+            else:
+                dst = norm_s.iterator + cute.assume(c, divby=2)
+                words = (partials[0].bitcast(Int32), partials[1].bitcast(Int32))
+                cute.arch.store_async_dsmem(dst, words, bars + 1, place.lane)
 
     @cute.jit
     def _finish_request(
@@ -713,16 +731,17 @@ class KdaStepKernel:
         their stores, the norm exchange, the gated output row. `stamp` is trace_stamp's (on, counter, cta, tidx)
         for phases 6-9; the group kernel passes it off."""
         plan = self.plan
-        rows = plan.rows_per_cta
+        rows, w = plan.rows_per_cta, plan.rows_per_warp
         lane, warp, head, rank, first = place.lane, place.warp, place.head, place.rank, place.first
         on, launches, cta, tidx = stamp
         q = cute.make_rmem_tensor((4,), Float32)
         k = cute.make_rmem_tensor((4,), Float32)
-        v = cute.make_rmem_tensor((4,), Float32)
+        v = cute.make_rmem_tensor((w,), Float32)
         g = cute.make_rmem_tensor((4,), Float32)
         _copy(area["qk"], 4, lane, q)
         _copy(area["qk"], 4, HEAD_DIM // 4 + lane, k)
-        _copy(area["v"], 4, warp, v)
+        for i in cutlass.range_constexpr(w // 4):  # the warp's values, 16 bytes at a time
+            _copy(area["v"], 4, (w // 4) * warp + i, _part(v, 4, i))
         if const_expr(not plan.local_decays):  # computed here, before the CTA barrier, with local_decays
             cute.arch.mbarrier_wait(bars, 0)  # every decay of the head has arrived
         trace_stamp(on, launches, cta, 6, tidx)
@@ -730,7 +749,7 @@ class KdaStepKernel:
         cute.arch.mbarrier_wait(bars + 5, 0)  # the state rows have arrived
         trace_stamp(on, launches, cta, 7, tidx)
 
-        o = [Float32(0.0)] * ROWS_PER_WARP
+        o = [Float32(0.0)] * w
         if const_expr(plan.joint_sums):  # the warp's four rows' sums reduced together, same bits (warp_sums4)
             rows_s = [cute.make_rmem_tensor((4,), Float32) for _ in range(ROWS_PER_WARP)]
             for i in cutlass.range_constexpr(ROWS_PER_WARP):
@@ -742,27 +761,27 @@ class KdaStepKernel:
                 _copy(rows_s[i], 4, lane, state[row0, head, rank * rows + ROWS_PER_WARP * warp + i, None])
             o = warp_sums4([_dot(rows_s[i], q, 4) for i in range(ROWS_PER_WARP)], lane)
         else:
-            for i in cutlass.range_constexpr(ROWS_PER_WARP):
+            for i in cutlass.range_constexpr(w):
                 s = cute.make_rmem_tensor((4,), Float32)
-                _copy(area["state"][ROWS_PER_WARP * warp + i, None], 4, lane, s)
+                _copy(area["state"][w * warp + i, None], 4, lane, s)
                 _delta_rule(s, g, k, v[i], beta)
-                _copy(s, 4, lane, state[row0, head, rank * rows + ROWS_PER_WARP * warp + i, None])
+                _copy(s, 4, lane, state[row0, head, rank * rows + w * warp + i, None])
                 o[i] = warp_sum(_dot(s, q, 4))
 
         # The gated RMSNorm: sum(o^2) over the head's 128 rows, from every (CTA, warp) of the cluster.
         trace_stamp(on, launches, cta, 8, tidx)
         self._push_norm(o, area["norm"], 0, bars, place)
-        gate = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
+        gate = cute.make_rmem_tensor((w,), BFloat16)
         if const_expr(plan.resident_threads == RESIDENT_THREADS):  # read while the partials travel
-            _copy(area["x"], ROWS_PER_WARP, gate_at // ROWS_PER_WARP + warp, gate)
+            _copy(area["x"], w, gate_at // w + warp, gate)
         cute.arch.mbarrier_wait(bars + 1, 0)
         trace_stamp(on, launches, cta, 9, tidx)
         if const_expr(plan.resident_threads != RESIDENT_THREADS):  # at 40 registers, held across it spilled
-            _copy(area["x"], ROWS_PER_WARP, gate_at // ROWS_PER_WARP + warp, gate)
+            _copy(area["x"], w, gate_at // w + warp, gate)
         rstd = _rstd(area["norm"][lane], norm_eps)  # plan.slots == 32: one partial per lane
-        y = _gated(o, rstd, w_norm, gate)
+        y = _gated(o, rstd, w_norm, gate, w)
         if lane == 0:
-            _copy(y, ROWS_PER_WARP, first // ROWS_PER_WARP + warp, out[b, None])
+            _copy(y, w, first // w + warp, out[b, None])
 
     @cute.jit
     def _rewrite_taps(self, conv_row: cute.Tensor, area: dict, inputs: cute.Tensor, place: _Place):
@@ -967,7 +986,7 @@ class KdaStepKernel:
                     _copy(o_s, ROWS_PER_WARP, t * (rows // ROWS_PER_WARP) + warp, readouts)
                     gate = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
                     _copy(x_s, ROWS_PER_WARP, (t * tok + gate_at) // ROWS_PER_WARP + warp, gate)
-                    y = _gated(readouts, rstd, w_norm, gate)
+                    y = _gated(readouts, rstd, w_norm, gate, ROWS_PER_WARP)
                     _copy(y, ROWS_PER_WARP, first // ROWS_PER_WARP + warp, out[b, t, None])
 
             # The conv row this CTA owns: [c_a, c_a+1, x_0 .. x_q-1] per channel (the step's input sequence from
@@ -985,7 +1004,7 @@ class KdaStepKernel:
                             vec[e] = x_s[(column - 2) * tok + cl + c]
                     _copy(vec, VECTOR, cols * (chan // VECTOR) + i, conv_row)
         else:  # NULL request: zero output for every token, no state touched
-            y = _null_output(bars)
+            y = _null_output(bars, ROWS_PER_WARP)
             if lane == 0:
                 for t in cutlass.range_constexpr(q):
                     _copy(y, ROWS_PER_WARP, first // ROWS_PER_WARP + warp, out[b, t, None])
@@ -1098,22 +1117,22 @@ def _rstd(partial: Float32, norm_eps: Float32) -> Float32:
 
 
 @cute.jit
-def _gated(o: Any, rstd: Float32, w_norm: cute.Tensor, gate: cute.Tensor) -> cute.Tensor:
-    """The warp's outputs of the gated RMSNorm, o * rstd * o_norm * sigmoid(g_out), as BF16."""
-    y = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
-    for i in cutlass.range_constexpr(ROWS_PER_WARP):
+def _gated(o: Any, rstd: Float32, w_norm: cute.Tensor, gate: cute.Tensor, rows: cutlass.Constexpr[int]) -> cute.Tensor:
+    """The warp's `rows` outputs of the gated RMSNorm, o * rstd * o_norm * sigmoid(g_out), as BF16."""
+    y = cute.make_rmem_tensor((rows,), BFloat16)
+    for i in cutlass.range_constexpr(rows):
         gated = o[i] * rstd * w_norm[i].to(Float32) * _sigmoid(gate[i].to(Float32))
         y[i] = gated.to(BFloat16)
     return y
 
 
 @cute.jit
-def _null_output(bars: Any) -> cute.Tensor:
-    """A NULL request's output (zeros for the warp's rows), once the copies into this CTA's shared memory have
-    landed: a CTA must not exit with bulk copies into it in flight."""
+def _null_output(bars: Any, rows: cutlass.Constexpr[int]) -> cute.Tensor:
+    """A NULL request's output (zeros for the warp's `rows` rows), once the copies into this CTA's shared memory
+    have landed: a CTA must not exit with bulk copies into it in flight."""
     cute.arch.mbarrier_wait(bars + 2, 0)
     cute.arch.mbarrier_wait(bars + 3, 0)
-    y = cute.make_rmem_tensor((ROWS_PER_WARP,), BFloat16)
+    y = cute.make_rmem_tensor((rows,), BFloat16)
     y.fill(0.0)
     return y
 

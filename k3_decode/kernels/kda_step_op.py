@@ -86,12 +86,13 @@ def plan_for(
     lean_start: bool | None = None,
     lean_conv: bool | None = None,
     joint_sums: bool | None = None,
+    wide_warps: bool | None = None,
 ) -> KdaStepPlan:
     """The plan that runs this step on packed's device (`cluster`: CTAs per head, `resident_threads`: the register
     budget, `warm_ahead`: the next wave's L2 warming, `requests_per_cta`: requests a cluster serves, `local_decays`:
     every CTA computes the head's decays, `lean_start`: the copies before the cluster barrier's wait, `lean_conv`:
-    only the conv warps run the conv, `joint_sums`: a warp's four rows reduced together; each None: the plan's
-    choice, KdaStepPlan.for_shape); raises for what the kernel cannot take."""
+    only the conv warps run the conv, `joint_sums`: a warp's four rows reduced together, `wide_warps`: eight rows a
+    warp; each None: the plan's choice, KdaStepPlan.for_shape); raises for what the kernel cannot take."""
     if packed.device.type != "cuda":
         raise ValueError(f"the CuTe DSL KDA step runs on a CUDA device, got {packed.device}; use the stock op")
     if (spec.head_dim, spec.gate_rank, spec.conv_width) != (HEAD_DIM, GATE_RANK, CONV_WIDTH):
@@ -117,6 +118,7 @@ def plan_for(
         lean_start,
         lean_conv,
         joint_sums,
+        wide_warps,
     )
     starts = {name: s.start for name, s in spec.sections.items() if name != "pad"}
     if starts != plan.sections:
@@ -139,6 +141,7 @@ def decode_step(
     lean_start: bool | None = None,
     lean_conv: bool | None = None,
     joint_sums: bool | None = None,
+    wide_warps: bool | None = None,
 ) -> Tensor:
     """One q = 1 KDA decode step on the current stream of packed's device; returns BF16 [B, P].
 
@@ -146,10 +149,12 @@ def decode_step(
     (k3_decode.weights.KdaWeights). The conv state must hold exactly the 3 decode taps (no speculative columns).
     `cluster` (CTAs per head), `resident_threads` (the register budget), `warm_ahead` (the next wave's L2 warming),
     `requests_per_cta` (requests a cluster serves), `local_decays` (no decay exchange), `lean_start` (the copies
-    before the cluster barrier's wait), `lean_conv` (only the conv warps run the conv) and `joint_sums` (a warp's
-    four rows reduced together) override the plan's choice; the provider passes none of them.
+    before the cluster barrier's wait), `lean_conv` (only the conv warps run the conv), `joint_sums` (a warp's
+    four rows reduced together) and `wide_warps` (eight rows a warp) override the plan's choice; the provider passes
+    none of them.
     """
     knobs = (cluster, resident_threads, warm_ahead, requests_per_cta, local_decays, lean_start, lean_conv, joint_sums)
+    knobs += (wide_warps,)
     plan = plan_for(spec, packed, slots, *knobs)
     dev, p, batch = packed.device, spec.proj, slots.shape[0]
     bf16 = torch.bfloat16

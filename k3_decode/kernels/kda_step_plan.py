@@ -60,6 +60,7 @@ class StepVariant:
     lean_start: bool = False
     lean_conv: bool = False
     joint_sums: bool = False
+    wide_warps: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,16 +77,16 @@ class VariantRule:
 def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
     keys = {"resident_threads", "warm_ahead"}
     named = set(entry) - {"heads", "batches"} if rule and isinstance(entry, dict) else set(entry or ())
-    optional = {"requests_per_cta", "local_decays", "lean_start", "lean_conv", "joint_sums"}
+    optional = {"requests_per_cta", "local_decays", "lean_start", "lean_conv", "joint_sums", "wide_warps"}
     if not isinstance(entry, dict) or named - optional != keys:
         scope = "; a rule also batches and optionally heads" if rule else ", nothing else"
         raise ValueError(
             f"{where} must name resident_threads and warm_ahead (requests_per_cta, local_decays, lean_start, "
-            f"lean_conv and joint_sums optional){scope}, got {entry!r}"
+            f"lean_conv, joint_sums and wide_warps optional){scope}, got {entry!r}"
         )
     threads, warm, group = entry["resident_threads"], entry["warm_ahead"], entry.get("requests_per_cta", 1)
     local, lean, conv = entry.get("local_decays", False), entry.get("lean_start", False), entry.get("lean_conv", False)
-    joint = entry.get("joint_sums", False)
+    joint, wide = entry.get("joint_sums", False), entry.get("wide_warps", False)
     if threads not in RESIDENT_CHOICES or not isinstance(warm, bool) or group not in REQUEST_GROUPS:
         raise ValueError(
             f"{where}: resident_threads is one of {RESIDENT_CHOICES}, warm_ahead true or false, requests_per_cta "
@@ -99,14 +100,18 @@ def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
         raise ValueError(f"{where}: lean_conv is true or false, got {conv!r}")
     if not isinstance(joint, bool):
         raise ValueError(f"{where}: joint_sums is true or false, got {joint!r}")
+    if not isinstance(wide, bool):
+        raise ValueError(f"{where}: wide_warps is true or false, got {wide!r}")
     if warm and group > 1:
         raise ValueError(f"{where}: warm_ahead and requests_per_cta > 1 are not built together")
     if local and group > 1:
         raise ValueError(f"{where}: local_decays and requests_per_cta > 1 are not built together")
-    for name, on in (("lean_start", lean), ("lean_conv", conv), ("joint_sums", joint)):
+    for name, on in (("lean_start", lean), ("lean_conv", conv), ("joint_sums", joint), ("wide_warps", wide)):
         if on and group > 1:
             raise ValueError(f"{where}: {name} and requests_per_cta > 1 are not built together")
-    return StepVariant(threads, warm, group, local, lean, conv, joint)
+    if wide and joint:
+        raise ValueError(f"{where}: wide_warps and joint_sums are not built together (joint sums reduce four rows)")
+    return StepVariant(threads, warm, group, local, lean, conv, joint, wide)
 
 
 def variant_rules(path: Path | None = None) -> tuple[StepVariant, tuple[VariantRule, ...]]:
@@ -161,6 +166,7 @@ class KdaStepPlan:
     lean_start: bool = False  # the copies before the cluster barrier's wait; the slot hint only in the first wave
     lean_conv: bool = False  # only warps 0 and 1 (the conv lanes') run the conv; the others skip it, not discard it
     joint_sums: bool = False  # a warp's four rows' butterfly sums reduced together (primitives.warp_sums4): same bits
+    wide_warps: bool = False  # eight value rows a warp, half the warps a CTA (rows_per_warp): same bits
 
     def __post_init__(self) -> None:
         if self.resident_threads not in RESIDENT_CHOICES:
@@ -196,9 +202,14 @@ class KdaStepPlan:
             ("lean_start", self.lean_start),
             ("lean_conv", self.lean_conv),
             ("joint_sums", self.joint_sums),
+            ("wide_warps", self.wide_warps),
         ):
             if on and self.requests_per_cta > 1:
                 raise ValueError(f"{name} and requests_per_cta > 1 are not built together: choose one")
+        if self.wide_warps and self.joint_sums:
+            raise ValueError(
+                "wide_warps and joint_sums are not built together (joint sums reduce four rows): choose one"
+            )
         if self.warm_ahead and self.wave_requests >= self.batch:
             raise ValueError(
                 f"warm_ahead warms the requests of the next wave, and at batch {self.batch} the grid is one wave "
@@ -221,11 +232,13 @@ class KdaStepPlan:
         lean_start: bool | None = None,
         lean_conv: bool | None = None,
         joint_sums: bool | None = None,
+        wide_warps: bool | None = None,
     ) -> KdaStepPlan:
         """The smallest cluster whose grid still gives every SM a CTA, else the largest (8), and the register budget,
-        the warming, the requests per CTA, the local decays, the lean start, the lean conv and the joint sums
-        kda_step_choice.toml serves at this batch (`chosen_variant`). `cluster`, `resident_threads`, `warm_ahead`,
-        `requests_per_cta`, `local_decays`, `lean_start`, `lean_conv` and `joint_sums` override each choice (the GPU
+        the warming, the requests per CTA, the local decays, the lean start, the lean conv, the joint sums and the
+        wide warps kda_step_choice.toml serves at this batch (`chosen_variant`). `cluster`, `resident_threads`,
+        `warm_ahead`, `requests_per_cta`, `local_decays`, `lean_start`, `lean_conv`, `joint_sums` and `wide_warps`
+        override each choice (the GPU
         test times and checks every cluster at every batch, and the other variants at every cluster where they
         apply).
 
@@ -250,6 +263,7 @@ class KdaStepPlan:
         lean = served.lean_start and group == 1 if lean_start is None else lean_start
         conv = served.lean_conv and group == 1 if lean_conv is None else lean_conv
         joint = served.joint_sums and group == 1 if joint_sums is None else joint_sums
+        wide = served.wide_warps and group == 1 if wide_warps is None else wide_warps
         return replace(
             plan,
             warm_ahead=warm,
@@ -258,6 +272,7 @@ class KdaStepPlan:
             lean_start=lean,
             lean_conv=conv,
             joint_sums=joint,
+            wide_warps=wide,
         )
 
     # --- the packed row ---------------------------------------------------------------------------------------
@@ -289,8 +304,18 @@ class KdaStepPlan:
         return HEAD_DIM // self.cluster
 
     @property
+    def rows_per_warp(self) -> int:
+        """Value rows of S one warp owns: ROWS_PER_WARP, or twice that with wide_warps. Why wide: every warp pays a
+        fixed share (q, k, v and the decays read from shared memory, the barrier waits, the norm's butterfly and
+        rsqrt, the output's store) whatever its rows, and from B16 the step is bound by issue (docs/kda-layer-h200.md);
+        eight rows a warp pay it once for eight, so a live CTA runs 72-74 % of the instructions (the PTX run per
+        thread, test_kda_step_build.py), and at 1024 threads an SM holds four CTAs of 256 threads instead of two of
+        512."""
+        return 2 * ROWS_PER_WARP if self.wide_warps else ROWS_PER_WARP
+
+    @property
     def warps(self) -> int:
-        return self.rows_per_cta // ROWS_PER_WARP
+        return self.rows_per_cta // self.rows_per_warp
 
     @property
     def threads(self) -> int:
@@ -361,8 +386,9 @@ class KdaStepPlan:
 
     @property
     def slots(self) -> int:
-        """Partials each CTA receives in the output-norm exchange: one per (CTA, warp) of the cluster."""
-        return self.cluster * self.warps
+        """Partials each CTA receives in the output-norm exchange: one per (CTA, four rows) of the cluster, 32 in
+        all (a wide warp pushes two, so the sum adds the same partials in the same order as four-row warps')."""
+        return self.cluster * self.rows_per_cta // ROWS_PER_WARP
 
     @property
     def v_lanes(self) -> int:
@@ -439,11 +465,11 @@ class KdaStepPlan:
     def variant_suffix(self) -> str:
         """ "" at 1024 threads per SM without warming, one request a cluster, decays exchanged, the plain start, else
         "/t<threads per SM>", "/warm", "/r<requests per CTA>", "/local-decays", "/lean", "/lean-conv" and
-        "/joint-sums": builds and compiles of the variants are named apart."""
+        "/joint-sums" and "/wide-warps": builds and compiles of the variants are named apart."""
         budget = "" if self.resident_threads == RESIDENT_THREADS else f"/t{self.resident_threads}"
         group = "" if self.requests_per_cta == 1 else f"/r{self.requests_per_cta}"
         leaner = ("/lean" if self.lean_start else "") + ("/lean-conv" if self.lean_conv else "")
-        leaner += "/joint-sums" if self.joint_sums else ""
+        leaner += ("/joint-sums" if self.joint_sums else "") + ("/wide-warps" if self.wide_warps else "")
         return (
             budget
             + ("/warm" if self.warm_ahead else "")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.ptx_values import PtxValueError, compare, run_thread
+from harness.ptx_values import PtxValueError, compare, compare_groups, run_thread
 
 # out[tid] = x[2 tid]^2 + x[2 tid + 1]^2 (FUSED names the product the FMA takes), and for tid < 32 also
 # out[64 + tid] = x[2 tid] (EXTRA). Register names and the order of independent integer steps are free.
@@ -56,7 +56,7 @@ def test_fusing_the_other_product_is_a_difference_in_every_thread():
 def test_addresses_and_branches_on_the_thread_index_are_exact():
     run = run_thread(kernel(), 3, (0, 0, 0))
     assert set(run.stores) == {("global", ("abs", (2 << 20) + 12)), ("global", ("abs", (2 << 20) + 268))}
-    assert run.stores[("global", ("abs", (2 << 20) + 268))].args == (("abs", (1 << 20) + 24),)  # x[6], loaded
+    assert run.stores[("global", ("abs", (2 << 20) + 268))].args == (("abs", (1 << 20) + 24), 4)  # x[6], 4 bytes
     assert len(run_thread(kernel(), 33, (0, 0, 0)).stores) == 1  # past the branch: no EXTRA store
     diffs = compare(kernel(), kernel(extra=""), [3, 33])
     assert [d.thread for d in diffs] == [3] and diffs[0].theirs == "None"
@@ -199,3 +199,110 @@ def test_16_bit_integer_steps_wrap_and_divide_at_16_bits():
     assert compare(kernel(index=by_div, extra=""), kernel(index=by_magic, extra=""), [0, 5, 40, 1000]) == []
     wrapped = by_magic.replace("cvt.u16.u32 %rs1, %r1;", "add.u32 %r9, %r1, 196608;\n    cvt.u16.u32 %rs1, %r9;")
     assert compare(kernel(index=by_div, extra=""), kernel(index=wrapped, extra=""), [40]) == []  # 3 << 16 is cut
+
+
+def test_operand_order_of_an_add_or_multiply_is_not_a_difference_and_of_a_subtract_is():
+    """a * b and b * a (a + b, b + a) have the same bits on the GPU, and a compiler emits either: two builds of the
+    gated norm differed only so. A subtract's operands, or an fma's addend against a factor, are no such pair."""
+    base = "    mul.f32 %r5, %r3, %r4;\n    add.f32 %r6, %r5, %r3;"
+    swapped = "    mul.f32 %r5, %r4, %r3;\n    add.f32 %r6, %r3, %r5;"
+    assert compare(kernel(fused=base), kernel(fused=swapped), [0]) == []
+    subtract = [kernel(fused=text.replace("add.f32", "sub.f32")) for text in (base, swapped)]
+    assert len(compare(*subtract, [0])) == 1
+    fma = "    mul.f32 %r5, %r3, %r3;\n    fma.rn.f32 %r6, %r4, %r5, %r3;"
+    assert len(compare(kernel(fused=fma), kernel(fused=fma.replace("%r4, %r5, %r3", "%r4, %r3, %r5")), [0])) == 1
+
+
+# out[0..1] = two BF16 of x, stored one at a time or packed into one word (PACKED), from two 16-bit loads or halves
+# of one 32-bit load (HALVES)
+PAIR = """
+.visible .entry k(.param .u64 k_param_0, .param .u64 k_param_1)
+{{
+    .reg .b16 %rs<5>;
+    .reg .b32 %r<9>;
+    .reg .b64 %rd<9>;
+    ld.param.u64 %rd1, [k_param_0];
+    ld.param.u64 %rd2, [k_param_1];
+{load}
+{store}
+    ret;
+}}
+"""
+NARROW = "    ld.global.b16 %rs1, [%rd1+8];\n    ld.global.b16 %rs2, [%rd1+10];"
+HALVES = "    ld.global.b32 %r1, [%rd1+8];\n    mov.b32 {%rs1, %rs2}, %r1;"
+APART = "    st.global.b16 [%rd2], %rs1;\n    st.global.b16 [%rd2+2], %rs2;"
+PACKED = "    mov.b32 %r2, {%rs1, %rs2};\n    st.global.b32 [%rd2], %r2;"
+
+
+def test_a_packed_store_and_halves_of_a_load_are_their_bytes():
+    """Memory is bytes: a word packed from two halves and stored stores each half at its own two bytes, and the
+    halves of a loaded word are what 16-bit loads there read (a wide build stores eight BF16 outputs a lane at once,
+    the four-row build four). Packed in the other order, or read one element off, they differ."""
+    apart = PAIR.format(load=NARROW, store=APART)
+    assert compare(apart, PAIR.format(load=HALVES, store=PACKED), [0]) == []
+    assert compare(apart, PAIR.format(load=NARROW, store=PACKED), [0]) == []
+    swapped = PAIR.format(load=HALVES, store=PACKED.replace("{%rs1, %rs2}", "{%rs2, %rs1}"))
+    assert len(compare(apart, swapped, [0])) == 2
+    assert len(compare(apart, PAIR.format(load=HALVES.replace("+8]", "+10]"), store=APART), [0])) == 2
+    wide = run_thread(
+        PAIR.format(load="    ld.global.b32 %r2, [%rd1+8];", store="    st.global.b32 [%rd2], %r2;"), 0, (0, 0, 0)
+    )
+    assert next(iter(wide.stores.values())).args == (("abs", (1 << 20) + 8), 4)  # a 4-byte load is not a 2-byte one
+
+
+# *(p + 16 tid + c) = x where p is a pointer loaded from memory, its constant added in one step or in several
+SYMBOLIC = """
+.visible .entry k(.param .u64 k_param_0, .param .u64 k_param_1)
+{{
+    .reg .b32 %r<9>;
+    .reg .b64 %rd<9>;
+    ld.param.u64 %rd1, [k_param_0];
+    ld.global.u64 %rd2, [%rd1];
+    ld.global.u32 %r2, [%rd1+8];
+    mov.u32 %r1, %tid.x;
+{address}
+    st.global.u32 [%rd5], %r2;
+    ret;
+}}
+"""
+ONE_STEP = "    mul.wide.u32 %rd3, %r1, 16;\n    add.s64 %rd4, %rd2, %rd3;\n    add.s64 %rd5, %rd4, 24;"
+SEVERAL = (
+    "    cvt.u64.u32 %rd6, %r1;\n    add.s64 %rd3, %rd2, 8;\n    mad.lo.s64 %rd4, %rd6, 16, %rd3;\n"
+    "    add.s64 %rd5, %rd4, 16;"
+)
+
+
+def test_a_symbolic_address_is_the_same_sum_in_any_order():
+    """A 64-bit sum of a loaded pointer and constants addresses one byte however the compiler groups it (the state
+    row of a loaded slot, offset per warp: a wide warp's rows are two four-row warps' at the same addresses). A
+    different constant, or a 32-bit step whose wrap-around the widening does not commute with, is no such sum."""
+    one = SYMBOLIC.format(address=ONE_STEP)
+    assert compare(one, SYMBOLIC.format(address=SEVERAL), [0, 3]) == []
+    assert [d.thread for d in compare(one, SYMBOLIC.format(address=SEVERAL.replace("16;", "20;")), [3])] == [3, 3]
+    wrapped = "    ld.global.u32 %r3, [%rd1+16];\n    add.u32 %r4, %r3, 24;\n    cvt.u64.u32 %rd5, %r4;"
+    widened = "    ld.global.u32 %r3, [%rd1+16];\n    cvt.u64.u32 %rd4, %r3;\n    add.s64 %rd5, %rd4, 24;"
+    assert len(compare(SYMBOLIC.format(address=wrapped), SYMBOLIC.format(address=widened), [0])) == 2
+
+
+def test_builds_that_split_work_between_threads_otherwise_are_compared_by_groups():
+    """out[tid] in one build, out[tid ^ 1] in the other (thread t stores what thread t ^ 1 does): every thread
+    differs, the pair does not. A group whose threads store two values at one address is an error."""
+    other = (
+        kernel(index=INDEX.replace("%r1, 8;", "%r7, 8;"), extra="")
+        .replace("mov.u32 %r1, %tid.x;", "mov.u32 %r1, %tid.x;\n    xor.b32 %r7, %r1, 1;")
+        .replace("mul.wide.u32 %rd5, %r1, 4;", "mul.wide.u32 %rd5, %r7, 4;")
+    )
+    assert len(compare(kernel(extra=""), other, [0, 1])) == 4
+    assert compare_groups(kernel(extra=""), other, [([0, 1], [0, 1]), ([6, 7], [7, 6])]) == []
+    assert len(compare_groups(kernel(extra=""), other, [([0, 1], [0, 3])])) == 2  # out[0] against out[2]
+    clash = kernel(extra="").replace("mul.wide.u32 %rd5, %r1, 4;", "mov.u64 %rd5, 0;")
+    with pytest.raises(PtxValueError, match="store two values"):
+        compare_groups(clash, clash, [([0, 1], [0, 1])])
+
+
+def test_a_run_counts_the_instructions_it_executed():
+    """Thread 3 runs EXTRA's store where thread 33 takes the branch past it (a predicated branch not taken is not
+    run), and one instruction more in the body is one more run."""
+    assert run_thread(kernel(), 3, (0, 0, 0)).executed == run_thread(kernel(), 33, (0, 0, 0)).executed == 14
+    longer = kernel(fused=FUSED + "\n    mov.f32 %r7, %r6;")
+    assert run_thread(longer, 3, (0, 0, 0)).executed == 15

@@ -241,6 +241,18 @@ BAD_CHOICES = {
         "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, requests_per_cta = 2, joint_sums = true }",
         "joint_sums and requests_per_cta > 1 are not built together",
     ),
+    "a string for wide_warps": (
+        "{ batches = [1, 2], resident_threads = 1024, warm_ahead = false, wide_warps = 'on' }",
+        "wide_warps is true or false",
+    ),
+    "a group with wide warps": (
+        "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, requests_per_cta = 2, wide_warps = true }",
+        "wide_warps and requests_per_cta > 1 are not built together",
+    ),
+    "wide warps with joint sums": (
+        "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, joint_sums = true, wide_warps = true }",
+        "wide_warps and joint_sums are not built together",
+    ),
     "a group with local decays": (
         "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, requests_per_cta = 2, local_decays = true }",
         "local_decays and requests_per_cta > 1 are not built together",
@@ -404,7 +416,7 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
         b
         for b in every
         if b.plan.requests_per_cta == 1
-        and not (b.plan.local_decays or b.plan.lean_start or b.plan.lean_conv or b.plan.joint_sums)
+        and not (b.plan.local_decays or b.plan.lean_start or b.plan.lean_conv or b.plan.joint_sums or b.plan.wide_warps)
     ]
     served = [
         b
@@ -461,7 +473,7 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
         assert b.plan == dataclasses.replace(chosen, local_decays=True), b.name
     # a lean start at B1, B8, B16 and B64, at the served plan otherwise
-    lean = [b for b in every if b.plan.lean_start and not (b.plan.lean_conv or b.plan.joint_sums)]
+    lean = [b for b in every if b.plan.lean_start and not (b.plan.lean_conv or b.plan.joint_sums or b.plan.wide_warps)]
     assert len(lean) == 8 and {(b.tp, b.plan.batch) for b in lean} == {(t, n) for t in (8, 16) for n in (1, 8, 16, 64)}
     for b in lean:
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
@@ -513,12 +525,31 @@ def test_build_tags_count_what_the_code_must_hold():
     }
 
 
+def test_wide_warp_tags_count_eight_rows_a_warp():
+    """A wide warp stores eight state rows, pushes four decay pairs and one pair of norm partials, reduces four f_b
+    rows and eight rows' S k and S q, loads four dt_bias values, and stores its outputs as one 16-byte vector; its CTA
+    has half the warps, so twice as many fit the same budget."""
+    tags = {b.name: b.tags for b in step_builds()}
+    wide, four = tags["kda_step/tp8/b16/t1536/wide-warps"], tags["kda_step/tp8/b16/t1536"]
+    assert (wide["threads"], wide["ctas_per_sm"], four["threads"], four["ctas_per_sm"]) == (256, 6, 512, 3)
+    assert (wide["state_stores"], wide["pushes"], wide["early_loads"]) == (8, 5, 1 + 4 + 1 + 1)
+    assert (four["state_stores"], four["pushes"], four["early_loads"]) == (4, 3, 1 + 2 + 1 + 1)
+    assert (wide["shuffles"], four["shuffles"]) == (4 * 4 + 4 + 8 * 10 + 5, 2 * 4 + 4 + 4 * 10 + 5)
+    assert (wide["wide_out_stores"], wide["wide_live_out"], four["wide_out_stores"], four["wide_live_out"]) == (
+        2,
+        1,
+        0,
+        0,
+    )
+    assert tags["kda_step/tp8/b16/wide-warps"]["ctas_per_sm"] == 4 and wide["smem_bytes"] == four["smem_bytes"]
+
+
 def test_expectations_judge_every_kda_step_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_step/*")  # every named tag exists
     # 14 at 1024 threads per SM, 6 at 1536, 7 warming the next wave, 4 of request pairs, 6 with local decays, 8 with
-    # a lean start, 6 with a lean conv, 6 with joint sums
-    assert len(builds) == 57
+    # a lean start, 6 with a lean conv, 6 with joint sums, 12 with wide warps
+    assert len(builds) == 69
     step = expectations["kda_step"]
     assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
 
@@ -922,3 +953,108 @@ def test_a_lean_build_stores_the_plain_builds_values_in_every_role(build, knob):
     if joint:
         diffs = compare(plain_ptx, sm90_ptx(joint[0]), threads, block)
         assert {d.thread for d in diffs} == set(threads), [str(d) for d in diffs[:3]]
+
+
+# Wide warps (KdaStepPlan.wide_warps): eight value rows a warp, half the warps a CTA, the four-row build's arithmetic.
+WIDE_BUILDS = [b for b in step_builds() if b.plan.wide_warps]
+WIDE_LANES = (0, 1, 16, 31)  # pushes to CTA 0 and 1, the q / k halves (each half-warp's decays), the last lane
+
+
+def four_row_twin(build: KdaStepBuild) -> KdaStepBuild:
+    return KdaStepBuild(build.tp, dataclasses.replace(build.plan, wide_warps=False))
+
+
+def lane_groups(wide: KdaStepPlan, four: KdaStepPlan) -> list[tuple[list[int], list[int]]]:
+    """Per lane, every warp of each build: a wide warp w does four-row warps 2w and 2w + 1's rows, and its lane
+    pushes other channels' decays than either, but a lane of all warps together covers the same rows and
+    channels in both."""
+    return [
+        ([32 * w + lane for w in range(four.warps)], [32 * w + lane for w in range(wide.warps)]) for lane in WIDE_LANES
+    ]
+
+
+def cta_instructions(build: KdaStepBuild) -> int:
+    """Instructions a live CTA's warps run (harness.ptx_values), lane 5 standing for its warp."""
+    from harness.ptx_values import run_thread
+
+    block = (build.plan.cluster - 1, 1, min(1, build.plan.batch - 1))
+    return sum(run_thread(sm90_ptx(build), 32 * w + 5, block).executed for w in range(build.plan.warps))
+
+
+def test_wide_warps_are_built_at_every_budget_beside_the_served_plan():
+    assert {(b.tp, b.plan.batch, b.plan.resident_threads) for b in WIDE_BUILDS} == {
+        (tp, batch, threads) for tp in (8, 16) for batch in (1, 16, 64) for threads in (1024, 1536)
+    }
+    for b in WIDE_BUILDS:
+        served = KdaStepPlan.for_shape(
+            b.plan.heads, b.plan.rows, b.plan.batch, resident_threads=b.plan.resident_threads
+        )
+        assert b.plan == dataclasses.replace(served, wide_warps=True) and b.name.endswith("/wide-warps"), b.name
+        assert b.plan.warps * 2 == four_row_twin(b).plan.warps and b.plan.slots == four_row_twin(b).plan.slots == 32
+
+
+@pytest.mark.slow
+@needs_cutedsl
+@pytest.mark.parametrize("build", WIDE_BUILDS, ids=[b.name for b in WIDE_BUILDS])
+def test_a_wide_build_stores_the_four_row_builds_values(build):
+    """Every lane of all warps together stores the same expressions at the same addresses in both builds
+    (harness.ptx_values, the copies followed): the state rows, the outputs, the rewritten taps, q and k, the
+    decays and the norm partials pushed to each CTA (a wide warp pushes its two four-row partials as one pair,
+    into the four-row warps' slots, so every CTA sums the same 32 partials in the same order)."""
+    from harness.ptx_values import compare_groups
+
+    twin = four_row_twin(build)
+    block = (build.plan.cluster - 1, 1, min(1, build.plan.batch - 1))  # a peer's rank, head 1, a live request
+    groups = lane_groups(build.plan, twin.plan)
+    assert compare_groups(sm90_ptx(twin), sm90_ptx(build), groups, block, follow_copies=True) == []
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_wide_build_pushing_its_partials_swapped_is_seen(monkeypatch):
+    """The broken case: a wide warp pushing its two norm partials in the other order (the second four rows' into
+    the first's slot) sums the same 32 numbers in another order; the check must see it in the pushes of every
+    lane that pushes, and nowhere else."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    from harness.ptx_values import compare_groups
+    from k3_decode.kernels import kda_step
+
+    @cute.jit
+    def swapped(self, o: list, norm_s: cute.Tensor, at: cutlass.Constexpr[int], bars, place):
+        plan = self.plan
+        partials = [kda_step._dot(o[4 * i :], o[4 * i :], 4) for i in range(2)]
+        if place.lane < plan.cluster:
+            c = at + place.rank * (plan.rows_per_cta // 4) + 2 * place.warp
+            words = (partials[1].bitcast(Int32), partials[0].bitcast(Int32))
+            cute.arch.store_async_dsmem(norm_s.iterator + cute.assume(c, divby=2), words, bars + 1, place.lane)
+
+    (build,) = [b for b in WIDE_BUILDS if b.name == "kda_step/tp8/b16/t1536/wide-warps"]
+    twin = four_row_twin(build)
+    plain = sm90_ptx(twin)
+    monkeypatch.setattr(kda_step.KdaStepKernel, "_push_norm", swapped)
+    broken = build.compile("sm_90a").ptx
+    block = (build.plan.cluster - 1, 1, 1)
+    diffs = compare_groups(plain, broken, lane_groups(build.plan, twin.plan), block, follow_copies=True)
+    assert {(d.thread, d.space) for d in diffs} == {(0, "async"), (1, "async")}, [str(d) for d in diffs[:3]]
+    assert len(diffs) == 2 * 2 * build.plan.warps  # each of lanes 0 and 1 pushes 2 partials a warp to its CTA
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_wide_cta_runs_at_least_a_fifth_fewer_instructions():
+    """What wide warps are for (docs/kda-layer-h200.md): a CTA's fixed work per warp paid half as often. At the
+    served B16 and B64 plans the wide CTA runs at most 80 % of the four-row CTA's instructions (72-74 % at this
+    tree); the broken case, the lean start (the same warps, its copies only moved), runs more than that."""
+    for name in (
+        "kda_step/tp8/b16/t1536/wide-warps",
+        "kda_step/tp16/b64/t1536/wide-warps",
+        "kda_step/tp8/b64/lean/wide-warps",
+    ):
+        (build,) = [b for b in WIDE_BUILDS if b.name == name]
+        assert cta_instructions(build) <= 0.8 * cta_instructions(four_row_twin(build)), name
+    (lean,) = [b for b in step_builds() if b.name == "kda_step/tp8/b64/t1536/lean"]
+    plain = KdaStepBuild(8, dataclasses.replace(lean.plan, lean_start=False))
+    assert cta_instructions(lean) > 0.8 * cta_instructions(plain)

@@ -70,13 +70,18 @@ def served(plan: KdaStepPlan) -> bool:
 
 
 BUILDS = [b for b in ALL_BUILDS if served(b.plan)]  # the plans the provider runs
-WIDE = [b for b in ALL_BUILDS if b.plan.resident_threads != RESIDENT_THREADS and not b.plan.warm_ahead]
+WIDE = [
+    b
+    for b in ALL_BUILDS
+    if b.plan.resident_threads != RESIDENT_THREADS and not (b.plan.warm_ahead or b.plan.wide_warps)
+]
 WARM = [b for b in ALL_BUILDS if b.plan.warm_ahead]  # warming the next wave's state in L2
 GROUP = [b for b in ALL_BUILDS if b.plan.requests_per_cta > 1]  # clusters serving two requests each
 LOCAL = [b for b in ALL_BUILDS if b.plan.local_decays]  # every CTA computes the head's decays: no decay exchange
 LEAN = [b for b in ALL_BUILDS if b.plan.lean_start]  # the copies before the cluster barrier's wait
 LEAN_CONV = [b for b in ALL_BUILDS if b.plan.lean_conv]  # only the conv warps run the conv
 JOINT = [b for b in ALL_BUILDS if b.plan.joint_sums]  # a warp's four rows reduced together
+WIDE_WARPS = [b for b in ALL_BUILDS if b.plan.wide_warps]  # eight rows a warp, half the warps a CTA
 WIDE_BUDGET = max(RESIDENT_CHOICES)
 # Every built shape, and two batches the builds do not list (the provider gets whatever the executor prepares).
 CASES = [(b.tp, b.plan.batch) for b in BUILDS] + [(8, 3), (16, 5)]
@@ -154,11 +159,12 @@ class Step:
         lean_start: bool | None = None,
         lean_conv: bool | None = None,
         joint_sums: bool | None = None,
+        wide_warps: bool | None = None,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.tp, self.batch, self.forced, self.resident, self.warm = tp, batch, cluster, resident_threads, warm_ahead
         self.group, self.local, self.lean, self.lean_conv = requests_per_cta, local_decays, lean_start, lean_conv
-        self.joint = joint_sums
+        self.joint, self.wide_warps = joint_sums, wide_warps
         self.spec, self.weights = spec_for(tp), kda_weights(tp)
         self.cache = random_kda_cache(self.spec, 2 * batch + 2, 0, gen, DEV)
         self.start = clone_cache(self.cache)
@@ -182,7 +188,8 @@ class Step:
     @property
     def knobs(self) -> tuple:
         """What this step overrides of the plan's choice, in decode_step's and plan_for's order (None: the choice)."""
-        return (self.forced, self.resident, self.warm, self.group, self.local, self.lean, self.lean_conv, self.joint)
+        knobs = (self.forced, self.resident, self.warm, self.group, self.local, self.lean, self.lean_conv, self.joint)
+        return (*knobs, self.wide_warps)
 
     def oracle(self, cache: rk.KdaCache, packed: Tensor | None = None) -> Tensor:
         packed = self.packed if packed is None else packed
@@ -332,6 +339,7 @@ def assert_same_bits(step: Step, other: KdaStepPlan) -> None:
         other.lean_start,
         other.lean_conv,
         other.joint_sums,
+        other.wide_warps,
     )
     torch.cuda.synchronize()
     what = f"TP{step.tp} B{step.batch} {plan.tag} against {other.tag}"
@@ -396,6 +404,28 @@ def test_joint_sums_give_the_butterflies_bits(tp: int, batch: int):
     four rows together must leave the outputs, state and taps bit for bit, NULL rows among them; then the oracle
     checks."""
     assert_the_knob_keeps_the_bits(tp, batch, 17, "joint_sums")
+
+
+# Wide warps (KdaStepPlan.wide_warps) at both register budgets: 2 and 8 warps a CTA (B1; B16 and B64), the served
+# lean start at TP8 B64 among them.
+WIDE_WARP_CASES = [(tp, batch, threads) for tp in (8, 16) for batch in (1, 16, 64) for threads in RESIDENT_CHOICES]
+assert {(b.tp, b.plan.batch, b.plan.resident_threads) for b in WIDE_WARPS} <= set(WIDE_WARP_CASES)
+
+
+@pytest.mark.parametrize(
+    "tp, batch, threads", WIDE_WARP_CASES, ids=[f"tp{t}-b{b}-t{n}-wide-warps" for t, b, n in WIDE_WARP_CASES]
+)
+def test_wide_warps_give_the_four_row_warps_bits(tp: int, batch: int, threads: int):
+    """A wide warp runs two four-row warps' rows, its lanes the same arithmetic on the same values, and pushes both
+    norm partials into their slots (tests/k3_decode/kernels/test_kda_step_build.py compares the PTX): the outputs,
+    state and taps must be the four-row build's bit for bit, NULL rows among them; then the oracle checks."""
+    step = Step(tp, batch, seed=tp * 1000 + batch + 19, resident_threads=threads, wide_warps=True)
+    off = dataclasses.replace(step.plan, wide_warps=False)
+    assert step.plan.wide_warps and off == step_plan(tp, batch, resident_threads=threads, wide_warps=False)
+    assert_same_bits(step, off)
+    check_step(step)
+    for _ in range(2):  # and the same bits again: no value may depend on how the wider warps happen to be timed
+        assert_same_bits(step, step.plan)
 
 
 # The served plans and their lean-conv twins where a CTA has 16 warps (B16, B64) and 4 (B1).
