@@ -597,8 +597,9 @@ class KdaStepKernel:
 
     @cute.jit
     def _head_constants(self, a_log: cute.Tensor, dt_bias: cute.Tensor, o_norm: cute.Tensor, place: _Place):
-        """Read into registers before the wait: dt_bias of the lane's two decay channels (none with local_decays:
-        the head's are copied into shared memory), exp(A_log) of the head, and o_norm of the warp's rows."""
+        """Read into registers before the wait: dt_bias of the lane's decay channels (two, four with wide warps; none
+        with local_decays: the head's are copied into shared memory), exp(A_log) of the head, and o_norm of the
+        warp's rows."""
         rows, w = self.plan.rows_per_cta, self.plan.rows_per_warp
         dt = [] if const_expr(self.plan.local_decays) else [dt_bias[place.first + row] for row in place.fb_rows]
         decay_rate = cute.math.exp(a_log[place.head])
