@@ -7,7 +7,10 @@ integer registers hold concrete values (its thread and block indices are given, 
 memory base become distinct constants), so addresses and branches on them are exact; loaded words and floating
 point values stay symbolic, each a hash-consed expression (`a * b + c` fused by the source is `fma(a, b, c)`,
 never an `add` of a `mul`), so two stores are equal only if the same operations combine the same loaded words in
-the same order. A branch on a symbolic value (a loaded slot, a flag) is reported and not taken, in both builds.
+the same order; only the two operands of an add or a multiply (an fma's factors) may swap, which changes no bit.
+Values are bytes: a store of a packed word stores its halves, halves of a loaded word are the narrower loads, and a
+64-bit address sum of symbolic values is the same address in any grouping. A branch on a symbolic value (a loaded
+slot, a flag) is reported and not taken, in both builds.
 
 Synchronization and inline-assembly blocks that write no kernel register (barrier waits, bulk copies) define no
 values and are skipped; a block that does write one (a wgmma's accumulators) is an error. A shared load reads a
