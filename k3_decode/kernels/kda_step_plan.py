@@ -42,7 +42,9 @@ CLUSTERS = (8, 4, 2)  # CTAs per head, most first; 8 is the portable cluster siz
 H200_SMS = 132
 MAX_TOKENS = 8  # a verify step's tokens per request: 1 + up to 7 speculative ones (vLLM's KdaSplit takes 1..8)
 SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory
-SMEM_PER_CTA_RESERVED = 2 * 1024  # at most, per CTA beside its dynamic bytes: the driver's 1 KiB (the cubin's 1 KiB)
+# Per CTA beside its dynamic bytes: the driver's 1 KiB, which the cubin records as its static shared memory (not more
+# beside it: the H200's occupancy calculator at fce2860, launch_smem_bytes)
+SMEM_PER_CTA_RESERVED = 1024
 
 CHOICE = Path(__file__).with_name("kda_step_choice.toml")
 
@@ -340,7 +342,7 @@ class KdaStepPlan:
     @property
     def resident_ctas(self) -> int:
         """CTAs of this plan one SM holds at once when the grid fills it: ctas_per_sm (the register budget) unless
-        shared memory is short for that many."""
+        shared memory is short for that many (wide warps at 1536 threads: four of 56.7 KB, not six)."""
         return min(self.ctas_per_sm, SMEM_PER_SM // (self.smem_bytes + SMEM_PER_CTA_RESERVED))
 
     @property

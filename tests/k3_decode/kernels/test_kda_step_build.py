@@ -542,6 +542,10 @@ def test_wide_warp_tags_count_eight_rows_a_warp():
         0,
     )
     assert tags["kda_step/tp8/b16/wide-warps"]["ctas_per_sm"] == 4 and wide["smem_bytes"] == four["smem_bytes"]
+    # four CTAs of 56.7 KB and the driver's 1 KiB each fit an SM's 228 KiB: shared memory, not the 40 registers, holds
+    # the wide build at 1536 threads to four (the GPU test asks the driver); the four-row plans' registers hold theirs
+    plans = {b.name: b.plan for b in step_builds()}
+    assert [plans[n].resident_ctas for n in ("kda_step/tp8/b16/t1536/wide-warps", "kda_step/tp8/b16/t1536")] == [4, 3]
 
 
 def test_expectations_judge_every_kda_step_build():

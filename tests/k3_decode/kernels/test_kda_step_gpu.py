@@ -599,6 +599,20 @@ def test_the_driver_fits_exactly_spread_ctas_of_the_decode_launch_on_an_sm(build
     assert unpadded == plan.ctas_per_sm, f"{unpadded} CTAs fit unpadded, not ctas_per_sm = {plan.ctas_per_sm}"
 
 
+WIDE_WAVES = [b for b in WIDE_WARPS if b.plan.cluster == 2]  # 256 threads a CTA, 56.7 KB of shared memory
+
+
+@pytest.mark.parametrize("build", WIDE_WAVES, ids=[b.name for b in WIDE_WAVES])
+def test_the_driver_holds_resident_ctas_of_a_wide_warp_plan(build: KdaStepBuild):
+    """KdaStepPlan.resident_ctas, which wave_requests (the lean start's first wave, the warming's distance) rests on:
+    four CTAs of wide warps an SM at either budget, shared memory and not the registers limiting at 1536 threads.
+    The driver's occupancy calculator, given the compiled cubin and the plan's shared memory, must agree."""
+    plan = build.plan
+    (fits,) = ctas_per_sm(*decode_cubin(plan), plan.threads, [plan.smem_bytes])
+    print(f"METRIC KDA step {build.name}: {fits} CTAs per SM at {plan.smem_bytes} B of shared memory")
+    assert fits == plan.resident_ctas == 4, f"{fits} CTAs fit an SM, the plan counts {plan.resident_ctas}"
+
+
 # --- timing (measured and printed; speed targets belong in benchmarks) ----------------------------------------------
 
 
