@@ -562,7 +562,13 @@ def staging(ptx: str, program: _Program, ctaid: tuple[int, int, int]) -> dict[in
 
 def run_thread(ptx: str, tid: int, ctaid: tuple[int, int, int], max_steps: int = MAX_STEPS) -> ThreadRun:
     """Run thread `tid` of block `ctaid` of the PTX's kernel; see the module docstring."""
-    return _Thread(tid, ctaid).run(*parse(ptx), max_steps)
+    return run_threads(ptx, [tid], ctaid, max_steps)[0]
+
+
+def run_threads(ptx: str, tids: list[int], ctaid: tuple[int, int, int], max_steps: int = MAX_STEPS) -> list[ThreadRun]:
+    """run_thread for each of `tids`, the kernel parsed once."""
+    program = parse(ptx)
+    return [_Thread(tid, ctaid).run(*program, max_steps) for tid in tids]
 
 
 @dataclass(frozen=True)

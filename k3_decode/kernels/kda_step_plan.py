@@ -240,9 +240,8 @@ class KdaStepPlan:
         the warming, the requests per CTA, the local decays, the lean start, the lean conv, the joint sums and the
         wide warps kda_step_choice.toml serves at this batch (`chosen_variant`). `cluster`, `resident_threads`,
         `warm_ahead`, `requests_per_cta`, `local_decays`, `lean_start`, `lean_conv`, `joint_sums` and `wide_warps`
-        override each choice (the GPU
-        test times and checks every cluster at every batch, and the other variants at every cluster where they
-        apply).
+        override each choice (the GPU test times and checks every cluster at every batch, and the other variants at
+        every cluster where they apply).
 
         Every head costs 32 warps of state work whatever the cluster (128 rows, 4 per warp); the cluster only
         groups them. Small clusters repeat less per-CTA work (every CTA convolves the head's whole q and k, and

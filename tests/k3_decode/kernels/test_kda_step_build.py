@@ -979,10 +979,11 @@ def lane_groups(wide: KdaStepPlan, four: KdaStepPlan) -> list[tuple[list[int], l
 
 def cta_instructions(build: KdaStepBuild) -> int:
     """Instructions a live CTA's warps run (harness.ptx_values), lane 5 standing for its warp."""
-    from harness.ptx_values import run_thread
+    from harness.ptx_values import run_threads
 
     block = (build.plan.cluster - 1, 1, min(1, build.plan.batch - 1))
-    return sum(run_thread(sm90_ptx(build), 32 * w + 5, block).executed for w in range(build.plan.warps))
+    lanes = [32 * w + 5 for w in range(build.plan.warps)]
+    return sum(run.executed for run in run_threads(sm90_ptx(build), lanes, block))
 
 
 def test_wide_warps_are_built_at_every_budget_beside_the_served_plan():

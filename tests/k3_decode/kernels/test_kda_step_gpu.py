@@ -188,8 +188,8 @@ class Step:
     @property
     def knobs(self) -> tuple:
         """What this step overrides of the plan's choice, in decode_step's and plan_for's order (None: the choice)."""
-        knobs = (self.forced, self.resident, self.warm, self.group, self.local, self.lean, self.lean_conv, self.joint)
-        return (*knobs, self.wide_warps)
+        placement = (self.forced, self.resident, self.warm, self.group)
+        return (*placement, self.local, self.lean, self.lean_conv, self.joint, self.wide_warps)
 
     def oracle(self, cache: rk.KdaCache, packed: Tensor | None = None) -> Tensor:
         packed = self.packed if packed is None else packed
