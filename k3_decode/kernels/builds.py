@@ -815,6 +815,7 @@ class K3KernelBuilds:
         lean_conv = spec.get("lean_conv", {"batches": []})["batches"]
         joint = spec.get("joint_sums", {"batches": []})["batches"]
         wide = spec.get("wide_warps", {"batches": []})["batches"]
+        wide_conv = spec.get("wide_lean_conv", {"batches": []})["batches"]
         builds = []
         for tp in spec["tp"]:
             try:
@@ -852,6 +853,12 @@ class K3KernelBuilds:
                 KdaStepPlan.for_shape(heads, rows, batch, sms, resident_threads=threads, wide_warps=True)
                 for batch in wide
                 for threads in RESIDENT_CHOICES
+            ]
+            mine += [
+                KdaStepPlan.for_shape(
+                    heads, rows, batch, sms, resident_threads=RESIDENT_THREADS, wide_warps=True, lean_conv=True
+                )
+                for batch in wide_conv
             ]
             builds += [KdaStepBuild(tp, plan) for plan in mine]
         # a variant kda_step_choice.toml serves is built once, whichever table entry also asks for it

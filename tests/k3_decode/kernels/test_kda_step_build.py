@@ -479,7 +479,7 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
         assert b.plan == dataclasses.replace(chosen, lean_start=True) and b.name.endswith("/lean"), b.name
     # a lean conv at B1, B16 and B64, at the served plan otherwise
-    conv = [b for b in every if b.plan.lean_conv]
+    conv = [b for b in every if b.plan.lean_conv and not b.plan.wide_warps]
     assert {(b.tp, b.plan.batch) for b in conv} == {(t, n) for t in (8, 16) for n in (1, 16, 64)} and len(conv) == 6
     for b in conv:
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
@@ -552,8 +552,8 @@ def test_expectations_judge_every_kda_step_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_step/*")  # every named tag exists
     # 14 at 1024 threads per SM, 6 at 1536, 7 warming the next wave, 4 of request pairs, 6 with local decays, 8 with
-    # a lean start, 6 with a lean conv, 6 with joint sums, 12 with wide warps
-    assert len(builds) == 69
+    # a lean start, 6 with a lean conv, 6 with joint sums, 12 with wide warps, 4 with wide warps and the lean conv
+    assert len(builds) == 73
     step = expectations["kda_step"]
     assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
 
@@ -882,7 +882,7 @@ def test_a_lean_conv_branches_past_the_conv_and_the_plain_build_does_not(tmp_pat
     conv's 16 MUFU (8 SiLUs) and no shuffle. The broken case is the plain build of the same plan, which runs the conv
     in every warp and has no such branch."""
     builds = [b for b in step_builds() if b.tp == 8 and b.plan.batch == batch]
-    (conv,) = [b for b in builds if b.plan.lean_conv]
+    (conv,) = [b for b in builds if b.plan.lean_conv and not b.plan.wide_warps]
     (plain,) = [b for b in builds if b.plan == dataclasses.replace(conv.plan, lean_conv=False)]  # the served build
     got = {b.name: skipped_conv_blocks(b.compile("sm_90a").sass) for b in (plain, conv)}
     assert got == {plain.name: [], conv.name: [16]}, got
@@ -953,7 +953,9 @@ def test_a_lean_build_stores_the_plain_builds_values_in_every_role(build, knob):
     threads = _roles(build.plan)
     plain_ptx = sm90_ptx(plain)
     assert compare(plain_ptx, sm90_ptx(build), threads, block) == []
-    joint = [b for b in same_tp if b.plan == dataclasses.replace(plain.plan, joint_sums=True)]
+    # joint sums are not built with wide warps, so a wide pair keeps its broken case in the wide tests below
+    twin = None if plain.plan.wide_warps else dataclasses.replace(plain.plan, joint_sums=True)
+    joint = [b for b in same_tp if b.plan == twin]
     if joint:
         diffs = compare(plain_ptx, sm90_ptx(joint[0]), threads, block)
         assert {d.thread for d in diffs} == set(threads), [str(d) for d in diffs[:3]]
@@ -965,7 +967,8 @@ WIDE_LANES = (0, 1, 16, 31)  # pushes to CTA 0 and 1, the q / k halves (each hal
 
 
 def four_row_twin(build: KdaStepBuild) -> KdaStepBuild:
-    return KdaStepBuild(build.tp, dataclasses.replace(build.plan, wide_warps=False))
+    """The plain step at the wide build's plan: four-row warps, and every warp running the conv."""
+    return KdaStepBuild(build.tp, dataclasses.replace(build.plan, wide_warps=False, lean_conv=False))
 
 
 def lane_groups(wide: KdaStepPlan, four: KdaStepPlan) -> list[tuple[list[int], list[int]]]:
@@ -987,14 +990,21 @@ def cta_instructions(build: KdaStepBuild) -> int:
 
 
 def test_wide_warps_are_built_at_every_budget_beside_the_served_plan():
-    assert {(b.tp, b.plan.batch, b.plan.resident_threads) for b in WIDE_BUILDS} == {
+    alone = [b for b in WIDE_BUILDS if not b.plan.lean_conv]
+    assert {(b.tp, b.plan.batch, b.plan.resident_threads) for b in alone} == {
         (tp, batch, threads) for tp in (8, 16) for batch in (1, 16, 64) for threads in (1024, 1536)
+    }
+    # and with the lean conv at 1024 threads, the budget whose four CTAs an SM the layer rounds run
+    together = [b for b in WIDE_BUILDS if b.plan.lean_conv]
+    assert {(b.tp, b.plan.batch, b.plan.resident_threads) for b in together} == {
+        (tp, batch, 1024) for tp in (8, 16) for batch in (16, 64)
     }
     for b in WIDE_BUILDS:
         served = KdaStepPlan.for_shape(
             b.plan.heads, b.plan.rows, b.plan.batch, resident_threads=b.plan.resident_threads
         )
-        assert b.plan == dataclasses.replace(served, wide_warps=True) and b.name.endswith("/wide-warps"), b.name
+        assert b.plan == dataclasses.replace(served, wide_warps=True, lean_conv=b.plan.lean_conv), b.name
+        assert b.name.endswith("/wide-warps"), b.name
         assert b.plan.warps * 2 == four_row_twin(b).plan.warps and b.plan.slots == four_row_twin(b).plan.slots == 32
 
 
@@ -1063,3 +1073,16 @@ def test_a_wide_cta_runs_at_least_a_fifth_fewer_instructions():
     (lean,) = [b for b in step_builds() if b.name == "kda_step/tp8/b64/t1536/lean"]
     plain = KdaStepBuild(8, dataclasses.replace(lean.plan, lean_start=False))
     assert cta_instructions(lean) > 0.8 * cta_instructions(plain)
+
+
+def test_wide_warps_and_the_lean_conv_save_more_together_than_either():
+    """The two knobs cut different work (a warp's fixed share, and the conv run by every warp), so together a live
+    CTA runs at most two thirds of the plain step's instructions at the same plan (61-62 % at this tree), where wide
+    warps alone run 72-74 %: the broken case, a combined build that lost its lean conv, fails the bound."""
+    together = [b for b in WIDE_BUILDS if b.plan.lean_conv]
+    assert len(together) == 4
+    for build in together:
+        plain = cta_instructions(four_row_twin(build))
+        assert cta_instructions(build) <= 2 / 3 * plain, build.name
+        alone = KdaStepBuild(build.tp, dataclasses.replace(build.plan, lean_conv=False))
+        assert cta_instructions(alone) > 2 / 3 * plain, build.name

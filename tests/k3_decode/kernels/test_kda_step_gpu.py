@@ -428,6 +428,24 @@ def test_wide_warps_give_the_four_row_warps_bits(tp: int, batch: int, threads: i
         assert_same_bits(step, step.plan)
 
 
+# Wide warps with the lean conv, at 1024 threads (four CTAs of 256 threads an SM): the builds, B16 and B64.
+WIDE_CONV_CASES = [(tp, batch) for tp in (8, 16) for batch in (16, 64)]
+assert {(b.tp, b.plan.batch) for b in WIDE_WARPS if b.plan.lean_conv} <= set(WIDE_CONV_CASES)
+
+
+@pytest.mark.parametrize("tp, batch", WIDE_CONV_CASES, ids=[f"tp{t}-b{b}-wide-lean-conv" for t, b in WIDE_CONV_CASES])
+def test_wide_warps_with_the_lean_conv_give_the_plain_steps_bits(tp: int, batch: int):
+    """Each knob keeps the bits alone (the tests above); together, warps 0 and 1 of a wide CTA (its q and k lanes)
+    convolve and the others skip it, so the outputs, state and taps must be the plain four-row step's bit for bit,
+    NULL rows among them; then the oracle checks, and the same bits again."""
+    step = Step(tp, batch, seed=tp * 1000 + batch + 23, resident_threads=1024, wide_warps=True, lean_conv=True)
+    plain = dataclasses.replace(step.plan, wide_warps=False, lean_conv=False)
+    assert plain == step_plan(tp, batch, resident_threads=1024, wide_warps=False, lean_conv=False)
+    assert_same_bits(step, plain)
+    check_step(step)
+    assert_same_bits(step, step.plan)
+
+
 # The served plans and their lean-conv twins where a CTA has 16 warps (B16, B64) and 4 (B1).
 REPEAT_CASES = [(8, 1, False)] + [(tp, b, lean) for tp in (8, 16) for b in (16, 64) for lean in (False, True)]
 
