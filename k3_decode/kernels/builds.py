@@ -362,6 +362,16 @@ class KdaOProjBuild:
         return cutedsl.compile_artifacts(KdaOProjKernel(self.plan), compile_args(self.plan, self.capacity), arch)
 
 
+# The KDA step's knobs kda_step_choice.toml serves together somewhere (the lean conv with wide warps), off in a build
+# of any other knob alone and in the plain builds at each budget, so each variant's build keeps its plain twin.
+_PAIRED_KNOBS = ("lean_conv", "wide_warps")
+_PLAIN_STEP = {"lean_start": False, **{k: False for k in _PAIRED_KNOBS}}
+
+
+def _alone(**knob: bool) -> dict[str, bool]:
+    return {**{k: False for k in _PAIRED_KNOBS}, **knob}
+
+
 def _after_attention_kinds(dims: Any, tags: list[str], where: str) -> list[AttnResKind]:
     """builds.toml's kind tags at `where` as kinds, each one that some after-attention site of the model uses."""
     after = {k for k, sites in site_kinds(dims).items() if any(s.startswith("after attention") for s in sites)}
@@ -824,9 +834,9 @@ class K3KernelBuilds:
                 raise ValueError(f"builds.toml kda_step.tp: {exc}") from None
             heads, rows, sms = shard.kda_heads, shard.kda_in_proj_rows, spec["sm_count"]
             mine = [KdaStepPlan.for_shape(heads, rows, batch, sms) for batch in spec["batches"]]
-            mine += [  # each budget with the plain start, whatever start the choice serves there
+            mine += [  # each budget with the plain step, whatever start, conv and warps the choice serves there
                 KdaStepPlan.for_shape(
-                    heads, rows, batch, sms, resident_threads=threads, warm_ahead=False, lean_start=False
+                    heads, rows, batch, sms, resident_threads=threads, warm_ahead=False, **_PLAIN_STEP
                 )
                 for batch in budgets
                 for threads in RESIDENT_CHOICES
@@ -845,12 +855,13 @@ class K3KernelBuilds:
                 )
                 for batch in groups["batches"]
             ]
-            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, local_decays=True) for batch in local]
-            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, lean_start=True) for batch in lean]
-            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, lean_conv=True) for batch in lean_conv]
-            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, joint_sums=True) for batch in joint]
+            # each knob alone beside the served plan (the plain conv and warps where the choice serves others)
+            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **_alone(local_decays=True)) for batch in local]
+            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **_alone(lean_start=True)) for batch in lean]
+            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **_alone(lean_conv=True)) for batch in lean_conv]
+            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **_alone(joint_sums=True)) for batch in joint]
             mine += [
-                KdaStepPlan.for_shape(heads, rows, batch, sms, resident_threads=threads, wide_warps=True)
+                KdaStepPlan.for_shape(heads, rows, batch, sms, resident_threads=threads, **_alone(wide_warps=True))
                 for batch in wide
                 for threads in RESIDENT_CHOICES
             ]

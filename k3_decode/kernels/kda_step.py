@@ -87,7 +87,7 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   CTAs that wait for the projection), and waits for the peers' barriers after every copy is issued, which is still
   before its first push. Only the order of the start changes, so the bits are the plain start's (the GPU test
   compares them).
-- A lean conv (a plan with `lean_conv`, not served until its GPU bit test passes at this tree). Every warp runs the
+- A lean conv (a plan with `lean_conv`; served with wide warps at TP8 B16 and TP16 B32). Every warp runs the
   conv code so that it is no divergent block, and warps 2 and up discard what they compute: about 215 of the ~800
   instructions a warp of a live CTA issues. From B16 the grid runs in waves of up to 48 warps an SM and the step is
   bound by instruction issue more than by HBM (docs/kda-layer-h200.md, "Where a KDA step CTA's time goes"), so a
@@ -102,15 +102,16 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   four rows together in the same tree (lane bits 0 to 4, the same pairs added), trading halves in the first two
   steps and broadcasting the four totals: 10 shuffles and 6 adds each time, the same bits. It needs the four
   decayed rows in registers at once (16 more live), which still fits 40 registers without a frame at 1536 threads.
-- Wide warps (a plan with `wide_warps`, not served until measured in the layer). Every warp pays a fixed share of a
-  CTA's work whatever its rows: its half-warps' decays, q, k, v and the decays read from shared memory, the barrier
-  waits, the norm's butterfly and rsqrt, the output's store. A wide warp owns eight value rows (R / 8 warps a CTA),
-  so it pays that once for eight rows: a live CTA runs 72-74 % of a four-row CTA's instructions at every build
-  (harness/ptx_values.py counts them), and at 1024 threads an SM holds four CTAs of 256 threads instead of two of 512,
-  twice the state copies in flight. The arithmetic is the four-row warps': each decay is pushed by another lane but
-  computed the same way, and a wide warp pushes its two four-row norm partials as one pair into the slots two
-  four-row warps would fill, so every CTA sums the same 32 partials in the same order (CI compares the PTX: every
-  lane of all warps together stores what the four-row build's do).
+- Wide warps (a plan with `wide_warps`; with the lean conv served at TP8 B16 and TP16 B32, where the pair saved model
+  time in every layer round on one H100). Every warp pays a fixed share of a CTA's work whatever its rows: its
+  half-warps' decays, q, k, v and the decays read from shared memory, the barrier waits, the norm's butterfly and rsqrt,
+  the output's store. A wide warp owns eight value rows (R / 8 warps a CTA), so it pays that once for eight rows: a live
+  CTA runs 72-74 % of a four-row CTA's instructions at every build (harness/ptx_values.py counts them), and at 1024
+  threads an SM holds four CTAs of 256 threads instead of two of 512, twice the state copies in flight. The arithmetic
+  is the four-row warps': each decay is pushed by another lane but computed the same way, and a wide warp pushes its two
+  four-row norm partials as one pair into the slots two four-row warps would fill, so every CTA sums the same 32
+  partials in the same order (CI compares the PTX: every lane of all warps together stores what the four-row build's
+  do).
 - Warming the next wave (a plan with `warm_ahead`, not served until measured): from TP8 B16 and TP16 B32 the grid
   runs in waves of `wave_requests` requests, and each CTA's reads wait for HBM while its SM holds only the resident
   CTAs' chains. Thread 0, after its own copies, issues the same L2 prefetches for the CTA of its rank and head one

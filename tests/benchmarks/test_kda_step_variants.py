@@ -116,6 +116,9 @@ def test_the_served_choice_file_is_what_the_committed_runs_support():
         won = rule is not None and all(saved[(c.tp, c.batch)] > 0 for saved in rounds)
         want = rule.variant if won else plain
         served = chosen_variant(heads, c.batch)
+        if served.wide_warps:  # its rounds bind it, at 1024 threads (test_wide_warps_and_the_lean_conv_are_served_...)
+            assert (c.tp, c.batch) in WIDE_LEAN_CONV_SERVED and served.resident_threads == 1024
+            continue
         got_knobs = kv.Variant(0, served.resident_threads, served.warm_ahead, served.requests_per_cta).choice()
         assert got_knobs == want.choice(), f"TP{c.tp} B{c.batch}"
 
@@ -292,33 +295,38 @@ LEAN_LATE_48_ROUNDS = _rounds("step-lean-late48")
 LATE_LAYER = 86
 
 
-def lean_savings(rounds: list[tuple[Path, Path]], layer: int) -> list[dict[tuple[int, int], float]]:
-    """Per round, the layer time the lean start saved per cell, after checking that each variant ran it at every cell
-    and no base did, all on one H100 at 326f26f."""
+def knob_savings(rounds: list[tuple[Path, Path]], layer: int, knobs: tuple[str, ...], commit: str) -> list[dict]:
+    """Per round, the layer time the variant saved per cell, after checking that each variant served `knobs` (its
+    choice file's rules say so, and its plan's name ends with their suffixes in order) at every cell and no base did,
+    all on one H100 at `commit`, with a clean tree."""
+    suffix = "".join(f"/{k}" for k in knobs).replace("_", "-").replace("/lean-start", "/lean")
     out = []
     for base_path, variant_path in rounds:
         base, variant = json.loads(base_path.read_text()), json.loads(variant_path.read_text())
         assert base["variant"] == {"name": "plain", "choice_files": {}}, base_path.name
-        assert "lean_start = true" in variant["variant"]["choice_files"]["kda_step_choice.toml"], variant_path.name
-        for doc, lean in ((base, False), (variant, True)):
+        for knob in knobs:
+            assert f"{knob} = true" in variant["variant"]["choice_files"]["kda_step_choice.toml"], variant_path.name
+        for doc, on in ((base, False), (variant, True)):
             assert (doc["env"]["gpu"], doc["env"]["commit"][:7], doc["env"]["dirty"]) == (
-                "NVIDIA H100 80GB HBM3", "326f26f", False
+                "NVIDIA H100 80GB HBM3", commit, False
             )  # fmt: skip
             for key, cell in bench.cells_by_key(doc).items():
-                assert cell["kda_step_plan"].endswith("/lean") == lean, (key, cell["kda_step_plan"])
+                assert cell["kda_step_plan"].endswith(suffix) == on, (key, cell["kda_step_plan"])
         timed, saved = bench.layer_savings(base, variant)
         assert timed == layer, variant_path.name
         out.append(saved)
     return out
 
 
-def lean_verdicts(six: list[tuple[Path, Path]], late: list[list[tuple[Path, Path]]]) -> dict[tuple[int, int], bool]:
-    """Per (TP, batch) timed: whether the lean start saved model time in every round. Where both stacks were timed,
+def lean_savings(rounds: list[tuple[Path, Path]], layer: int) -> list[dict[tuple[int, int], float]]:
+    return knob_savings(rounds, layer, ("lean_start",), "326f26f")
+
+
+def model_verdicts(on_six: list[dict], on_late: list[list[dict]]) -> dict[tuple[int, int], bool]:
+    """Per (TP, batch) timed: whether the variant saved model time in every round. Where both stacks were timed,
     round i of each paired, each layer's saving times the KDA layers it stands for (9 for layer 6, 60 for layer 86);
     where only one was, that stack's rounds, which cannot serve it alone (the step's rules are judged on both)."""
     weights = {layer: bench.kda_layers_like(K3, layer) for layer in (6, LATE_LAYER)}
-    on_six = lean_savings(six, 6)
-    on_late = [lean_savings(rounds, LATE_LAYER) for rounds in late]
     verdicts = {key: False for saved in on_six for key in saved}  # layer 6 alone never serves
     for rounds in on_late:
         verdicts |= {key: False for saved in rounds for key in saved}
@@ -329,6 +337,10 @@ def lean_verdicts(six: list[tuple[Path, Path]], late: list[list[tuple[Path, Path
                 for six_saved, late_saved in zip(on_six, rounds, strict=True)
             )
     return verdicts
+
+
+def lean_verdicts(six: list[tuple[Path, Path]], late: list[list[tuple[Path, Path]]]) -> dict[tuple[int, int], bool]:
+    return model_verdicts(lean_savings(six, 6), [lean_savings(rounds, LATE_LAYER) for rounds in late])
 
 
 def lean_problems(verdicts: dict[tuple[int, int], bool], choice: Path | None = None) -> list[str]:
@@ -388,10 +400,93 @@ def test_joint_sums_are_served_nowhere_because_they_saved_in_no_cell():
 def test_a_choice_serving_joint_sums_contradicts_the_rounds(tmp_path):
     """Broken case: the choice the rounds ran, served; every measured cell is named on both layers."""
     served = REPO / "k3_decode/kernels/kda_step_choice.toml"
-    text = served.read_text().replace("warm_ahead = false }", "warm_ahead = false, joint_sums = true }")
+    text = served.read_text().replace("lean_conv = true, wide_warps = true }", "joint_sums = true }")
+    text = text.replace("warm_ahead = false }", "warm_ahead = false, joint_sums = true }")
     choice = tmp_path / "kda_step_choice.toml"
     choice.write_text(text.replace("lean_start = true }", "lean_start = true, joint_sums = true }"))
     assert chosen_variant(12, 64, choice).joint_sums and chosen_variant(6, 16, choice).joint_sums
     six = knob_problems(knob_verdicts(JOINT_SIX_ROUNDS, "joint_sums", 6), "joint_sums", choice)
     late = knob_problems(knob_verdicts(JOINT_LATE_ROUNDS, "joint_sums", LATE_LAYER), "joint_sums", choice)
     assert len(six) == 6 and len(late) == 4, (six, late)
+
+
+# One H100 at aec1ce9, three rounds of 60 against the tree (one shared base per round on layer 6 at B16 and B64), wide
+# warps and the lean conv on every rule and the default at 1024 threads: layer 6 at B16 and B64 (and B32 in its own
+# pairs), layer 86 at B16-B64; wide warps alone on layer 6 at B16 and B64 against the same bases.
+WIDE_DIR = RESULTS / "kda-layer-variants-h100"
+WIDE_LEAN_CONV_SIX = [
+    [(WIDE_DIR / f"step-knobs-base-{i}.json", WIDE_DIR / f"step-wide-lean-conv-{i}.json") for i in (1, 2, 3)],
+    [
+        (WIDE_DIR / f"step-wide-lean-conv-b32-base-{i}.json", WIDE_DIR / f"step-wide-lean-conv-b32-{i}.json")
+        for i in (1, 2, 3)
+    ],
+]
+WIDE_LEAN_CONV_LATE = [
+    (WIDE_DIR / f"step-wide-lean-conv-late-base-{i}.json", WIDE_DIR / f"step-wide-lean-conv-late-{i}.json")
+    for i in (1, 2, 3)
+]
+WIDE_ALONE_SIX = [(WIDE_DIR / f"step-knobs-base-{i}.json", WIDE_DIR / f"step-wide-warps-{i}.json") for i in (1, 2, 3)]
+WIDE_LEAN_CONV_SERVED = {(8, 16), (16, 32)}
+PAIRED = ("lean_conv", "wide_warps")
+
+
+def wide_lean_conv_verdicts(late: list[tuple[Path, Path]]) -> dict[tuple[int, int], bool]:
+    six_sets = [knob_savings(rounds, 6, PAIRED, "aec1ce9") for rounds in WIDE_LEAN_CONV_SIX]
+    on_six = [{k: v for saved in per_round for k, v in saved.items()} for per_round in zip(*six_sets, strict=True)]
+    return model_verdicts(on_six, [knob_savings(late, LATE_LAYER, PAIRED, "aec1ce9")])
+
+
+def paired_problems(verdicts: dict[tuple[int, int], bool], choice: Path | None = None) -> list[str]:
+    """Where the choice file serves wide warps and the lean conv otherwise than the rounds decided: both where they
+    saved model time in every round (at 1024 threads, what the rounds ran), neither elsewhere."""
+    out = []
+    for (tp, batch), won in sorted(verdicts.items()):
+        served = chosen_variant(K3.shard(tp).kda_heads, batch, choice)
+        pair = (served.lean_conv, served.wide_warps, served.resident_threads if served.wide_warps else None)
+        if pair != ((True, True, 1024) if won else (False, False, None)):
+            out.append(f"TP{tp} B{batch}: {'saved in every round' if won else 'did not save'} but served {pair}")
+    return out
+
+
+def test_wide_warps_and_the_lean_conv_are_served_exactly_where_they_saved_model_time_in_every_round():
+    """TP8 B16 (+1.10 to +1.79 us on layer 6, -0.13 to +0.27 on layer 86) and TP16 B32 (+0.03 to +1.10, +1.34 to
+    +2.00) saved model time in every round and are served, at 1024 threads; TP8 B32 and B64 and TP16 B16 lost it in
+    some round (layer 86), TP16 B64 in every round. Between and beyond the timed batches nothing serves either knob,
+    and wide warps alone (layer 6 only: TP8 B16 and B64 saved, TP16 mixed or lost) serve nowhere."""
+    verdicts = wide_lean_conv_verdicts(WIDE_LEAN_CONV_LATE)
+    assert set(verdicts) == {(tp, b) for tp in (8, 16) for b in (16, 32, 64)}
+    assert {key for key, won in verdicts.items() if won} == WIDE_LEAN_CONV_SERVED
+    assert paired_problems(verdicts) == []
+    for tp in (8, 16):
+        heads = K3.shard(tp).kda_heads
+        both = {b for b in range(1, 65) if chosen_variant(heads, b).wide_warps or chosen_variant(heads, b).lean_conv}
+        assert both == {b for t, b in WIDE_LEAN_CONV_SERVED if t == tp}
+    alone = knob_savings(WIDE_ALONE_SIX, 6, ("wide_warps",), "aec1ce9")
+    assert [round(saved[(8, 16)], 2) for saved in alone] == [1.28, 0.89, 0.45]
+    assert min(saved[(16, 64)] for saved in alone) < 0  # and the late stack was not timed: it cannot serve alone
+
+
+def test_rounds_where_the_pair_lost_at_tp16_b32_take_it_away(tmp_path):
+    """Broken case: layer 86's rounds with TP16 B32's gains mirrored into losses; the weighted verdict there flips
+    and the served rule no longer matches, while TP8 B16 still does."""
+    mirrored = mirrored_rounds(WIDE_LEAN_CONV_LATE, tmp_path, lambda key: key == (16, 32))
+    verdicts = wide_lean_conv_verdicts(mirrored)
+    assert not verdicts[(16, 32)] and verdicts[(8, 16)]
+    assert paired_problems(verdicts) == ["TP16 B32: did not save but served (True, True, 1024)"]
+
+
+def test_a_choice_serving_the_pair_at_the_tp8_budget_rule_contradicts_the_rounds(tmp_path):
+    """Broken case: the pair served on TP8's B16-B64 rule (at 1536 threads, as that rule has it) instead of its own:
+    B32 did not save, and B16 saved at 1024 threads, not 1536; both are named (B64 keeps the lean start's rule, which
+    comes first)."""
+    served = REPO / "k3_decode/kernels/kda_step_choice.toml"
+    budget_rule = "{ heads = 12, batches = [16, 64], resident_threads = 1536, warm_ahead = false"
+    text = served.read_text().replace(budget_rule + " }", budget_rule + ", lean_conv = true, wide_warps = true }")
+    text = text.replace(
+        "{ heads = 12, batches = [16, 16], resident_threads = 1024,",
+        "{ heads = 12, batches = [1, 1], resident_threads = 1024,",
+    )
+    choice = tmp_path / "kda_step_choice.toml"
+    choice.write_text(text)
+    problems = paired_problems(wide_lean_conv_verdicts(WIDE_LEAN_CONV_LATE), choice)
+    assert [p.split(":")[0] for p in problems] == ["TP8 B16", "TP8 B32"], problems

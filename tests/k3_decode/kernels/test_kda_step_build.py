@@ -323,8 +323,9 @@ def test_a_lean_start_keeps_the_launch_and_the_shared_memory():
     peers' barriers awaited after the copies), so the plan's geometry, shared memory and launch are the plain
     start's; a group of requests cannot take it."""
     for batch in (1, 8, 16, 64):
-        plain = KdaStepPlan.for_shape(12, 6288, batch, H200_SMS, lean_start=False)
-        lean = KdaStepPlan.for_shape(12, 6288, batch, H200_SMS, lean_start=True)
+        paired = {"lean_conv": False, "wide_warps": False}  # the lean start alone
+        plain = KdaStepPlan.for_shape(12, 6288, batch, H200_SMS, lean_start=False, **paired)
+        lean = KdaStepPlan.for_shape(12, 6288, batch, H200_SMS, lean_start=True, **paired)
         assert dataclasses.replace(lean, lean_start=False) == plain and lean.tag == plain.tag + "/lean"
         assert (lean.smem_bytes, lean.launch_smem_bytes, lean.wave_requests) == (
             plain.smem_bytes, plain.launch_smem_bytes, plain.wave_requests
@@ -370,7 +371,7 @@ def test_a_small_grid_is_spread_over_the_sms_and_leaves_room_for_o_proj(tp, batc
     assert plan.launch_smem_bytes >= plan.smem_bytes and plan.launch_smem_bytes % 128 == 0
     if (tp, batch) in ((8, 1), (16, 1), (16, 2)):
         assert plan.spread == 1 and plan.ctas <= 132  # one CTA per SM, on as many SMs as there are CTAs
-    if plan.cluster == 2:  # 512-thread CTAs, two per SM already: nothing to pad
+    if plan.cluster == 2 and not plan.wide_warps:  # 512-thread CTAs, two per SM already: nothing to pad
         assert plan.launch_smem_bytes == plan.smem_bytes
     rows = min(batch, O_PROJ_MAX_BATCH)  # above (none at K3's batches), o_proj runs stock
     o_proj = OProjPlan.for_shape(*shard.kda_o_proj, rows, AttnResKind.from_tag("n8-add-norm"), 132)
@@ -439,9 +440,10 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     assert {b.name for b in budgets} == {f"kda_step/tp{tp}/b{b}" for tp in (8, 16) for b in (*batches, 32)} | {
         f"kda_step/tp{tp}/b{b}/t1536" for tp in (8, 16) for b in wide
     }
-    for b in budgets:  # each with the plain start (the served lean start is among the lean builds)
+    for b in budgets:  # each the plain step (the served lean start, lean conv and wide warps have their own builds)
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
-        assert b.plan == dataclasses.replace(chosen, resident_threads=b.plan.resident_threads, lean_start=False)
+        plain = {"lean_start": False, "lean_conv": False, "wide_warps": False}
+        assert b.plan == dataclasses.replace(chosen, resident_threads=b.plan.resident_threads, **plain)
         if b.plan.resident_threads == 1536:  # three CTAs of 512 threads an SM, as many used as the grid needs
             assert b.plan.ctas_per_sm == 3 and b.plan.spread == min(3, -(-b.plan.ctas // H200_SMS)), b.name
             assert 3 * (b.plan.smem_bytes + 2048) <= 228 * 1024
@@ -464,32 +466,36 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     assert {b.name for b in pairs} == {f"kda_step/tp{tp}/b{b}/r2" for tp in (8, 16) for b in (32, 64)}
     for b in pairs:
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
-        assert b.plan == dataclasses.replace(chosen, resident_threads=1024, requests_per_cta=2, lean_start=False)
+        knobs = {"lean_start": False, "lean_conv": False, "wide_warps": False}  # none with a group
+        assert b.plan == dataclasses.replace(chosen, resident_threads=1024, requests_per_cta=2, **knobs)
         assert b.plan.resident_ctas == b.plan.ctas_per_sm == 2 and b.plan.groups == b.plan.batch // 2, b.name
-    # every CTA computing its head's decays at B1, B4 and B8, at the served plan otherwise
+
+    # each knob alone, at the served plan otherwise: with four-row warps and every warp's conv where the choice serves
+    # the lean conv with wide warps (TP8 B16), so each has its plain twin
+    def alone(b: KdaStepBuild, **knob: bool) -> KdaStepPlan:
+        chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
+        return dataclasses.replace(chosen, **{"lean_conv": False, "wide_warps": False, **knob})
+
+    # every CTA computing its head's decays at B1, B4 and B8
     local = [b for b in every if b.plan.local_decays]
     assert {b.name for b in local} == {f"kda_step/tp{tp}/b{b}/local-decays" for tp in (8, 16) for b in (1, 4, 8)}
     for b in local:
-        chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
-        assert b.plan == dataclasses.replace(chosen, local_decays=True), b.name
-    # a lean start at B1, B8, B16 and B64, at the served plan otherwise
+        assert b.plan == alone(b, local_decays=True), b.name
+    # a lean start at B1, B8, B16 and B64
     lean = [b for b in every if b.plan.lean_start and not (b.plan.lean_conv or b.plan.joint_sums or b.plan.wide_warps)]
     assert len(lean) == 8 and {(b.tp, b.plan.batch) for b in lean} == {(t, n) for t in (8, 16) for n in (1, 8, 16, 64)}
     for b in lean:
-        chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
-        assert b.plan == dataclasses.replace(chosen, lean_start=True) and b.name.endswith("/lean"), b.name
-    # a lean conv at B1, B16 and B64, at the served plan otherwise
+        assert b.plan == alone(b, lean_start=True) and b.name.endswith("/lean"), b.name
+    # a lean conv at B1, B16 and B64
     conv = [b for b in every if b.plan.lean_conv and not b.plan.wide_warps]
     assert {(b.tp, b.plan.batch) for b in conv} == {(t, n) for t in (8, 16) for n in (1, 16, 64)} and len(conv) == 6
     for b in conv:
-        chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
-        assert b.plan == dataclasses.replace(chosen, lean_conv=True) and b.name.endswith("/lean-conv"), b.name
-    # joint sums at B1, B16 and B64, at the served plan otherwise
+        assert b.plan == alone(b, lean_conv=True) and b.name.endswith("/lean-conv"), b.name
+    # joint sums at B1, B16 and B64
     joint = [b for b in every if b.plan.joint_sums]
     assert {(b.tp, b.plan.batch) for b in joint} == {(t, n) for t in (8, 16) for n in (1, 16, 64)} and len(joint) == 6
     for b in joint:
-        chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
-        assert b.plan == dataclasses.replace(chosen, joint_sums=True) and b.name.endswith("/joint-sums"), b.name
+        assert b.plan == alone(b, joint_sums=True) and b.name.endswith("/joint-sums"), b.name
     assert {b.kernel for b in every} == {"kda_step"} and {b.plan.slot_dtype for b in every} == {"int32"}
     assert K3_KERNEL_BUILDS.kda_step_builds() == every
 
@@ -552,8 +558,8 @@ def test_expectations_judge_every_kda_step_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_step/*")  # every named tag exists
     # 14 at 1024 threads per SM, 6 at 1536, 7 warming the next wave, 4 of request pairs, 6 with local decays, 8 with
-    # a lean start, 6 with a lean conv, 6 with joint sums, 12 with wide warps, 4 with wide warps and the lean conv
-    assert len(builds) == 73
+    # a lean start, 6 with a lean conv, 6 with joint sums, 12 with wide warps, 6 with wide warps and the lean conv
+    assert len(builds) == 75
     step = expectations["kda_step"]
     assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
 
@@ -997,7 +1003,7 @@ def test_wide_warps_are_built_at_every_budget_beside_the_served_plan():
     # and with the lean conv at 1024 threads, the budget whose four CTAs an SM the layer rounds run
     together = [b for b in WIDE_BUILDS if b.plan.lean_conv]
     assert {(b.tp, b.plan.batch, b.plan.resident_threads) for b in together} == {
-        (tp, batch, 1024) for tp in (8, 16) for batch in (16, 64)
+        (tp, batch, 1024) for tp in (8, 16) for batch in (16, 32, 64)
     }
     for b in WIDE_BUILDS:
         served = KdaStepPlan.for_shape(
@@ -1080,7 +1086,7 @@ def test_wide_warps_and_the_lean_conv_save_more_together_than_either():
     CTA runs at most two thirds of the plain step's instructions at the same plan (61-62 % at this tree), where wide
     warps alone run 72-74 %: the broken case, a combined build that lost its lean conv, fails the bound."""
     together = [b for b in WIDE_BUILDS if b.plan.lean_conv]
-    assert len(together) == 4
+    assert len(together) == 6
     for build in together:
         plain = cta_instructions(four_row_twin(build))
         assert cta_instructions(build) <= 2 / 3 * plain, build.name

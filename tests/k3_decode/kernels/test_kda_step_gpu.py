@@ -79,7 +79,7 @@ WARM = [b for b in ALL_BUILDS if b.plan.warm_ahead]  # warming the next wave's s
 GROUP = [b for b in ALL_BUILDS if b.plan.requests_per_cta > 1]  # clusters serving two requests each
 LOCAL = [b for b in ALL_BUILDS if b.plan.local_decays]  # every CTA computes the head's decays: no decay exchange
 LEAN = [b for b in ALL_BUILDS if b.plan.lean_start]  # the copies before the cluster barrier's wait
-LEAN_CONV = [b for b in ALL_BUILDS if b.plan.lean_conv]  # only the conv warps run the conv
+LEAN_CONV = [b for b in ALL_BUILDS if b.plan.lean_conv and not b.plan.wide_warps]  # only the conv warps run the conv
 JOINT = [b for b in ALL_BUILDS if b.plan.joint_sums]  # a warp's four rows reduced together
 WIDE_WARPS = [b for b in ALL_BUILDS if b.plan.wide_warps]  # eight rows a warp, half the warps a CTA
 WIDE_BUDGET = max(RESIDENT_CHOICES)
@@ -90,6 +90,10 @@ CASES = [(b.tp, b.plan.batch) for b in BUILDS] + [(8, 3), (16, 5)]
 @cache
 def kda_weights(tp: int):
     return weights_for(K3, tp, DEV).attention(KDA_LAYER)
+
+
+PAIRED_KNOBS = ("lean_conv", "wide_warps")  # served together somewhere (kda_step_choice.toml)
+PLAIN_KNOBS = {k: False for k in PAIRED_KNOBS}  # the budget and warming builds' step: four-row warps, every warp's conv
 
 
 def step_plan(tp: int, batch: int, **choice) -> KdaStepPlan:
@@ -241,8 +245,8 @@ assert {(b.tp, b.plan.batch, b.plan.cluster) for b in WIDE} <= set(WIDE_CASES)
 
 @pytest.mark.parametrize("tp, batch, cluster", WIDE_CASES, ids=[f"tp{t}-b{b}-c{c}-t1536" for t, b, c in WIDE_CASES])
 def test_the_larger_register_budget_matches_the_oracle(tp: int, batch: int, cluster: int):
-    step = Step(tp, batch, seed=tp * 1000 + batch, cluster=cluster, resident_threads=WIDE_BUDGET)
-    plan = kda_step_op.plan_for(step.spec, step.packed, step.slots, cluster, WIDE_BUDGET)
+    step = Step(tp, batch, seed=tp * 1000 + batch, cluster=cluster, resident_threads=WIDE_BUDGET, **PLAIN_KNOBS)
+    plan = step.plan
     assert (plan.cluster, plan.resident_threads, plan.ctas_per_sm) == (
         cluster,
         WIDE_BUDGET,
@@ -259,14 +263,14 @@ WARM_CASES = [
     for tp in (8, 16)
     for batch in (16, 32, 64)
     for r in RESIDENT_CHOICES
-    if step_plan(tp, batch, resident_threads=r).wave_requests < batch
+    if step_plan(tp, batch, resident_threads=r, **PLAIN_KNOBS).wave_requests < batch
 ]
 assert {(b.tp, b.plan.batch, b.plan.resident_threads) for b in WARM} <= set(WARM_CASES)
 
 
 @pytest.mark.parametrize("tp, batch, threads", WARM_CASES, ids=[f"tp{t}-b{b}-t{r}-warm" for t, b, r in WARM_CASES])
 def test_warming_the_next_wave_matches_the_oracle(tp: int, batch: int, threads: int):
-    step = Step(tp, batch, seed=tp * 1000 + batch, resident_threads=threads, warm_ahead=True)
+    step = Step(tp, batch, seed=tp * 1000 + batch, resident_threads=threads, warm_ahead=True, **PLAIN_KNOBS)
     plan = step.plan
     assert plan.warm_ahead and 0 < plan.ahead < batch and plan.resident_threads == threads
     check_step(step)
@@ -352,9 +356,10 @@ def assert_same_bits(step: Step, other: KdaStepPlan) -> None:
 def assert_the_knob_keeps_the_bits(tp: int, batch: int, seed: int, knob: str) -> None:
     """The plan at (tp, batch) with `knob` on, against the same plan with it off (the choice's plan, which the builds
     list): outputs, state and taps bit for bit (assert_same_bits), then the oracle checks, as for any plan."""
-    step = Step(tp, batch, seed=tp * 1000 + batch + seed, **{knob: True})
+    alone = {**PLAIN_KNOBS, knob: True}  # the knob alone, as the builds have it
+    step = Step(tp, batch, seed=tp * 1000 + batch + seed, **alone)
     off = dataclasses.replace(step.plan, **{knob: False})
-    assert getattr(step.plan, knob) and off == step_plan(tp, batch, **{knob: False})
+    assert getattr(step.plan, knob) and off == step_plan(tp, batch, **{**alone, knob: False})
     assert_same_bits(step, off)
     check_step(step)
 
@@ -409,7 +414,9 @@ def test_joint_sums_give_the_butterflies_bits(tp: int, batch: int):
 # Wide warps (KdaStepPlan.wide_warps) at both register budgets: 2 and 8 warps a CTA (B1; B16 and B64), the served
 # lean start at TP8 B64 among them.
 WIDE_WARP_CASES = [(tp, batch, threads) for tp in (8, 16) for batch in (1, 16, 64) for threads in RESIDENT_CHOICES]
-assert {(b.tp, b.plan.batch, b.plan.resident_threads) for b in WIDE_WARPS} <= set(WIDE_WARP_CASES)
+assert {(b.tp, b.plan.batch, b.plan.resident_threads) for b in WIDE_WARPS if not b.plan.lean_conv} <= set(
+    WIDE_WARP_CASES
+)
 
 
 @pytest.mark.parametrize(
@@ -419,17 +426,20 @@ def test_wide_warps_give_the_four_row_warps_bits(tp: int, batch: int, threads: i
     """A wide warp runs two four-row warps' rows, its lanes the same arithmetic on the same values, and pushes both
     norm partials into their slots (tests/k3_decode/kernels/test_kda_step_build.py compares the PTX): the outputs,
     state and taps must be the four-row build's bit for bit, NULL rows among them; then the oracle checks."""
-    step = Step(tp, batch, seed=tp * 1000 + batch + 19, resident_threads=threads, wide_warps=True)
+    step = Step(tp, batch, seed=tp * 1000 + batch + 19, resident_threads=threads, wide_warps=True, lean_conv=False)
     off = dataclasses.replace(step.plan, wide_warps=False)
-    assert step.plan.wide_warps and off == step_plan(tp, batch, resident_threads=threads, wide_warps=False)
+    assert step.plan.wide_warps and off == step_plan(
+        tp, batch, resident_threads=threads, wide_warps=False, lean_conv=False
+    )
     assert_same_bits(step, off)
     check_step(step)
     for _ in range(2):  # and the same bits again: no value may depend on how the wider warps happen to be timed
         assert_same_bits(step, step.plan)
 
 
-# Wide warps with the lean conv, at 1024 threads (four CTAs of 256 threads an SM): the builds, B16 and B64.
-WIDE_CONV_CASES = [(tp, batch) for tp in (8, 16) for batch in (16, 64)]
+# Wide warps with the lean conv, at 1024 threads (four CTAs of 256 threads an SM): the builds, B16-B64 (served at TP8
+# B16 and TP16 B32).
+WIDE_CONV_CASES = [(tp, batch) for tp in (8, 16) for batch in (16, 32, 64)]
 assert {(b.tp, b.plan.batch) for b in WIDE_WARPS if b.plan.lean_conv} <= set(WIDE_CONV_CASES)
 
 

@@ -45,9 +45,11 @@ def verify_builds() -> list[KdaStepVerifyBuild]:
 @pytest.mark.parametrize("tp", [8, 16])
 @pytest.mark.parametrize("batch", [1, 3, 4, 8, 16])
 def test_a_verify_plan_is_the_decode_plan_of_its_requests(tp, batch):
-    """The same geometry as decode for that many requests, so every per-token computation is the decode kernel's."""
+    """The same geometry as the plain decode step for that many requests (four rows a warp, every warp's conv: the
+    served wide warps and lean conv give its bits), so every per-token computation is the decode kernel's."""
     shard = K3.shard(tp)
-    step = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch)
+    plain = {"lean_conv": False, "wide_warps": False}
+    step = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, **plain)
     for q in (1, 2, 5, 8):
         plan = KdaVerifyPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, tokens=q)
         assert (plan.cluster, plan.rows_per_cta, plan.threads, plan.ctas, plan.sections) == (
