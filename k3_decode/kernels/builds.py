@@ -29,6 +29,7 @@ from k3_decode.kernels.kda_step_plan import (
     ROWS_PER_WARP,
     KdaStepPlan,
     KdaVerifyPlan,
+    knob_alone,
 )
 from k3_decode.kernels.wgmma_stream_plan import WgmmaStreamPlan
 
@@ -360,16 +361,6 @@ class KdaOProjBuild:
         from k3_decode.kernels.kda_o_proj import KdaOProjKernel, compile_args  # imports CuTe DSL
 
         return cutedsl.compile_artifacts(KdaOProjKernel(self.plan), compile_args(self.plan, self.capacity), arch)
-
-
-# The KDA step's knobs kda_step_choice.toml serves together somewhere (the lean conv with wide warps), off in a build
-# of any other knob alone and in the plain builds at each budget, so each variant's build keeps its plain twin.
-_PAIRED_KNOBS = ("lean_conv", "wide_warps")
-_PLAIN_STEP = {"lean_start": False, **{k: False for k in _PAIRED_KNOBS}}
-
-
-def _alone(**knob: bool) -> dict[str, bool]:
-    return {**{k: False for k in _PAIRED_KNOBS}, **knob}
 
 
 def _after_attention_kinds(dims: Any, tags: list[str], where: str) -> list[AttnResKind]:
@@ -836,7 +827,7 @@ class K3KernelBuilds:
             mine = [KdaStepPlan.for_shape(heads, rows, batch, sms) for batch in spec["batches"]]
             mine += [  # each budget with the plain step, whatever start, conv and warps the choice serves there
                 KdaStepPlan.for_shape(
-                    heads, rows, batch, sms, resident_threads=threads, warm_ahead=False, **_PLAIN_STEP
+                    heads, rows, batch, sms, resident_threads=threads, warm_ahead=False, **knob_alone(lean_start=False)
                 )
                 for batch in budgets
                 for threads in RESIDENT_CHOICES
@@ -855,13 +846,15 @@ class K3KernelBuilds:
                 )
                 for batch in groups["batches"]
             ]
-            # each knob alone beside the served plan (the plain conv and warps where the choice serves others)
-            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **_alone(local_decays=True)) for batch in local]
-            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **_alone(lean_start=True)) for batch in lean]
-            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **_alone(lean_conv=True)) for batch in lean_conv]
-            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **_alone(joint_sums=True)) for batch in joint]
+            # each knob alone beside the served plan (kda_step_plan.knob_alone)
+            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **knob_alone(local_decays=True)) for batch in local]
+            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **knob_alone(lean_start=True)) for batch in lean]
             mine += [
-                KdaStepPlan.for_shape(heads, rows, batch, sms, resident_threads=threads, **_alone(wide_warps=True))
+                KdaStepPlan.for_shape(heads, rows, batch, sms, **knob_alone(lean_conv=True)) for batch in lean_conv
+            ]
+            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **knob_alone(joint_sums=True)) for batch in joint]
+            mine += [
+                KdaStepPlan.for_shape(heads, rows, batch, sms, resident_threads=threads, **knob_alone(wide_warps=True))
                 for batch in wide
                 for threads in RESIDENT_CHOICES
             ]

@@ -153,8 +153,20 @@ def decode_step(
     four rows reduced together) and `wide_warps` (eight rows a warp) override the plan's choice; the provider passes
     none of them.
     """
-    knobs = (cluster, resident_threads, warm_ahead, requests_per_cta, local_decays, lean_start, lean_conv)
-    plan = plan_for(spec, packed, slots, *knobs, joint_sums, wide_warps)
+    plan = plan_for(
+        spec,
+        packed,
+        slots,
+        cluster,
+        resident_threads,
+        warm_ahead,
+        requests_per_cta,
+        local_decays,
+        lean_start,
+        lean_conv,
+        joint_sums,
+        wide_warps,
+    )
     dev, p, batch = packed.device, spec.proj, slots.shape[0]
     bf16 = torch.bfloat16
     _check_tensor("packed", packed, bf16, (batch, spec.in_proj_rows), dev)

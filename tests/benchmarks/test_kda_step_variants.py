@@ -14,6 +14,7 @@ from benchmarks import kda_step_variants as kv
 from k3_decode.config import K3
 from k3_decode.kernels.kda_step_plan import (
     CLUSTERS,
+    PAIRED_KNOBS,
     REQUEST_GROUPS,
     RESIDENT_CHOICES,
     KdaStepPlan,
@@ -299,7 +300,7 @@ def knob_savings(rounds: list[tuple[Path, Path]], layer: int, knobs: tuple[str, 
     """Per round, the layer time the variant saved per cell, after checking that each variant served `knobs` (its
     choice file's rules say so, and its plan's name ends with their suffixes in order) at every cell and no base did,
     all on one H100 at `commit`, with a clean tree."""
-    suffix = "".join(f"/{k}" for k in knobs).replace("_", "-").replace("/lean-start", "/lean")
+    suffix = KdaStepPlan(12, 6288, 1, 8, **dict.fromkeys(knobs, True)).variant_suffix  # the plans' own names
     out = []
     for base_path, variant_path in rounds:
         base, variant = json.loads(base_path.read_text()), json.loads(variant_path.read_text())
@@ -427,13 +428,12 @@ WIDE_LEAN_CONV_LATE = [
 ]
 WIDE_ALONE_SIX = [(WIDE_DIR / f"step-knobs-base-{i}.json", WIDE_DIR / f"step-wide-warps-{i}.json") for i in (1, 2, 3)]
 WIDE_LEAN_CONV_SERVED = {(8, 16), (16, 32)}
-PAIRED = ("lean_conv", "wide_warps")
 
 
 def wide_lean_conv_verdicts(late: list[tuple[Path, Path]]) -> dict[tuple[int, int], bool]:
-    six_sets = [knob_savings(rounds, 6, PAIRED, "aec1ce9") for rounds in WIDE_LEAN_CONV_SIX]
+    six_sets = [knob_savings(rounds, 6, PAIRED_KNOBS, "aec1ce9") for rounds in WIDE_LEAN_CONV_SIX]
     on_six = [{k: v for saved in per_round for k, v in saved.items()} for per_round in zip(*six_sets, strict=True)]
-    return model_verdicts(on_six, [knob_savings(late, LATE_LAYER, PAIRED, "aec1ce9")])
+    return model_verdicts(on_six, [knob_savings(late, LATE_LAYER, PAIRED_KNOBS, "aec1ce9")])
 
 
 def paired_problems(verdicts: dict[tuple[int, int], bool], choice: Path | None = None) -> list[str]:

@@ -27,6 +27,7 @@ from k3_decode.kernels.kda_step_plan import (
     RESIDENT_THREADS,
     KdaStepPlan,
     KdaVerifyPlan,
+    knob_alone,
 )
 from k3_decode.reference.kda import KdaSpec
 from tests.k3_decode.kernels.helpers import (
@@ -323,9 +324,8 @@ def test_a_lean_start_keeps_the_launch_and_the_shared_memory():
     peers' barriers awaited after the copies), so the plan's geometry, shared memory and launch are the plain
     start's; a group of requests cannot take it."""
     for batch in (1, 8, 16, 64):
-        paired = {"lean_conv": False, "wide_warps": False}  # the lean start alone
-        plain = KdaStepPlan.for_shape(12, 6288, batch, H200_SMS, lean_start=False, **paired)
-        lean = KdaStepPlan.for_shape(12, 6288, batch, H200_SMS, lean_start=True, **paired)
+        plain = KdaStepPlan.for_shape(12, 6288, batch, H200_SMS, **knob_alone(lean_start=False))
+        lean = KdaStepPlan.for_shape(12, 6288, batch, H200_SMS, **knob_alone(lean_start=True))
         assert dataclasses.replace(lean, lean_start=False) == plain and lean.tag == plain.tag + "/lean"
         assert (lean.smem_bytes, lean.launch_smem_bytes, lean.wave_requests) == (
             plain.smem_bytes, plain.launch_smem_bytes, plain.wave_requests
@@ -442,8 +442,9 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     }
     for b in budgets:  # each the plain step (the served lean start, lean conv and wide warps have their own builds)
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
-        plain = {"lean_start": False, "lean_conv": False, "wide_warps": False}
-        assert b.plan == dataclasses.replace(chosen, resident_threads=b.plan.resident_threads, **plain)
+        assert b.plan == dataclasses.replace(
+            chosen, resident_threads=b.plan.resident_threads, **knob_alone(lean_start=False)
+        )
         if b.plan.resident_threads == 1536:  # three CTAs of 512 threads an SM, as many used as the grid needs
             assert b.plan.ctas_per_sm == 3 and b.plan.spread == min(3, -(-b.plan.ctas // H200_SMS)), b.name
             assert 3 * (b.plan.smem_bytes + 2048) <= 228 * 1024
@@ -466,15 +467,15 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     assert {b.name for b in pairs} == {f"kda_step/tp{tp}/b{b}/r2" for tp in (8, 16) for b in (32, 64)}
     for b in pairs:
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
-        knobs = {"lean_start": False, "lean_conv": False, "wide_warps": False}  # none with a group
-        assert b.plan == dataclasses.replace(chosen, resident_threads=1024, requests_per_cta=2, **knobs)
+        none = knob_alone(lean_start=False)  # none with a group
+        assert b.plan == dataclasses.replace(chosen, resident_threads=1024, requests_per_cta=2, **none)
         assert b.plan.resident_ctas == b.plan.ctas_per_sm == 2 and b.plan.groups == b.plan.batch // 2, b.name
 
     # each knob alone, at the served plan otherwise: with four-row warps and every warp's conv where the choice serves
     # the lean conv with wide warps (TP8 B16), so each has its plain twin
     def alone(b: KdaStepBuild, **knob: bool) -> KdaStepPlan:
         chosen = KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
-        return dataclasses.replace(chosen, **{"lean_conv": False, "wide_warps": False, **knob})
+        return dataclasses.replace(chosen, **knob_alone(**knob))
 
     # every CTA computing its head's decays at B1, B4 and B8
     local = [b for b in every if b.plan.local_decays]
@@ -974,7 +975,7 @@ WIDE_LANES = (0, 1, 16, 31)  # pushes to CTA 0 and 1, the q / k halves (each hal
 
 def four_row_twin(build: KdaStepBuild) -> KdaStepBuild:
     """The plain step at the wide build's plan: four-row warps, and every warp running the conv."""
-    return KdaStepBuild(build.tp, dataclasses.replace(build.plan, wide_warps=False, lean_conv=False))
+    return KdaStepBuild(build.tp, dataclasses.replace(build.plan, **knob_alone()))
 
 
 def lane_groups(wide: KdaStepPlan, four: KdaStepPlan) -> list[tuple[list[int], list[int]]]:

@@ -33,7 +33,7 @@ from harness.numerics.compare import ToleranceTable, compare
 from k3_decode.config import K3
 from k3_decode.kernels import kda_step_op
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaStepBuild
-from k3_decode.kernels.kda_step_plan import CLUSTERS, RESIDENT_CHOICES, RESIDENT_THREADS, KdaStepPlan
+from k3_decode.kernels.kda_step_plan import CLUSTERS, RESIDENT_CHOICES, RESIDENT_THREADS, KdaStepPlan, knob_alone
 from k3_decode.kernels.providers import not_built_reason
 from k3_decode.reference import kda as rk
 from k3_decode.stock import kda as sk
@@ -92,8 +92,7 @@ def kda_weights(tp: int):
     return weights_for(K3, tp, DEV).attention(KDA_LAYER)
 
 
-PAIRED_KNOBS = ("lean_conv", "wide_warps")  # served together somewhere (kda_step_choice.toml)
-PLAIN_KNOBS = {k: False for k in PAIRED_KNOBS}  # the budget and warming builds' step: four-row warps, every warp's conv
+PLAIN_KNOBS = knob_alone()  # the budget and warming builds' step: four-row warps, every warp's conv
 
 
 def step_plan(tp: int, batch: int, **choice) -> KdaStepPlan:
@@ -356,7 +355,7 @@ def assert_same_bits(step: Step, other: KdaStepPlan) -> None:
 def assert_the_knob_keeps_the_bits(tp: int, batch: int, seed: int, knob: str) -> None:
     """The plan at (tp, batch) with `knob` on, against the same plan with it off (the choice's plan, which the builds
     list): outputs, state and taps bit for bit (assert_same_bits), then the oracle checks, as for any plan."""
-    alone = {**PLAIN_KNOBS, knob: True}  # the knob alone, as the builds have it
+    alone = knob_alone(**{knob: True})  # the knob alone, as the builds have it
     step = Step(tp, batch, seed=tp * 1000 + batch + seed, **alone)
     off = dataclasses.replace(step.plan, **{knob: False})
     assert getattr(step.plan, knob) and off == step_plan(tp, batch, **{**alone, knob: False})
@@ -426,11 +425,9 @@ def test_wide_warps_give_the_four_row_warps_bits(tp: int, batch: int, threads: i
     """A wide warp runs two four-row warps' rows, its lanes the same arithmetic on the same values, and pushes both
     norm partials into their slots (tests/k3_decode/kernels/test_kda_step_build.py compares the PTX): the outputs,
     state and taps must be the four-row build's bit for bit, NULL rows among them; then the oracle checks."""
-    step = Step(tp, batch, seed=tp * 1000 + batch + 19, resident_threads=threads, wide_warps=True, lean_conv=False)
+    step = Step(tp, batch, seed=tp * 1000 + batch + 19, resident_threads=threads, **knob_alone(wide_warps=True))
     off = dataclasses.replace(step.plan, wide_warps=False)
-    assert step.plan.wide_warps and off == step_plan(
-        tp, batch, resident_threads=threads, wide_warps=False, lean_conv=False
-    )
+    assert step.plan.wide_warps and off == step_plan(tp, batch, resident_threads=threads, **PLAIN_KNOBS)
     assert_same_bits(step, off)
     check_step(step)
     for _ in range(2):  # and the same bits again: no value may depend on how the wider warps happen to be timed
@@ -449,8 +446,8 @@ def test_wide_warps_with_the_lean_conv_give_the_plain_steps_bits(tp: int, batch:
     convolve and the others skip it, so the outputs, state and taps must be the plain four-row step's bit for bit,
     NULL rows among them; then the oracle checks, and the same bits again."""
     step = Step(tp, batch, seed=tp * 1000 + batch + 23, resident_threads=1024, wide_warps=True, lean_conv=True)
-    plain = dataclasses.replace(step.plan, wide_warps=False, lean_conv=False)
-    assert plain == step_plan(tp, batch, resident_threads=1024, wide_warps=False, lean_conv=False)
+    plain = dataclasses.replace(step.plan, **PLAIN_KNOBS)
+    assert plain == step_plan(tp, batch, resident_threads=1024, **PLAIN_KNOBS)
     assert_same_bits(step, plain)
     check_step(step)
     assert_same_bits(step, step.plan)

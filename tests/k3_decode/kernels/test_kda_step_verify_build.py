@@ -23,6 +23,7 @@ from k3_decode.kernels.kda_step_plan import (
     RESIDENT_THREADS,
     KdaStepPlan,
     KdaVerifyPlan,
+    knob_alone,
 )
 from k3_decode.reference.kda import KdaSpec
 from tests.k3_decode.kernels.helpers import assert_launch_reaches_the_driver, build_command, needs_cutedsl
@@ -48,8 +49,7 @@ def test_a_verify_plan_is_the_decode_plan_of_its_requests(tp, batch):
     """The same geometry as the plain decode step for that many requests (four rows a warp, every warp's conv: the
     served wide warps and lean conv give its bits), so every per-token computation is the decode kernel's."""
     shard = K3.shard(tp)
-    plain = {"lean_conv": False, "wide_warps": False}
-    step = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, **plain)
+    step = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, **knob_alone())
     for q in (1, 2, 5, 8):
         plan = KdaVerifyPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, tokens=q)
         assert (plan.cluster, plan.rows_per_cta, plan.threads, plan.ctas, plan.sections) == (
