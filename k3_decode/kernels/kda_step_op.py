@@ -74,25 +74,11 @@ def _check_tensor(name: str, t: Tensor, dtype: torch.dtype, shape: tuple[int, ..
         raise ValueError(f"CuTe KDA step: {name} must be contiguous and {ALIGN}-byte aligned; pass .contiguous()")
 
 
-def plan_for(
-    spec: KdaSpec,
-    packed: Tensor,
-    slots: Tensor,
-    cluster: int | None = None,
-    resident_threads: int | None = None,
-    warm_ahead: bool | None = None,
-    requests_per_cta: int | None = None,
-    local_decays: bool | None = None,
-    lean_start: bool | None = None,
-    lean_conv: bool | None = None,
-    joint_sums: bool | None = None,
-    wide_warps: bool | None = None,
-) -> KdaStepPlan:
-    """The plan that runs this step on packed's device (`cluster`: CTAs per head, `resident_threads`: the register
-    budget, `warm_ahead`: the next wave's L2 warming, `requests_per_cta`: requests a cluster serves, `local_decays`:
-    every CTA computes the head's decays, `lean_start`: the copies before the cluster barrier's wait, `lean_conv`:
-    only the conv warps run the conv, `joint_sums`: a warp's four rows reduced together, `wide_warps`: eight rows a
-    warp; each None: the plan's choice, KdaStepPlan.for_shape); raises for what the kernel cannot take."""
+def plan_for(spec: KdaSpec, packed: Tensor, slots: Tensor, **choice: Any) -> KdaStepPlan:
+    """The plan that runs this step on packed's device: KdaStepPlan.for_shape's choice, each keyword of `choice`
+    (cluster, resident_threads, warm_ahead, requests_per_cta, local_decays, lean_start, lean_conv, joint_sums,
+    wide_warps, max_ctas_per_sm; KdaStepPlan.choice gives a plan's own) overriding it; raises for what the kernel
+    cannot take."""
     if packed.device.type != "cuda":
         raise ValueError(f"the CuTe DSL KDA step runs on a CUDA device, got {packed.device}; use the stock op")
     if (spec.head_dim, spec.gate_rank, spec.conv_width) != (HEAD_DIM, GATE_RANK, CONV_WIDTH):
@@ -104,22 +90,7 @@ def plan_for(
         raise ValueError(f"decode slots must be a 1-d int32 or int64 tensor, got {slots.dim()}-d {slots.dtype}")
     sms = torch.cuda.get_device_properties(packed.device).multi_processor_count
     dtype = SLOT_DTYPES[slots.dtype]
-    plan = KdaStepPlan.for_shape(
-        spec.heads,
-        spec.in_proj_rows,
-        slots.shape[0],
-        sms,
-        dtype,
-        cluster,
-        resident_threads,
-        warm_ahead,
-        requests_per_cta,
-        local_decays,
-        lean_start,
-        lean_conv,
-        joint_sums,
-        wide_warps,
-    )
+    plan = KdaStepPlan.for_shape(spec.heads, spec.in_proj_rows, slots.shape[0], sms, dtype, **choice)
     starts = {name: s.start for name, s in spec.sections.items() if name != "pad"}
     if starts != plan.sections:
         raise ValueError(f"the packed row's sections {starts} are not the kernel's {plan.sections}")
@@ -133,40 +104,16 @@ def decode_step(
     cache: KdaCache,
     slots: Tensor,
     out: Tensor | None = None,
-    cluster: int | None = None,
-    resident_threads: int | None = None,
-    warm_ahead: bool | None = None,
-    requests_per_cta: int | None = None,
-    local_decays: bool | None = None,
-    lean_start: bool | None = None,
-    lean_conv: bool | None = None,
-    joint_sums: bool | None = None,
-    wide_warps: bool | None = None,
+    **choice: Any,
 ) -> Tensor:
     """One q = 1 KDA decode step on the current stream of packed's device; returns BF16 [B, P].
 
     `weights` has f_b [P, 128] BF16, conv [3P, 4] BF16, a_log [H] FP32, dt_bias [P] FP32 and o_norm [128] BF16
     (k3_decode.weights.KdaWeights). The conv state must hold exactly the 3 decode taps (no speculative columns).
-    `cluster` (CTAs per head), `resident_threads` (the register budget), `warm_ahead` (the next wave's L2 warming),
-    `requests_per_cta` (requests a cluster serves), `local_decays` (no decay exchange), `lean_start` (the copies
-    before the cluster barrier's wait), `lean_conv` (only the conv warps run the conv), `joint_sums` (a warp's
-    four rows reduced together) and `wide_warps` (eight rows a warp) override the plan's choice; the provider passes
-    none of them.
+    `choice` overrides the plan's choice (plan_for: the cluster, the register budget, each knob); the provider
+    passes none.
     """
-    plan = plan_for(
-        spec,
-        packed,
-        slots,
-        cluster,
-        resident_threads,
-        warm_ahead,
-        requests_per_cta,
-        local_decays,
-        lean_start,
-        lean_conv,
-        joint_sums,
-        wide_warps,
-    )
+    plan = plan_for(spec, packed, slots, **choice)
     dev, p, batch = packed.device, spec.proj, slots.shape[0]
     bf16 = torch.bfloat16
     _check_tensor("packed", packed, bf16, (batch, spec.in_proj_rows), dev)

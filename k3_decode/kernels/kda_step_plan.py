@@ -52,9 +52,10 @@ CHOICE = Path(__file__).with_name("kda_step_choice.toml")
 PAIRED_KNOBS = ("lean_conv", "wide_warps")
 
 
-def knob_alone(**knob: bool) -> dict[str, bool]:
-    """for_shape's overrides for `knob` as given and the paired knobs off, whatever the choice serves."""
-    return {**dict.fromkeys(PAIRED_KNOBS, False), **knob}
+def knob_alone(**knob: bool | int) -> dict[str, bool | int]:
+    """for_shape's overrides for `knob` as given, the paired knobs off and no cap on the CTAs an SM holds, whatever
+    the choice serves."""
+    return {**dict.fromkeys(PAIRED_KNOBS, False), "max_ctas_per_sm": 0, **knob}
 
 
 SlotDtype = Literal["int32", "int64"]
@@ -72,6 +73,7 @@ class StepVariant:
     lean_conv: bool = False
     joint_sums: bool = False
     wide_warps: bool = False
+    max_ctas_per_sm: int = 0  # 0: as many as the register budget holds
 
 
 @dataclass(frozen=True)
@@ -88,16 +90,25 @@ class VariantRule:
 def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
     keys = {"resident_threads", "warm_ahead"}
     named = set(entry) - {"heads", "batches"} if rule and isinstance(entry, dict) else set(entry or ())
-    optional = {"requests_per_cta", "local_decays", "lean_start", "lean_conv", "joint_sums", "wide_warps"}
+    optional = {
+        "requests_per_cta",
+        "local_decays",
+        "lean_start",
+        "lean_conv",
+        "joint_sums",
+        "wide_warps",
+        "max_ctas_per_sm",
+    }
     if not isinstance(entry, dict) or named - optional != keys:
         scope = "; a rule also batches and optionally heads" if rule else ", nothing else"
         raise ValueError(
             f"{where} must name resident_threads and warm_ahead (requests_per_cta, local_decays, lean_start, "
-            f"lean_conv, joint_sums and wide_warps optional){scope}, got {entry!r}"
+            f"lean_conv, joint_sums, wide_warps and max_ctas_per_sm optional){scope}, got {entry!r}"
         )
     threads, warm, group = entry["resident_threads"], entry["warm_ahead"], entry.get("requests_per_cta", 1)
     local, lean, conv = entry.get("local_decays", False), entry.get("lean_start", False), entry.get("lean_conv", False)
     joint, wide = entry.get("joint_sums", False), entry.get("wide_warps", False)
+    cap = entry.get("max_ctas_per_sm", 0)
     if threads not in RESIDENT_CHOICES or not isinstance(warm, bool) or group not in REQUEST_GROUPS:
         raise ValueError(
             f"{where}: resident_threads is one of {RESIDENT_CHOICES}, warm_ahead true or false, requests_per_cta "
@@ -113,6 +124,8 @@ def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
         raise ValueError(f"{where}: joint_sums is true or false, got {joint!r}")
     if not isinstance(wide, bool):
         raise ValueError(f"{where}: wide_warps is true or false, got {wide!r}")
+    if "max_ctas_per_sm" in entry and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ValueError(f"{where}: max_ctas_per_sm is a positive count of CTAs (leave it out for none), got {cap!r}")
     if warm and group > 1:
         raise ValueError(f"{where}: warm_ahead and requests_per_cta > 1 are not built together")
     if local and group > 1:
@@ -122,7 +135,7 @@ def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
             raise ValueError(f"{where}: {name} and requests_per_cta > 1 are not built together")
     if wide and joint:
         raise ValueError(f"{where}: wide_warps and joint_sums are not built together (joint sums reduce four rows)")
-    return StepVariant(threads, warm, group, local, lean, conv, joint, wide)
+    return StepVariant(threads, warm, group, local, lean, conv, joint, wide, cap)
 
 
 def variant_rules(path: Path | None = None) -> tuple[StepVariant, tuple[VariantRule, ...]]:
@@ -178,6 +191,7 @@ class KdaStepPlan:
     lean_conv: bool = False  # only warps 0 and 1 (the conv lanes') run the conv; the others skip it, not discard it
     joint_sums: bool = False  # a warp's four rows' butterfly sums reduced together (primitives.warp_sums4): same bits
     wide_warps: bool = False  # eight value rows a warp, half the warps a CTA (rows_per_warp): same bits
+    max_ctas_per_sm: int = 0  # 0, else the launch holds an SM to fewer CTAs than the budget fits (`spread`): same code
 
     def __post_init__(self) -> None:
         if self.resident_threads not in RESIDENT_CHOICES:
@@ -221,6 +235,16 @@ class KdaStepPlan:
             raise ValueError(
                 "wide_warps and joint_sums are not built together (joint sums reduce four rows): choose one"
             )
+        if self.max_ctas_per_sm and not 1 <= self.max_ctas_per_sm < self.ctas_per_sm:
+            raise ValueError(
+                f"max_ctas_per_sm caps the CTAs an SM holds below the {self.ctas_per_sm} of {self.threads} threads "
+                f"that {self.resident_threads} threads per SM fit, got {self.max_ctas_per_sm}: leave it out or lower it"
+            )
+        if self.max_ctas_per_sm and self.max_ctas_per_sm >= -(-self.ctas // self.sm_count):
+            raise ValueError(
+                f"max_ctas_per_sm {self.max_ctas_per_sm} changes nothing: the grid's {self.ctas} CTAs put at most "
+                f"{-(-self.ctas // self.sm_count)} on each of {self.sm_count} SMs; leave it out"
+            )
         if self.warm_ahead and self.wave_requests >= self.batch:
             raise ValueError(
                 f"warm_ahead warms the requests of the next wave, and at batch {self.batch} the grid is one wave "
@@ -244,13 +268,15 @@ class KdaStepPlan:
         lean_conv: bool | None = None,
         joint_sums: bool | None = None,
         wide_warps: bool | None = None,
+        max_ctas_per_sm: int | None = None,
     ) -> KdaStepPlan:
         """The smallest cluster whose grid still gives every SM a CTA, else the largest (8), and the register budget,
         the warming, the requests per CTA, the local decays, the lean start, the lean conv, the joint sums and the
-        wide warps kda_step_choice.toml serves at this batch (`chosen_variant`). `cluster`, `resident_threads`,
-        `warm_ahead`, `requests_per_cta`, `local_decays`, `lean_start`, `lean_conv`, `joint_sums` and `wide_warps`
-        override each choice (the GPU test times and checks every cluster at every batch, and the other variants at
-        every cluster where they apply).
+        wide warps and the cap on the CTAs an SM holds kda_step_choice.toml serves at this batch (`chosen_variant`).
+        `cluster`, `resident_threads`, `warm_ahead`, `requests_per_cta`, `local_decays`, `lean_start`, `lean_conv`,
+        `joint_sums`, `wide_warps` and `max_ctas_per_sm` (0: none) override each choice (the GPU test times and checks
+        every cluster at every batch, and the other variants at every cluster where they apply). A served cap applies
+        only where it binds: below both the CTAs the budget fits and those the grid would put on an SM.
 
         Every head costs 32 warps of state work whatever the cluster (128 rows, 4 per warp); the cluster only
         groups them. Small clusters repeat less per-CTA work (every CTA convolves the head's whole q and k, and
@@ -274,7 +300,7 @@ class KdaStepPlan:
         conv = served.lean_conv and group == 1 if lean_conv is None else lean_conv
         joint = served.joint_sums and group == 1 if joint_sums is None else joint_sums
         wide = served.wide_warps and group == 1 if wide_warps is None else wide_warps
-        return replace(
+        plan = replace(
             plan,
             warm_ahead=warm,
             requests_per_cta=group,
@@ -284,6 +310,17 @@ class KdaStepPlan:
             joint_sums=joint,
             wide_warps=wide,
         )
+        cap = max_ctas_per_sm
+        if cap is None:
+            cap = served.max_ctas_per_sm if served.max_ctas_per_sm < plan.spread else 0
+        return replace(plan, max_ctas_per_sm=cap)
+
+    @property
+    def choice(self) -> dict[str, Any]:
+        """for_shape's overrides that give this plan back at its shape, whatever kda_step_choice.toml serves."""
+        knobs = ("cluster", "resident_threads", "warm_ahead", "requests_per_cta", "local_decays", "lean_start")
+        knobs += ("lean_conv", "joint_sums", "wide_warps", "max_ctas_per_sm")
+        return {name: getattr(self, name) for name in knobs}
 
     # --- the packed row ---------------------------------------------------------------------------------------
 
@@ -348,10 +385,15 @@ class KdaStepPlan:
         return self.cluster * self.heads * self.groups
 
     @property
+    def held_ctas(self) -> int:
+        """The most CTAs of this plan an SM may hold: ctas_per_sm (the register budget), or the cap below it."""
+        return self.max_ctas_per_sm or self.ctas_per_sm
+
+    @property
     def resident_ctas(self) -> int:
-        """CTAs of this plan one SM holds at once when the grid fills it: ctas_per_sm (the register budget) unless
-        shared memory is short for that many (wide warps at 1536 threads: four of 56.7 KB, not six)."""
-        return min(self.ctas_per_sm, SMEM_PER_SM // (self.smem_bytes + SMEM_PER_CTA_RESERVED))
+        """CTAs of this plan one SM holds at once when the grid fills it: held_ctas unless shared memory is short
+        for that many (wide warps at 1536 threads: four of 56.7 KB, not six)."""
+        return min(self.held_ctas, SMEM_PER_SM // (self.smem_bytes + SMEM_PER_CTA_RESERVED))
 
     @property
     def wave_requests(self) -> int:
@@ -373,10 +415,12 @@ class KdaStepPlan:
     @property
     def spread(self) -> int:
         """The most CTAs of this grid one SM should hold: as few as the grid allows (ceil(CTAs / SMs)), at most
-        ctas_per_sm. Why it is enforced at all: the step launches as the projection's CTAs retire, and the first
-        SMs freed would otherwise take whole clusters (the phase trace at 2a17303: at TP8 B1 the 96 CTAs ran on
-        26 SMs, at TP16 B1 48 on 8), eight latency-bound CTAs sharing one SM's issue slots and load pipe."""
-        return min(self.ctas_per_sm, -(-self.ctas // self.sm_count))
+        held_ctas (a cap holds a grid of several waves to fewer CTAs an SM: more waves, each with more of an SM's
+        issue slots and load pipe per CTA). Why it is enforced at all: the step launches as the projection's CTAs
+        retire, and the first SMs freed would otherwise take whole clusters (the phase trace at 2a17303: at TP8 B1
+        the 96 CTAs ran on 26 SMs, at TP16 B1 48 on 8), eight latency-bound CTAs sharing one SM's issue slots and
+        load pipe."""
+        return min(self.held_ctas, -(-self.ctas // self.sm_count))
 
     @property
     def launch_smem_bytes(self) -> int:
@@ -475,7 +519,7 @@ class KdaStepPlan:
     def variant_suffix(self) -> str:
         """ "" at 1024 threads per SM without warming, one request a cluster, decays exchanged, the plain start, else
         "/t<threads per SM>", "/warm", "/r<requests per CTA>", "/local-decays", "/lean", "/lean-conv" and
-        "/joint-sums" and "/wide-warps": builds and compiles of the variants are named apart."""
+        "/joint-sums", "/wide-warps" and "/cap<CTAs an SM>": builds and compiles of the variants are named apart."""
         budget = "" if self.resident_threads == RESIDENT_THREADS else f"/t{self.resident_threads}"
         group = "" if self.requests_per_cta == 1 else f"/r{self.requests_per_cta}"
         leaner = ("/lean" if self.lean_start else "") + ("/lean-conv" if self.lean_conv else "")
@@ -486,6 +530,7 @@ class KdaStepPlan:
             + group
             + ("/local-decays" if self.local_decays else "")
             + leaner
+            + (f"/cap{self.max_ctas_per_sm}" if self.max_ctas_per_sm else "")
         )
 
     @property

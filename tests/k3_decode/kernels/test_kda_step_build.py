@@ -6,6 +6,7 @@ must fail (slow; needs CuTe DSL, `pip install 'k3gate[cutedsl]'`). `k3gate kerne
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import json
 import re
@@ -193,6 +194,14 @@ def test_the_plan_takes_the_variant_the_choice_file_serves(tmp_path, monkeypatch
     monkeypatch.setattr(kda_step_plan, "CHOICE", _choice_file(tmp_path / "joint", joint))
     assert KdaStepPlan.for_shape(12, 6288, 64, H200_SMS).tag == "h12/b64/c2/t1536/joint-sums"
     assert KdaStepPlan.for_shape(12, 6288, 64, H200_SMS, joint_sums=False).tag == "h12/b64/c2/t1536"
+    # a capped rule: the cap applies only where it binds (TP8 B16's 384 CTAs already put three on an SM)
+    cap = "{ batches = [16, 64], resident_threads = 1024, warm_ahead = false, wide_warps = true, max_ctas_per_sm = 3 }"
+    monkeypatch.setattr(kda_step_plan, "CHOICE", _choice_file(tmp_path / "cap", cap))
+    assert [KdaStepPlan.for_shape(12, 6288, b, H200_SMS).tag for b in (16, 32)] == [
+        "h12/b16/c2/wide-warps", "h12/b32/c2/wide-warps/cap3"
+    ]  # fmt: skip
+    assert KdaStepPlan.for_shape(12, 6288, 32, H200_SMS, max_ctas_per_sm=0).tag == "h12/b32/c2/wide-warps"
+    assert KdaStepPlan.for_shape(12, 6288, 32, H200_SMS, **knob_alone()).tag == "h12/b32/c2"
     # the shipped file: the variant every measurement so far ran, at every batch
     monkeypatch.undo()
     default, shipped = kda_step_plan.variant_rules()
@@ -254,6 +263,14 @@ BAD_CHOICES = {
         "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, joint_sums = true, wide_warps = true }",
         "wide_warps and joint_sums are not built together",
     ),
+    "a cap of no CTAs": (
+        "{ batches = [1, 2], resident_threads = 1024, warm_ahead = false, max_ctas_per_sm = 0 }",
+        "max_ctas_per_sm is a positive count",
+    ),
+    "a cap that is not a count": (
+        "{ batches = [1, 2], resident_threads = 1024, warm_ahead = false, max_ctas_per_sm = true }",
+        "max_ctas_per_sm is a positive count",
+    ),
     "a group with local decays": (
         "{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, requests_per_cta = 2, local_decays = true }",
         "local_decays and requests_per_cta > 1 are not built together",
@@ -295,6 +312,40 @@ def test_a_cluster_serving_two_requests_holds_both_and_is_refused_where_it_canno
         KdaStepPlan.for_shape(12, 6288, 64, H200_SMS, warm_ahead=True, requests_per_cta=2)
     with pytest.raises(ValueError, match="serves"):
         KdaStepPlan(12, 6288, 64, 2, requests_per_cta=4)
+
+
+def test_a_cap_holds_an_sm_to_fewer_ctas_and_is_refused_where_it_changes_nothing():
+    """max_ctas_per_sm: a grid of several waves held to fewer CTAs an SM than the register budget fits, by the
+    launch's shared-memory request alone (whatever the driver charges a CTA beside it); the waves shrink with it,
+    and the plan is otherwise the uncapped one. A cap at or above the budget's count, or at or above what the grid
+    puts on an SM anyway, would change nothing under another name: refused."""
+    wide = {"resident_threads": 1024, "wide_warps": True, "lean_conv": True, "max_ctas_per_sm": 0}
+    for heads, rows, batch in ((12, 6288, 32), (12, 6288, 64), (6, 3216, 64)):
+        free = KdaStepPlan.for_shape(heads, rows, batch, H200_SMS, **wide)
+        capped = dataclasses.replace(free, max_ctas_per_sm=3)
+        assert (free.ctas_per_sm, free.spread, free.resident_ctas, capped.spread, capped.resident_ctas) == (
+            4,
+            4,
+            4,
+            3,
+            3,
+        )
+        # four fit at the driver's 1 KiB a CTA (the wide plans' GPU test); three padded, whatever the driver charges
+        assert SMEM_PER_SM // (free.launch_smem_bytes + 1024) == 4
+        for overhead in (0, 1024, 1024 + STATIC_SMEM):
+            assert min(4, SMEM_PER_SM // (capped.launch_smem_bytes + overhead)) == 3, overhead
+        assert capped.wave_requests == 3 * free.wave_requests // 4 and capped.smem_bytes == free.smem_bytes
+        assert dataclasses.replace(capped, max_ctas_per_sm=0) == free and capped.tag == free.tag + "/cap3"
+        assert (
+            capped.choice["max_ctas_per_sm"] == 3
+            and KdaStepPlan.for_shape(heads, rows, batch, **capped.choice) == capped
+        )
+    with pytest.raises(ValueError, match="below the 4 of 256 threads"):
+        KdaStepPlan.for_shape(12, 6288, 32, H200_SMS, **{**wide, "max_ctas_per_sm": 4})
+    with pytest.raises(ValueError, match="changes nothing: the grid's 384 CTAs put at most 3"):
+        KdaStepPlan.for_shape(12, 6288, 16, H200_SMS, **{**wide, "max_ctas_per_sm": 3})
+    with pytest.raises(ValueError, match="below the 3 of 512 threads"):  # the four-row plan at 1536 threads
+        KdaStepPlan.for_shape(12, 6288, 32, H200_SMS, resident_threads=1536, **knob_alone(max_ctas_per_sm=3))
 
 
 @pytest.mark.parametrize("tp, batch", [(8, 1), (8, 4), (8, 8), (16, 8)])
@@ -559,8 +610,9 @@ def test_expectations_judge_every_kda_step_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_step/*")  # every named tag exists
     # 14 at 1024 threads per SM, 6 at 1536, 7 warming the next wave, 4 of request pairs, 6 with local decays, 8 with
-    # a lean start, 6 with a lean conv, 6 with joint sums, 12 with wide warps, 6 with wide warps and the lean conv
-    assert len(builds) == 75
+    # a lean start, 6 with a lean conv, 6 with joint sums, 12 with wide warps, 6 with wide warps and the lean conv, 3
+    # of those capped at three CTAs an SM
+    assert len(builds) == 78
     step = expectations["kda_step"]
     assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
 
@@ -1002,16 +1054,23 @@ def test_wide_warps_are_built_at_every_budget_beside_the_served_plan():
         (tp, batch, threads) for tp in (8, 16) for batch in (1, 16, 64) for threads in (1024, 1536)
     }
     # and with the lean conv at 1024 threads, the budget whose four CTAs an SM the layer rounds run
-    together = [b for b in WIDE_BUILDS if b.plan.lean_conv]
+    together = [b for b in WIDE_BUILDS if b.plan.lean_conv and not b.plan.max_ctas_per_sm]
     assert {(b.tp, b.plan.batch, b.plan.resident_threads) for b in together} == {
         (tp, batch, 1024) for tp in (8, 16) for batch in (16, 32, 64)
     }
+    # and so, held to three CTAs an SM where the grid would put four there (768 and 1536 CTAs)
+    capped = [b for b in WIDE_BUILDS if b.plan.max_ctas_per_sm]
+    assert {(b.tp, b.plan.batch, b.plan.ctas, b.plan.spread) for b in capped} == {
+        (8, 32, 768, 3), (8, 64, 1536, 3), (16, 64, 768, 3)
+    }  # fmt: skip
     for b in WIDE_BUILDS:
         served = KdaStepPlan.for_shape(
             b.plan.heads, b.plan.rows, b.plan.batch, resident_threads=b.plan.resident_threads
         )
-        assert b.plan == dataclasses.replace(served, wide_warps=True, lean_conv=b.plan.lean_conv), b.name
-        assert b.name.endswith("/wide-warps"), b.name
+        knobs = {"wide_warps": True, "lean_conv": b.plan.lean_conv, "max_ctas_per_sm": b.plan.max_ctas_per_sm}
+        assert b.plan == dataclasses.replace(served, **knobs), b.name
+        assert b.plan.lean_conv or not b.plan.max_ctas_per_sm, b.name
+        assert b.name.endswith("/wide-warps" + ("/cap3" if b.plan.max_ctas_per_sm else "")), b.name
         assert b.plan.warps * 2 == four_row_twin(b).plan.warps and b.plan.slots == four_row_twin(b).plan.slots == 32
 
 
@@ -1082,11 +1141,39 @@ def test_a_wide_cta_runs_at_least_a_fifth_fewer_instructions():
     assert cta_instructions(lean) > 0.8 * cta_instructions(plain)
 
 
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_capped_build_is_the_uncapped_builds_code():
+    """A cap (KdaStepPlan.max_ctas_per_sm) is the launch's shared-memory request and nothing else where no code reads
+    the waves: the PTX must be the uncapped build's, line for line, at TP8 B32 and TP16 B64. The broken case: at
+    TP8 B64 the lean start warms L2 only in the grid's first wave, which three CTAs an SM shorten from 22 requests
+    to 16; the comparison must see that bound, and only it."""
+    capped = {b.name: b for b in WIDE_BUILDS if b.plan.max_ctas_per_sm}
+    assert len(capped) == 3
+    by_name = {b.name: b for b in WIDE_BUILDS}
+    for name, build in capped.items():
+        twin = by_name[name.removesuffix("/cap3")]
+        assert twin.plan == dataclasses.replace(build.plan, max_ctas_per_sm=0)
+        diff = [
+            line
+            for line in difflib.unified_diff(sm90_ptx(twin).splitlines(), sm90_ptx(build).splitlines(), n=0)
+            if line[:1] in "+-" and line[:3] not in ("---", "+++")
+        ]
+        if build.plan.lean_start:
+            first_wave = (twin.plan.wave_requests - 1, build.plan.wave_requests - 1)
+            assert first_wave == (21, 15)
+            assert [re.sub(r"\s+", " ", d) for d in diff] == [
+                f"{sign} setp.gt.u32 %p7, %r5, {n};" for sign, n in zip("-+", first_wave, strict=True)
+            ], diff
+        else:
+            assert diff == [], diff[:4]
+
+
 def test_wide_warps_and_the_lean_conv_save_more_together_than_either():
     """The two knobs cut different work (a warp's fixed share, and the conv run by every warp), so together a live
     CTA runs at most two thirds of the plain step's instructions at the same plan (61-62 % at this tree), where wide
     warps alone run 72-74 %: the broken case, a combined build that lost its lean conv, fails the bound."""
-    together = [b for b in WIDE_BUILDS if b.plan.lean_conv]
+    together = [b for b in WIDE_BUILDS if b.plan.lean_conv and not b.plan.max_ctas_per_sm]
     assert len(together) == 6
     for build in together:
         plain = cta_instructions(four_row_twin(build))

@@ -148,26 +148,10 @@ class Step:
     """One decode step's inputs at (tp, batch): weights, packed rows, a cache, and identical copies for the oracle
     and the stock path."""
 
-    def __init__(
-        self,
-        tp: int,
-        batch: int,
-        seed: int,
-        slot_dtype: torch.dtype = torch.int32,
-        cluster: int | None = None,
-        resident_threads: int | None = None,
-        warm_ahead: bool | None = None,
-        requests_per_cta: int | None = None,
-        local_decays: bool | None = None,
-        lean_start: bool | None = None,
-        lean_conv: bool | None = None,
-        joint_sums: bool | None = None,
-        wide_warps: bool | None = None,
-    ) -> None:
+    def __init__(self, tp: int, batch: int, seed: int, slot_dtype: torch.dtype = torch.int32, **choice) -> None:
+        """`choice`: what this step overrides of the plan's choice (KdaStepPlan.for_shape's keywords)."""
         gen = torch.Generator().manual_seed(seed)
-        self.tp, self.batch, self.forced, self.resident, self.warm = tp, batch, cluster, resident_threads, warm_ahead
-        self.group, self.local, self.lean, self.lean_conv = requests_per_cta, local_decays, lean_start, lean_conv
-        self.joint, self.wide_warps = joint_sums, wide_warps
+        self.tp, self.batch, self.choice = tp, batch, choice
         self.spec, self.weights = spec_for(tp), kda_weights(tp)
         self.cache = random_kda_cache(self.spec, 2 * batch + 2, 0, gen, DEV)
         self.start = clone_cache(self.cache)
@@ -185,14 +169,8 @@ class Step:
             cache,
             self.slots,
             None,
-            *self.knobs,
+            **self.choice,
         )
-
-    @property
-    def knobs(self) -> tuple:
-        """What this step overrides of the plan's choice, in decode_step's and plan_for's order (None: the choice)."""
-        placement = (self.forced, self.resident, self.warm, self.group)
-        return (*placement, self.local, self.lean, self.lean_conv, self.joint, self.wide_warps)
 
     def oracle(self, cache: rk.KdaCache, packed: Tensor | None = None) -> Tensor:
         packed = self.packed if packed is None else packed
@@ -208,7 +186,7 @@ class Step:
 
     @property
     def plan(self) -> KdaStepPlan:
-        return kda_step_op.plan_for(self.spec, self.packed, self.slots, *self.knobs)
+        return kda_step_op.plan_for(self.spec, self.packed, self.slots, **self.choice)
 
 
 # --- against the oracle and the stock step -------------------------------------------------------------------------
@@ -293,7 +271,13 @@ def test_a_cluster_serving_two_requests_gives_the_one_request_kernels_bits(tp: i
     grouped_cache, one_cache = clone_cache(step.cache), clone_cache(step.cache)
     grouped = step.kernel(cache=grouped_cache)
     one = kda_step_op.decode_step(
-        step.spec, step.weights, step.packed, one_cache, step.slots, None, plan.cluster, RESIDENT_THREADS, False, 1
+        step.spec,
+        step.weights,
+        step.packed,
+        one_cache,
+        step.slots,
+        None,
+        **dataclasses.replace(plan, requests_per_cta=1).choice,
     )
     torch.cuda.synchronize()
     assert torch.equal(grouped, one), f"TP{tp} B{batch}: the group kernel's outputs differ from the decode kernel's"
@@ -329,21 +313,7 @@ def assert_same_bits(step: Step, other: KdaStepPlan) -> None:
     plan = step.plan
     mine, theirs = clone_cache(step.cache), clone_cache(step.cache)
     got = step.kernel(cache=mine)
-    knobs = (other.cluster, other.resident_threads, other.warm_ahead, other.requests_per_cta)
-    want = kda_step_op.decode_step(
-        step.spec,
-        step.weights,
-        step.packed,
-        theirs,
-        step.slots,
-        None,
-        *knobs,
-        other.local_decays,
-        other.lean_start,
-        other.lean_conv,
-        other.joint_sums,
-        other.wide_warps,
-    )
+    want = kda_step_op.decode_step(step.spec, step.weights, step.packed, theirs, step.slots, None, **other.choice)
     torch.cuda.synchronize()
     what = f"TP{step.tp} B{step.batch} {plan.tag} against {other.tag}"
     pairs = (("outputs", got, want), ("recurrent states", mine.recurrent, theirs.recurrent))
@@ -451,6 +421,28 @@ def test_wide_warps_with_the_lean_conv_give_the_plain_steps_bits(tp: int, batch:
     assert_same_bits(step, plain)
     check_step(step)
     assert_same_bits(step, step.plan)
+
+
+# The pair with the launch holding an SM to three CTAs (KdaStepPlan.max_ctas_per_sm), where the builds have it: the
+# grids of 768 and 1536 CTAs, four an SM uncapped.
+CAPPED = [b for b in ALL_BUILDS if b.plan.max_ctas_per_sm]
+assert {(b.tp, b.plan.batch) for b in CAPPED} == {(8, 32), (8, 64), (16, 64)}
+
+
+@pytest.mark.parametrize("build", CAPPED, ids=[b.name for b in CAPPED])
+def test_a_capped_launch_gives_the_uncapped_plans_bits(build: KdaStepBuild):
+    """A cap changes only how many CTAs an SM holds (and so the lean start's first wave), never a value. The
+    driver's occupancy calculator must fit exactly the cap at the padded request and the budget's four without it;
+    the outputs, state and taps must be the uncapped plan's bit for bit, NULL rows among them; then the oracle
+    checks."""
+    plan = build.plan
+    padded, unpadded = ctas_per_sm(*decode_cubin(plan), plan.threads, [plan.launch_smem_bytes, plan.smem_bytes])
+    print(f"METRIC KDA step {build.name}: {padded} CTAs per SM at {plan.launch_smem_bytes} B, {unpadded} unpadded")
+    assert (padded, unpadded) == (plan.max_ctas_per_sm, plan.ctas_per_sm)
+    step = Step(build.tp, plan.batch, seed=build.tp * 1000 + plan.batch + 29, **plan.choice)
+    assert step.plan == plan and plan.spread == plan.max_ctas_per_sm < plan.ctas_per_sm
+    assert_same_bits(step, dataclasses.replace(plan, max_ctas_per_sm=0))
+    check_step(step)
 
 
 # The served plans and their lean-conv twins where a CTA has 16 warps (B16, B64) and 4 (B1).
@@ -624,7 +616,8 @@ def test_the_driver_fits_exactly_spread_ctas_of_the_decode_launch_on_an_sm(build
     assert unpadded == plan.ctas_per_sm, f"{unpadded} CTAs fit unpadded, not ctas_per_sm = {plan.ctas_per_sm}"
 
 
-WIDE_WAVES = [b for b in WIDE_WARPS if b.plan.cluster == 2]  # 256 threads a CTA, 56.7 KB of shared memory
+# 256 threads a CTA, 56.7 KB of shared memory; a capped launch's count is the spread test's
+WIDE_WAVES = [b for b in WIDE_WARPS if b.plan.cluster == 2 and not b.plan.max_ctas_per_sm]
 
 
 @pytest.mark.parametrize("build", WIDE_WAVES, ids=[b.name for b in WIDE_WAVES])
