@@ -78,7 +78,8 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   which is latency-bound and leaves HBM nearly idle. Its own griddepcontrol.wait still covers all of this grid,
   whatever it reads. Triggering after the conv instead cost 2.5-3 us per layer at B1 (the KDA layer benchmark's
   timeline: o_proj started only as this kernel ended).
-- A lean start (a plan with `lean_start`, served at TP8 B64 from one H100's layer rounds). From TP8 B16 and TP16 B32
+- A lean start (a plan with `lean_start`, served at TP8 B64 from one H100's layer rounds, with wide warps and the
+  lean conv since ebd4bcb). From TP8 B16 and TP16 B32
   the grid runs in waves, and a later wave's CTA does not wait for the projection, so what comes before its state
   copy is its whole start: the plain start reads the slot hint (a global load) before the cluster barrier's
   arrive, waits for the peers, then reads the slot again after griddepcontrol.wait: two load latencies and a
@@ -87,7 +88,7 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   CTAs that wait for the projection), and waits for the peers' barriers after every copy is issued, which is still
   before its first push. Only the order of the start changes, so the bits are the plain start's (the GPU test
   compares them).
-- A lean conv (a plan with `lean_conv`; served with wide warps at TP8 B16 and TP16 B32). Every warp runs the
+- A lean conv (a plan with `lean_conv`; served with wide warps at TP8 B16 and B64 and TP16 B32). Every warp runs the
   conv code so that it is no divergent block, and warps 2 and up discard what they compute: about 215 of the ~800
   instructions a warp of a live CTA issues. From B16 the grid runs in waves of up to 48 warps an SM and the step is
   bound by instruction issue more than by HBM (docs/kda-layer-h200.md, "Where a KDA step CTA's time goes"), so a
@@ -102,8 +103,8 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   four rows together in the same tree (lane bits 0 to 4, the same pairs added), trading halves in the first two
   steps and broadcasting the four totals: 10 shuffles and 6 adds each time, the same bits. It needs the four
   decayed rows in registers at once (16 more live), which still fits 40 registers without a frame at 1536 threads.
-- Wide warps (a plan with `wide_warps`; with the lean conv served at TP8 B16 and TP16 B32, where the pair saved model
-  time in every layer round on one H100). Every warp pays a fixed share of a CTA's work whatever its rows: its
+- Wide warps (a plan with `wide_warps`; with the lean conv served at TP8 B16 and B64 and TP16 B32, where the pair saved
+  model time in every layer round on one H100). Every warp pays a fixed share of a CTA's work whatever its rows: its
   half-warps' decays, q, k, v and the decays read from shared memory, the barrier waits, the norm's butterfly and rsqrt,
   the output's store. A wide warp owns eight value rows (R / 8 warps a CTA), so it pays that once for eight rows: a live
   CTA runs 72-74 % of a four-row CTA's instructions at every build (harness/ptx_values.py counts them), and at 1024

@@ -47,8 +47,8 @@ SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory
 SMEM_PER_CTA_RESERVED = 1024
 
 CHOICE = Path(__file__).with_name("kda_step_choice.toml")
-# Knobs kda_step_choice.toml serves together (the lean conv with wide warps, at TP8 B16 and TP16 B32). A build or
-# test of another knob alone, or of the plain step, turns them off, so each variant keeps its plain twin there.
+# Knobs kda_step_choice.toml serves together (the lean conv with wide warps, at TP8 B16 and B64 and TP16 B32). A
+# build or test of another knob alone, or of the plain step, turns them off, so each variant keeps its plain twin.
 PAIRED_KNOBS = ("lean_conv", "wide_warps")
 
 

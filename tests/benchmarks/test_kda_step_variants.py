@@ -296,26 +296,38 @@ LEAN_LATE_48_ROUNDS = _rounds("step-lean-late48")
 LATE_LAYER = 86
 
 
-def knob_savings(rounds: list[tuple[Path, Path]], layer: int, knobs: tuple[str, ...], commit: str) -> list[dict]:
-    """Per round, the layer time the variant saved per cell, after checking that each variant served `knobs` (its
-    choice file's rules say so, and its plan's name ends with their suffixes in order) at every cell and no base did,
-    all on one H100 at `commit`, with a clean tree."""
-    suffix = KdaStepPlan(12, 6288, 1, 8, **dict.fromkeys(knobs, True)).variant_suffix  # the plans' own names
+def knob_savings(
+    rounds: list[tuple[Path, Path]],
+    layer: int,
+    knobs: tuple[str, ...] | dict[str, bool | int],
+    commit: str,
+    unchanged: frozenset[tuple[int, int]] = frozenset(),
+) -> list[dict]:
+    """Per round, the layer time the variant saved per cell, after checking that each variant served `knobs` (names,
+    each on; or names and values) at every cell (its choice file's rules say so, and its plan's name ends with their
+    suffixes in order) and no base did, all on one H100 at `commit`, with a clean tree. The `unchanged` cells, where
+    the base already serves the variant's plan, must run the same plan in both and are left out."""
+    values = dict.fromkeys(knobs, True) if isinstance(knobs, tuple) else knobs
+    suffix = KdaStepPlan(12, 6288, 64, 2, **values).variant_suffix  # the plans' own names
     out = []
     for base_path, variant_path in rounds:
         base, variant = json.loads(base_path.read_text()), json.loads(variant_path.read_text())
         assert base["variant"] == {"name": "plain", "choice_files": {}}, base_path.name
-        for knob in knobs:
-            assert f"{knob} = true" in variant["variant"]["choice_files"]["kda_step_choice.toml"], variant_path.name
+        for knob, value in values.items():
+            rule = f"{knob} = {str(value).lower()}"
+            assert rule in variant["variant"]["choice_files"]["kda_step_choice.toml"], variant_path.name
+        plans = {}
         for doc, on in ((base, False), (variant, True)):
             assert (doc["env"]["gpu"], doc["env"]["commit"][:7], doc["env"]["dirty"]) == (
                 "NVIDIA H100 80GB HBM3", commit, False
             )  # fmt: skip
             for key, cell in bench.cells_by_key(doc).items():
-                assert cell["kda_step_plan"].endswith(suffix) == on, (key, cell["kda_step_plan"])
+                plans.setdefault(key, []).append(cell["kda_step_plan"])
+                assert key in unchanged or cell["kda_step_plan"].endswith(suffix) == on, (key, cell["kda_step_plan"])
+        assert all(len(set(plans[key])) == 1 for key in unchanged), {key: plans[key] for key in unchanged}
         timed, saved = bench.layer_savings(base, variant)
         assert timed == layer, variant_path.name
-        out.append(saved)
+        out.append({key: us for key, us in saved.items() if key not in unchanged})
     return out
 
 
@@ -427,13 +439,39 @@ WIDE_LEAN_CONV_LATE = [
     for i in (1, 2, 3)
 ]
 WIDE_ALONE_SIX = [(WIDE_DIR / f"step-knobs-base-{i}.json", WIDE_DIR / f"step-wide-warps-{i}.json") for i in (1, 2, 3)]
-WIDE_LEAN_CONV_SERVED = {(8, 16), (16, 32)}
+WIDE_LEAN_CONV_SERVED = {(8, 16), (16, 32), (8, 64)}
+# One H100 at ebd4bcb, three rounds of 60 against the served tree (TP8 B64: 1536 threads and the lean start) on
+# layers 6 and 86 at TP8 and TP16 B32 and B64: the pair (step-cap-pair, step-cap-late-pair) and the pair held to three
+# CTAs an SM (step-cap, step-cap-late), each round timing the base, the cap and the pair in turn. TP16 B32 already
+# serves the pair, uncapped (the cap does not bind there): the same plan in all three, left out.
+CAP_COMMIT = "ebd4bcb"
+PAIR_AGAIN = {(8, 32), (8, 64), (16, 64)}  # the pair's cells these rounds time again, against the served tree
+CAPPED_KNOBS = {**dict.fromkeys(PAIRED_KNOBS, True), "max_ctas_per_sm": 3}
 
 
-def wide_lean_conv_verdicts(late: list[tuple[Path, Path]]) -> dict[tuple[int, int], bool]:
+def cap_rounds(variant: str, late: bool) -> list[tuple[Path, Path]]:
+    stem = "step-cap-late" if late else "step-cap"
+    return [(WIDE_DIR / f"{stem}-base-{i}.json", WIDE_DIR / f"{stem}{variant}-{i}.json") for i in (1, 2, 3)]
+
+
+def session_verdicts(variant: str, knobs: dict[str, bool | int], late: list[tuple[Path, Path]] | None = None):
+    """Model-time verdicts of this session's rounds of `variant` ("" the cap, "-pair" the pair) against the tree."""
+    six = knob_savings(cap_rounds(variant, False), 6, knobs, CAP_COMMIT, frozenset({(16, 32)}))
+    on_late = knob_savings(late or cap_rounds(variant, True), LATE_LAYER, knobs, CAP_COMMIT, frozenset({(16, 32)}))
+    return model_verdicts(six, [on_late])
+
+
+def wide_lean_conv_verdicts(
+    late: list[tuple[Path, Path]], late_again: list[tuple[Path, Path]] | None = None
+) -> dict[tuple[int, int], bool]:
+    """The pair's verdict per cell: at aec1ce9 (against the tree at 1024 threads), and where the rounds at ebd4bcb
+    timed it again against the served tree, theirs (the served tree is what a rule replaces)."""
     six_sets = [knob_savings(rounds, 6, PAIRED_KNOBS, "aec1ce9") for rounds in WIDE_LEAN_CONV_SIX]
     on_six = [{k: v for saved in per_round for k, v in saved.items()} for per_round in zip(*six_sets, strict=True)]
-    return model_verdicts(on_six, [knob_savings(late, LATE_LAYER, PAIRED_KNOBS, "aec1ce9")])
+    first = model_verdicts(on_six, [knob_savings(late, LATE_LAYER, PAIRED_KNOBS, "aec1ce9")])
+    again = session_verdicts("-pair", dict.fromkeys(PAIRED_KNOBS, True), late_again)
+    assert set(again) == PAIR_AGAIN
+    return first | again
 
 
 def paired_problems(verdicts: dict[tuple[int, int], bool], choice: Path | None = None) -> list[str]:
@@ -449,10 +487,12 @@ def paired_problems(verdicts: dict[tuple[int, int], bool], choice: Path | None =
 
 
 def test_wide_warps_and_the_lean_conv_are_served_exactly_where_they_saved_model_time_in_every_round():
-    """TP8 B16 (+1.10 to +1.79 us on layer 6, -0.13 to +0.27 on layer 86) and TP16 B32 (+0.03 to +1.10, +1.34 to
-    +2.00) saved model time in every round and are served, at 1024 threads; TP8 B32 and B64 and TP16 B16 lost it in
-    some round (layer 86), TP16 B64 in every round. Between and beyond the timed batches nothing serves either knob,
-    and wide warps alone (layer 6 only: TP8 B16 and B64 saved, TP16 mixed or lost) serve nowhere."""
+    """At aec1ce9 TP8 B16 (+1.10 to +1.79 us on layer 6, -0.13 to +0.27 on layer 86) and TP16 B32 (+0.03 to +1.10,
+    +1.34 to +2.00) saved model time in every round, TP16 B16 lost it in one. Timed again at ebd4bcb against the
+    served tree, TP8 B64 saved it in every round (+0.75 to +1.36 on layer 6, +1.57 to +3.87 on layer 86; at aec1ce9,
+    against 1024 threads, it was mixed) and TP8 B32 and TP16 B64 did not, as before. Served exactly at the three
+    winners, at 1024 threads; between and beyond the timed batches nothing serves either knob, and wide warps alone
+    (layer 6 only: TP8 B16 and B64 saved, TP16 mixed or lost) serve nowhere."""
     verdicts = wide_lean_conv_verdicts(WIDE_LEAN_CONV_LATE)
     assert set(verdicts) == {(tp, b) for tp in (8, 16) for b in (16, 32, 64)}
     assert {key for key, won in verdicts.items() if won} == WIDE_LEAN_CONV_SERVED
@@ -475,10 +515,43 @@ def test_rounds_where_the_pair_lost_at_tp16_b32_take_it_away(tmp_path):
     assert paired_problems(verdicts) == ["TP16 B32: did not save but served (True, True, 1024)"]
 
 
+def test_rounds_where_the_pair_lost_at_tp8_b64_take_it_away(tmp_path):
+    """Broken case: the later rounds' layer 86 with TP8 B64's gains mirrored into losses; the verdict the served
+    tree's rounds give there flips, whatever the earlier rounds said, and the served rule no longer matches."""
+    mirrored = mirrored_rounds(cap_rounds("-pair", True), tmp_path, lambda key: key == (8, 64))
+    verdicts = wide_lean_conv_verdicts(WIDE_LEAN_CONV_LATE, mirrored)
+    assert not verdicts[(8, 64)] and verdicts[(8, 16)] and verdicts[(16, 32)]
+    assert paired_problems(verdicts) == ["TP8 B64: did not save but served (True, True, 1024)"]
+
+
+def test_the_cap_is_served_nowhere_and_beat_the_uncapped_pair_only_at_tp16_b64():
+    """The pair held to three CTAs an SM (max_ctas_per_sm = 3: two waves of three where four an SM leave a second
+    wave of 1.8) against the served tree saved model time in every round only at TP8 B64, where the uncapped pair
+    (served there) beat it in every round; TP8 B32 lost in some round and TP16 B64 was mixed. Against the uncapped
+    pair in the same rounds the cap saved on both layers in every round at TP16 B64 (layer 6 +1.11 to +2.20 us, layer
+    86 +1.27 to +3.71), as three an SM should on a grid of 768 CTAs, but not at TP8 B32, which has as many: the
+    wave count alone does not decide. Nothing serves it."""
+    verdicts = session_verdicts("", CAPPED_KNOBS)
+    assert verdicts == {(8, 32): False, (8, 64): True, (16, 64): False}
+    against_pair = {}
+    for late in (False, True):
+        caps, pairs = cap_rounds("", late), cap_rounds("-pair", late)
+        rounds = [(pair, cap) for (_, cap), (_, pair) in zip(caps, pairs, strict=True)]
+        saved = [bench.layer_savings(json.loads(p.read_text()), json.loads(c.read_text()))[1] for p, c in rounds]
+        against_pair[late] = {key: [round(s[key], 2) for s in saved] for key in PAIR_AGAIN}
+    assert all(us > 1 for late in (False, True) for us in against_pair[late][(16, 64)]), against_pair
+    assert all(us < 0 for us in against_pair[True][(8, 64)]) and max(against_pair[True][(8, 32)]) > 0 > min(
+        against_pair[True][(8, 32)]
+    )
+    for tp in (8, 16):
+        heads = K3.shard(tp).kda_heads
+        assert not any(chosen_variant(heads, b).max_ctas_per_sm for b in range(1, 65))
+
+
 def test_a_choice_serving_the_pair_at_the_tp8_budget_rule_contradicts_the_rounds(tmp_path):
     """Broken case: the pair served on TP8's B16-B64 rule (at 1536 threads, as that rule has it) instead of its own:
-    B32 did not save, and B16 saved at 1024 threads, not 1536; both are named (B64 keeps the lean start's rule, which
-    comes first)."""
+    B32 did not save, and B16 saved at 1024 threads, not 1536; both are named (B64 keeps its own rule, which comes
+    first)."""
     served = REPO / "k3_decode/kernels/kda_step_choice.toml"
     budget_rule = "{ heads = 12, batches = [16, 64], resident_threads = 1536, warm_ahead = false"
     text = served.read_text().replace(budget_rule + " }", budget_rule + ", lean_conv = true, wide_warps = true }")
