@@ -79,7 +79,7 @@ the f_b weight) and does almost no arithmetic, so it is bound by latency and by 
   whatever it reads. Triggering after the conv instead cost 2.5-3 us per layer at B1 (the KDA layer benchmark's
   timeline: o_proj started only as this kernel ended).
 - A lean start (a plan with `lean_start`, served at TP8 B64 from one H100's layer rounds, with wide warps and the
-  lean conv since ebd4bcb). From TP8 B16 and TP16 B32
+  lean conv since c8d524d). From TP8 B16 and TP16 B32
   the grid runs in waves, and a later wave's CTA does not wait for the projection, so what comes before its state
   copy is its whole start: the plain start reads the slot hint (a global load) before the cluster barrier's
   arrive, waits for the peers, then reads the slot again after griddepcontrol.wait: two load latencies and a
