@@ -977,6 +977,32 @@ def every_round(saved: Sequence[float | None]) -> str:
     return "mixed"
 
 
+def model_round_savings(
+    per_layer: Mapping[int, Mapping[tuple[int, int], Sequence[float | None]]], dims: ModelDims
+) -> dict[tuple[int, int], list[float | None]]:
+    """Per (TP, batch) every layer's rounds timed: round i's layer time saved on each layer (round_savings), times the
+    KDA layers that layer stands for (kda_layers_like), summed: the model's KDA time the variant saved per decode step
+    (us), None where a layer's round i did not time the cell. Round i of one layer is paired with round i of the
+    others, so every layer needs as many rounds. Raises ValueError otherwise, or for fewer than two layers."""
+    if len(per_layer) < 2:
+        raise ValueError(f"model time weighs the rounds of two or more layers, got layer {sorted(per_layer)} only")
+    counts = {layer: {len(per_round) for per_round in saved.values()} for layer, saved in per_layer.items()}
+    if len({n for c in counts.values() for n in c}) != 1:
+        raise ValueError(f"each layer needs as many rounds to pair them, got {counts}")
+    weights = {layer: kda_layers_like(dims, layer) for layer in per_layer}
+    keys = set.intersection(*(set(saved) for saved in per_layer.values()))
+    out = {}
+    for key in sorted(keys):
+        rounds = zip(*(per_layer[layer][key] for layer in per_layer), strict=True)
+        out[key] = [
+            None
+            if None in per_round
+            else sum(weights[layer] * us for layer, us in zip(per_layer, per_round, strict=True))
+            for per_round in rounds
+        ]
+    return out
+
+
 def rounds_lines(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> list[str]:
     """A markdown table of several rounds of a variant against its base: per cell the layer time each round saved
     (us; -: not timed in that round), their mean and the every-round verdict."""
@@ -989,10 +1015,39 @@ def rounds_lines(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]) -
         "|---|---|" + "---|" * len(pairs) + "---|---|",
     ]
     for (tp, batch), per_round in saved.items():
-        timed = [s for s in per_round if s is not None]
-        cells = " | ".join("-" if s is None else f"{s:+.2f}" for s in per_round)
-        out.append(f"| {tp} | {batch} | {cells} | {sum(timed) / len(timed):+.2f} | {every_round(per_round)} |")
+        out.append(_round_row(tp, batch, per_round))
     return out
+
+
+def _round_row(tp: int, batch: int, per_round: Sequence[float | None], digits: int = 2) -> str:
+    timed = [s for s in per_round if s is not None]
+    cells = " | ".join("-" if s is None else f"{s:+.{digits}f}" for s in per_round)
+    mean = f"{sum(timed) / len(timed):+.{digits}f}" if timed else "-"
+    return f"| {tp} | {batch} | {cells} | {mean} | {every_round(per_round)} |"
+
+
+def model_rounds_lines(
+    stacks: Sequence[Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]], dims: ModelDims
+) -> list[str]:
+    """Each stack's rounds table (rounds_lines), then the model time each round saved where every stack timed the
+    cell (model_round_savings): the verdict the step's and o_proj's choice files are bound by."""
+    per_layer, out = {}, []
+    for pairs in stacks:
+        layer, saved = round_savings(pairs)
+        if layer in per_layer:
+            raise ValueError(f"two stacks time layer {layer}; give one stack's rounds per layer")
+        per_layer[layer] = saved
+        out += [*rounds_lines(pairs), ""]
+    model = model_round_savings(per_layer, dims)
+    weights = " + ".join(f"{kda_layers_like(dims, layer)} x layer {layer}" for layer in per_layer)
+    heads = " | ".join(f"round {i + 1}" for i in range(len(stacks[0])))
+    out += [
+        f"model time the variant saved per decode step (us; {weights}; round i of each stack paired)",
+        "",
+        f"| TP | B | {heads} | mean | verdict |",
+        "|---|---|" + "---|" * len(stacks[0]) + "---|---|",
+    ]
+    return out + [_round_row(tp, batch, per_round, digits=1) for (tp, batch), per_round in model.items()]
 
 
 def markdown(results: Mapping[str, Any]) -> str:
@@ -1151,7 +1206,9 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="FILE",
         help="BASE VARIANT [BASE VARIANT ...]: print the layer time each round's variant saved per cell, and whether "
-        "it saved in every round that timed the cell (the rule the choice files are bound by), and exit",
+        "it saved in every round that timed the cell, and exit; given the rounds of two stacks (layers 6 and 86, as "
+        "many of each, round i of each paired in the order given), also the model time each round saved, each layer "
+        "weighed by the KDA layers it stands for (the rule the choice files are bound by)",
     )
     return ap
 
@@ -1213,10 +1270,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             if len(args.rounds) % 2:
                 raise ValueError(f"--rounds takes BASE VARIANT pairs, got {len(args.rounds)} files")
             docs = [json.loads(Path(p).read_text()) for p in args.rounds]
-            stacks = {doc.get("stack", STACK) for doc in docs}
-            if len(stacks) != 1:
-                raise ValueError(f"the rounds time different stacks ({sorted(stacks)})")
-            print("\n".join(rounds_lines(list(zip(docs[::2], docs[1::2], strict=True)))))
+            by_stack: dict[str, list[tuple[Mapping[str, Any], Mapping[str, Any]]]] = {}
+            for base, variant in zip(docs[::2], docs[1::2], strict=True):
+                stacks = {doc.get("stack", STACK) for doc in (base, variant)}
+                if len(stacks) != 1:
+                    raise ValueError(f"a BASE VARIANT pair times different stacks ({sorted(stacks)})")
+                by_stack.setdefault(stacks.pop(), []).append((base, variant))
+            pairs = list(by_stack.values())
+            if len(pairs) == 1:
+                print("\n".join(rounds_lines(pairs[0])))
+            else:
+                models = {load_stack(stack, 8).model for stack in by_stack}
+                if len(models) != 1:
+                    raise ValueError(f"the stacks are of different models ({sorted(models)})")
+                print("\n".join(model_rounds_lines(pairs, load_dims(models.pop()))))
         except (OSError, ValueError, KeyError) as exc:
             print(f"kda_layer_h200.py --rounds: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 2

@@ -337,18 +337,18 @@ def lean_savings(rounds: list[tuple[Path, Path]], layer: int) -> list[dict[tuple
 
 def model_verdicts(on_six: list[dict], on_late: list[list[dict]]) -> dict[tuple[int, int], bool]:
     """Per (TP, batch) timed: whether the variant saved model time in every round. Where both stacks were timed,
-    round i of each paired, each layer's saving times the KDA layers it stands for (9 for layer 6, 60 for layer 86);
-    where only one was, that stack's rounds, which cannot serve it alone (the step's rules are judged on both)."""
-    weights = {layer: bench.kda_layers_like(K3, layer) for layer in (6, LATE_LAYER)}
+    round i of each paired, each layer's saving times the KDA layers it stands for (bench.model_round_savings: 9 for
+    layer 6, 60 for layer 86); where only one was, that stack's rounds, which cannot serve it alone (the step's rules
+    are judged on both)."""
+
+    def by_cell(rounds: list[dict]) -> dict[tuple[int, int], list[float | None]]:
+        return {key: [saved.get(key) for saved in rounds] for key in set().union(*rounds)}
+
     verdicts = {key: False for saved in on_six for key in saved}  # layer 6 alone never serves
     for rounds in on_late:
         verdicts |= {key: False for saved in rounds for key in saved}
-        both = set(rounds[0]) & set(on_six[0])
-        for key in both:
-            verdicts[key] = all(
-                weights[6] * six_saved[key] + weights[LATE_LAYER] * late_saved[key] > 0
-                for six_saved, late_saved in zip(on_six, rounds, strict=True)
-            )
+        model = bench.model_round_savings({6: by_cell(on_six), LATE_LAYER: by_cell(rounds)}, K3)
+        verdicts |= {key: bench.every_round(per_round) == "saved in every round" for key, per_round in model.items()}
     return verdicts
 
 
