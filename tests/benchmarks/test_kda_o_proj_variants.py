@@ -439,12 +439,12 @@ def two_per_sm_weighted(six: list[tuple[Path, Path]], late: list[tuple[Path, Pat
             assert cell["o_proj_variant"]["wgmma_ctas_per_sm"] == 2 and o_proj_path(cell) == "specialized", key
         for key, cell in bench.cells_by_key(load(variant)).items():
             assert cell["o_proj_variant"]["wgmma_ctas_per_sm"] == 3 and cell["o_proj_variant"]["wgmma"], key
-    weights = {layer: bench.kda_layers_like(K3, layer) for layer in (6, LATE_LAYER)}
-    pairs = list(zip(savings(six), savings(late, LATE_LAYER), strict=True))
-    both = set(pairs[0][0]) & set(pairs[0][1])
-    return {
-        key: all(weights[6] * two[key] - weights[LATE_LAYER] * three[key] > 0 for two, three in pairs) for key in both
-    }
+    six_layer, two = bench.round_savings([(load(base), load(variant)) for base, variant in six])
+    late_layer, three = bench.round_savings([(load(base), load(variant)) for base, variant in late])
+    assert (six_layer, late_layer) == (6, LATE_LAYER)
+    against_three = {key: [None if us is None else -us for us in per_round] for key, per_round in three.items()}
+    model = bench.model_round_savings({6: two, LATE_LAYER: against_three}, K3)
+    return {key: bench.every_round(per_round) == "saved in every round" for key, per_round in model.items()}
 
 
 def two_per_sm_problems(verdicts: dict[tuple[int, int], bool], weighted: dict[tuple[int, int], bool]) -> list[str]:
