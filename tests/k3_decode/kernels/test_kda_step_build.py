@@ -1079,13 +1079,13 @@ def test_wide_warps_are_built_at_every_budget_beside_the_served_plan():
         assert b.plan.warps * 2 == four_row_twin(b).plan.warps and b.plan.slots == four_row_twin(b).plan.slots == 32
 
 
-@pytest.mark.slow
-@needs_cutedsl
 # A capped build's PTX is its uncapped twin's, line for line (test_a_capped_build_is_the_uncapped_builds_code), so
 # comparing its values again would only repeat the twin's comparison (about 11 s of CPU a build).
 UNCAPPED_WIDE = [b for b in WIDE_BUILDS if not b.plan.max_ctas_per_sm]
 
 
+@pytest.mark.slow
+@needs_cutedsl
 @pytest.mark.parametrize("build", UNCAPPED_WIDE, ids=[b.name for b in UNCAPPED_WIDE])
 def test_a_wide_build_stores_the_four_row_builds_values(build):
     """Every lane of all warps together stores the same expressions at the same addresses in both builds
