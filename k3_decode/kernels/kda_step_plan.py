@@ -19,7 +19,7 @@ tokens) and its state rows once, and exchanges q times the decays and the norm p
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal
@@ -317,10 +317,9 @@ class KdaStepPlan:
 
     @property
     def choice(self) -> dict[str, Any]:
-        """for_shape's overrides that give this plan back at its shape, whatever kda_step_choice.toml serves."""
-        knobs = ("cluster", "resident_threads", "warm_ahead", "requests_per_cta", "local_decays", "lean_start")
-        knobs += ("lean_conv", "joint_sums", "wide_warps", "max_ctas_per_sm")
-        return {name: getattr(self, name) for name in knobs}
+        """for_shape's overrides that give this plan back at its shape, whatever kda_step_choice.toml serves: its
+        cluster and every knob a choice file's variant names (StepVariant's fields)."""
+        return {"cluster": self.cluster} | {f.name: getattr(self, f.name) for f in fields(StepVariant)}
 
     # --- the packed row ---------------------------------------------------------------------------------------
 
