@@ -90,20 +90,14 @@ class VariantRule:
 def _variant(entry: Any, where: str, rule: bool) -> StepVariant:
     keys = {"resident_threads", "warm_ahead"}
     named = set(entry) - {"heads", "batches"} if rule and isinstance(entry, dict) else set(entry or ())
-    optional = {
-        "requests_per_cta",
-        "local_decays",
-        "lean_start",
-        "lean_conv",
-        "joint_sums",
-        "wide_warps",
-        "max_ctas_per_sm",
-    }
-    if not isinstance(entry, dict) or named - optional != keys:
+    # Every field of StepVariant with a default is an optional key, so a new knob cannot be left out of the file's
+    # grammar.
+    optional = [f.name for f in fields(StepVariant) if f.name not in keys]
+    if not isinstance(entry, dict) or named - set(optional) != keys:
         scope = "; a rule also batches and optionally heads" if rule else ", nothing else"
         raise ValueError(
-            f"{where} must name resident_threads and warm_ahead (requests_per_cta, local_decays, lean_start, "
-            f"lean_conv, joint_sums, wide_warps and max_ctas_per_sm optional){scope}, got {entry!r}"
+            f"{where} must name resident_threads and warm_ahead ({', '.join(optional[:-1])} and {optional[-1]} "
+            f"optional){scope}, got {entry!r}"
         )
     threads, warm, group = entry["resident_threads"], entry["warm_ahead"], entry.get("requests_per_cta", 1)
     local, lean, conv = entry.get("local_decays", False), entry.get("lean_start", False), entry.get("lean_conv", False)
@@ -240,10 +234,10 @@ class KdaStepPlan:
                 f"max_ctas_per_sm caps the CTAs an SM holds below the {self.ctas_per_sm} of {self.threads} threads "
                 f"that {self.resident_threads} threads per SM fit, got {self.max_ctas_per_sm}: leave it out or lower it"
             )
-        if self.max_ctas_per_sm and self.max_ctas_per_sm >= -(-self.ctas // self.sm_count):
+        if self.max_ctas_per_sm and self.max_ctas_per_sm >= self.fewest_ctas_per_sm:
             raise ValueError(
                 f"max_ctas_per_sm {self.max_ctas_per_sm} changes nothing: the grid's {self.ctas} CTAs put at most "
-                f"{-(-self.ctas // self.sm_count)} on each of {self.sm_count} SMs; leave it out"
+                f"{self.fewest_ctas_per_sm} on each of {self.sm_count} SMs; leave it out"
             )
         if self.warm_ahead and self.wave_requests >= self.batch:
             raise ValueError(
@@ -419,7 +413,12 @@ class KdaStepPlan:
         retire, and the first SMs freed would otherwise take whole clusters (the phase trace at 2a17303: at TP8 B1
         the 96 CTAs ran on 26 SMs, at TP16 B1 48 on 8), eight latency-bound CTAs sharing one SM's issue slots and
         load pipe."""
-        return min(self.held_ctas, -(-self.ctas // self.sm_count))
+        return min(self.held_ctas, self.fewest_ctas_per_sm)
+
+    @property
+    def fewest_ctas_per_sm(self) -> int:
+        """ceil(CTAs / SMs): the fewest CTAs an SM must hold for the whole grid to be resident at once."""
+        return -(-self.ctas // self.sm_count)
 
     @property
     def launch_smem_bytes(self) -> int:

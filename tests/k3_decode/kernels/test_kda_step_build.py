@@ -28,6 +28,7 @@ from k3_decode.kernels.kda_step_plan import (
     RESIDENT_THREADS,
     KdaStepPlan,
     KdaVerifyPlan,
+    StepVariant,
     knob_alone,
 )
 from k3_decode.reference.kda import KdaSpec
@@ -285,6 +286,25 @@ def test_a_malformed_choice_file_is_an_error_naming_it(tmp_path, bad):
     rules, message = BAD_CHOICES[bad]
     with pytest.raises(ValueError, match=rf"kda_step_choice\.toml rules\[0\].*{message}"):
         kda_step_plan.variant_rules(_choice_file(tmp_path, rules))
+
+
+def test_every_knob_of_a_variant_is_a_key_the_choice_file_takes(tmp_path):
+    """A rule naming every StepVariant field, each at a value other than its default, reads back as that variant:
+    a knob added to StepVariant but not to the file's grammar fails here, not when a session first serves it."""
+    knobs = {"requests_per_cta": 2, "max_ctas_per_sm": 3}
+    knobs |= {f.name: True for f in dataclasses.fields(StepVariant) if isinstance(f.default, bool)}
+    knobs |= {"warm_ahead": False, "resident_threads": 1536}
+    rule = "{ batches = [2, 4], " + ", ".join(f"{k} = {str(v).lower()}" for k, v in knobs.items()) + " }"
+    entry = {f.name for f in dataclasses.fields(StepVariant)}
+    assert set(knobs) == entry, "the rule above names every field of StepVariant"
+    # the values need not make a buildable plan: the grammar reads each key, then refuses the combination
+    with pytest.raises(ValueError, match=r"rules\[0\]: .* not built together"):
+        kda_step_plan.variant_rules(_choice_file(tmp_path, rule))
+    for name in sorted(entry - {"resident_threads", "warm_ahead", "requests_per_cta"}):
+        value = str(knobs[name]).lower()
+        rule = f"{{ batches = [2, 4], resident_threads = 1024, warm_ahead = false, {name} = {value} }}"
+        _, (read,) = kda_step_plan.variant_rules(_choice_file(tmp_path / name, rule))
+        assert getattr(read.variant, name) == knobs[name], name
 
 
 def test_a_default_with_a_batch_range_or_a_missing_table_is_an_error(tmp_path):
