@@ -439,7 +439,7 @@ WIDE_LEAN_CONV_LATE = [
     for i in (1, 2, 3)
 ]
 WIDE_ALONE_SIX = [(WIDE_DIR / f"step-knobs-base-{i}.json", WIDE_DIR / f"step-wide-warps-{i}.json") for i in (1, 2, 3)]
-WIDE_LEAN_CONV_SERVED = {(8, 16), (16, 32), (8, 64)}
+WIDE_LEAN_CONV_SERVED = {(8, 16), (16, 32), (8, 64), (8, 8), (16, 1)}
 # One H100 at ebd4bcb, three rounds of 60 against the served tree (TP8 B64: 1536 threads and the lean start) on
 # layers 6 and 86 at TP8 and TP16 B32 and B64: the pair (step-cap-pair, step-cap-late-pair) and the pair held to three
 # CTAs an SM (step-cap, step-cap-late), each round timing the base, the cap and the pair in turn. TP16 B32 already
@@ -454,6 +454,27 @@ def cap_rounds(variant: str, late: bool) -> list[tuple[Path, Path]]:
     return [(WIDE_DIR / f"{stem}-base-{i}.json", WIDE_DIR / f"{stem}{variant}-{i}.json") for i in (1, 2, 3)]
 
 
+# One H100, four rounds of 60 against the tree at B1-B8, both TP sizes, the pair on a rule at B1-B8: round 1 at
+# eaf08f2, rounds 2-4 at fe9509a (the same kernels), layers 6 and 86 (step-small-*, step-small-late-*).
+SMALL_COMMITS = {1: "eaf08f2", 2: "fe9509a", 3: "fe9509a", 4: "fe9509a"}
+
+
+def small_rounds(late: bool) -> list[tuple[Path, Path]]:
+    stem = "step-small-late" if late else "step-small"
+    return [(WIDE_DIR / f"{stem}-base-{i}.json", WIDE_DIR / f"{stem}-{i}.json") for i in SMALL_COMMITS]
+
+
+def small_verdicts(late: list[tuple[Path, Path]] | None = None) -> dict[tuple[int, int], bool]:
+    """Model-time verdicts of the pair's rounds at B1-B8 against the tree, each round checked at its own commit."""
+
+    def savings(rounds: list[tuple[Path, Path]], layer: int) -> list[dict]:
+        knobs = dict.fromkeys(PAIRED_KNOBS, True)
+        pairs = zip(rounds, SMALL_COMMITS.values(), strict=True)
+        return [saved for pair, commit in pairs for saved in knob_savings([pair], layer, knobs, commit)]
+
+    return model_verdicts(savings(small_rounds(False), 6), [savings(late or small_rounds(True), LATE_LAYER)])
+
+
 def session_verdicts(variant: str, knobs: dict[str, bool | int], late: list[tuple[Path, Path]] | None = None):
     """Model-time verdicts of this session's rounds of `variant` ("" the cap, "-pair" the pair) against the tree."""
     six = knob_savings(cap_rounds(variant, False), 6, knobs, CAP_COMMIT, frozenset({(16, 32)}))
@@ -462,16 +483,21 @@ def session_verdicts(variant: str, knobs: dict[str, bool | int], late: list[tupl
 
 
 def wide_lean_conv_verdicts(
-    late: list[tuple[Path, Path]], late_again: list[tuple[Path, Path]] | None = None
+    late: list[tuple[Path, Path]],
+    late_again: list[tuple[Path, Path]] | None = None,
+    late_small: list[tuple[Path, Path]] | None = None,
 ) -> dict[tuple[int, int], bool]:
-    """The pair's verdict per cell: at aec1ce9 (against the tree at 1024 threads), and where the rounds at ebd4bcb
-    timed it again against the served tree, theirs (the served tree is what a rule replaces)."""
+    """The pair's verdict per cell: at aec1ce9 (against the tree at 1024 threads), where the rounds at ebd4bcb
+    timed it again against the served tree, theirs (the served tree is what a rule replaces), and at B1-B8 the
+    small-batch rounds'."""
     six_sets = [knob_savings(rounds, 6, PAIRED_KNOBS, "aec1ce9") for rounds in WIDE_LEAN_CONV_SIX]
     on_six = [{k: v for saved in per_round for k, v in saved.items()} for per_round in zip(*six_sets, strict=True)]
     first = model_verdicts(on_six, [knob_savings(late, LATE_LAYER, PAIRED_KNOBS, "aec1ce9")])
     again = session_verdicts("-pair", dict.fromkeys(PAIRED_KNOBS, True), late_again)
     assert set(again) == PAIR_AGAIN
-    return first | again
+    small = small_verdicts(late_small)
+    assert set(small) == {(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8)}
+    return first | again | small
 
 
 def paired_problems(verdicts: dict[tuple[int, int], bool], choice: Path | None = None) -> list[str]:
@@ -491,10 +517,12 @@ def test_wide_warps_and_the_lean_conv_are_served_exactly_where_they_saved_model_
     +1.34 to +2.00) saved model time in every round, TP16 B16 lost it in one. Timed again at ebd4bcb against the
     served tree, TP8 B64 saved it in every round (+0.75 to +1.36 on layer 6, +1.57 to +3.87 on layer 86; at aec1ce9,
     against 1024 threads, it was mixed) and TP8 B32 and TP16 B64 did not, as before. Served exactly at the three
-    winners, at 1024 threads; between and beyond the timed batches nothing serves either knob, and wide warps alone
-    (layer 6 only: TP8 B16 and B64 saved, TP16 mixed or lost) serve nowhere."""
+    winners, at 1024 threads. At B1-B8, four rounds on both layers: TP8 B8 (+1.72 to +2.08 us on layer 6, +0.03 to
+    +1.98 on layer 86) and TP16 B1 (-0.28 to +0.26, +0.16 to +0.66) saved model time in every round and are served;
+    TP16 B8 lost it in round 1, the other cells in one round or more. Between and beyond the timed batches nothing
+    serves either knob, and wide warps alone (layer 6 only: TP8 B16 and B64 saved, TP16 mixed or lost) serve nowhere."""
     verdicts = wide_lean_conv_verdicts(WIDE_LEAN_CONV_LATE)
-    assert set(verdicts) == {(tp, b) for tp in (8, 16) for b in (16, 32, 64)}
+    assert set(verdicts) == {(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8, 16, 32, 64)}
     assert {key for key, won in verdicts.items() if won} == WIDE_LEAN_CONV_SERVED
     assert paired_problems(verdicts) == []
     for tp in (8, 16):
@@ -522,6 +550,31 @@ def test_rounds_where_the_pair_lost_at_tp8_b64_take_it_away(tmp_path):
     verdicts = wide_lean_conv_verdicts(WIDE_LEAN_CONV_LATE, mirrored)
     assert not verdicts[(8, 64)] and verdicts[(8, 16)] and verdicts[(16, 32)]
     assert paired_problems(verdicts) == ["TP8 B64: did not save but served (True, True, 1024)"]
+
+
+def test_rounds_where_the_pair_lost_at_tp16_b1_take_it_away(tmp_path):
+    """Broken case: the small-batch rounds' layer 86 with TP16 B1's gains mirrored into losses; the verdict there
+    flips and the served rule no longer matches, while TP8 B8 still does."""
+    mirrored = mirrored_rounds(small_rounds(True), tmp_path, lambda key: key == (16, 1))
+    verdicts = wide_lean_conv_verdicts(WIDE_LEAN_CONV_LATE, late_small=mirrored)
+    assert not verdicts[(16, 1)] and verdicts[(8, 8)]
+    assert paired_problems(verdicts) == ["TP16 B1: did not save but served (True, True, 1024)"]
+
+
+def test_the_small_batch_rounds_are_the_ones_the_choice_file_quotes():
+    """The layer time each round saved, as kda_step_choice.toml's comment quotes it (layer 6 / layer 86, round 1 at
+    eaf08f2): a round recomputed differently, or a results file swapped, fails here."""
+    knobs = dict.fromkeys(PAIRED_KNOBS, True)
+    quoted = {
+        (8, 8): ([1.72, 1.73, 2.08, 2.03], [0.03, 1.35, 1.98, 1.93]),
+        (16, 1): ([0.03, -0.28, 0.18, 0.26], [0.56, 0.16, 0.35, 0.66]),
+        (16, 8): ([0.22, 0.43, 0.28, 0.56], [-0.07, 0.13, 0.11, 0.25]),
+    }
+    for late, layer in ((False, 6), (True, LATE_LAYER)):
+        pairs = zip(small_rounds(late), SMALL_COMMITS.values(), strict=True)
+        saved = [s for pair, commit in pairs for s in knob_savings([pair], layer, knobs, commit)]
+        for key, both in quoted.items():
+            assert [round(s[key], 2) for s in saved] == both[late], (key, layer)
 
 
 def test_the_cap_is_served_nowhere_and_beat_the_uncapped_pair_only_at_tp16_b64():
@@ -557,7 +610,7 @@ def test_a_choice_serving_the_pair_at_the_tp8_budget_rule_contradicts_the_rounds
     text = served.read_text().replace(budget_rule + " }", budget_rule + ", lean_conv = true, wide_warps = true }")
     text = text.replace(
         "{ heads = 12, batches = [16, 16], resident_threads = 1024,",
-        "{ heads = 12, batches = [1, 1], resident_threads = 1024,",
+        "{ heads = 12, batches = [3, 3], resident_threads = 1024,",  # a batch no round timed
     )
     choice = tmp_path / "kda_step_choice.toml"
     choice.write_text(text)

@@ -376,8 +376,9 @@ def test_local_decays_copy_the_heads_f_b_rows_and_dt_bias_and_keep_the_launch(tp
     a lane before) with the weights, and nothing else changes: the cluster, the threads, and where the grid is
     spread the launch's request, which o_proj's CTAs beside it are sized for. A group of requests cannot take it."""
     shard = K3.shard(tp)
-    plan = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, H200_SMS, local_decays=False)
-    local = KdaStepPlan.for_shape(shard.kda_heads, shard.kda_in_proj_rows, batch, H200_SMS, local_decays=True)
+    at = (shard.kda_heads, shard.kda_in_proj_rows, batch, H200_SMS)
+    plan = KdaStepPlan.for_shape(*at, **knob_alone(local_decays=False))  # four-row warps where the pair is served
+    local = KdaStepPlan.for_shape(*at, **knob_alone(local_decays=True))
     rows = plan.rows_per_cta
     assert (local.decay_rows, plan.decay_rows) == (HEAD_DIM, rows)
     assert local.weight_bytes - plan.weight_bytes == (HEAD_DIM - rows) * GATE_RANK * 2 + HEAD_DIM * 4
