@@ -604,8 +604,9 @@ def test_the_driver_fits_exactly_spread_ctas_of_the_decode_launch_on_an_sm(build
     """The launch's shared-memory request (KdaStepPlan.launch_smem_bytes) is what spreads a small grid over the
     SMs, and only the driver knows what it charges a CTA beside it: at aa5aabc the plan assumed 2 KiB, and two
     CTAs shared an SM where one was meant to (TP8 B1: 96 CTAs on 54 SMs in the phase trace). The occupancy
-    calculator, given the compiled cubin, must fit `spread` CTAs with the padded request and ctas_per_sm without
-    it (the padding, not the registers, is what limits)."""
+    calculator, given the compiled cubin, must fit `spread` CTAs with the padded request and resident_ctas without
+    it (the padding, not the registers, is what limits). Unpadded, registers limit most plans (ctas_per_sm) and
+    shared memory the smallest CTAs: TP16 B1's wide warps, 64 threads and 18.5 KiB, fit 11 an SM, not 16."""
     plan = build.plan
     padded, unpadded = ctas_per_sm(*decode_cubin(plan), plan.threads, [plan.launch_smem_bytes, plan.smem_bytes])
     print(
@@ -613,7 +614,7 @@ def test_the_driver_fits_exactly_spread_ctas_of_the_decode_launch_on_an_sm(build
         f"(spread {plan.spread}), {unpadded} at {plan.smem_bytes} B"
     )
     assert padded == plan.spread, f"{padded} CTAs fit an SM at the padded request, not {plan.spread}"
-    assert unpadded == plan.ctas_per_sm, f"{unpadded} CTAs fit unpadded, not ctas_per_sm = {plan.ctas_per_sm}"
+    assert unpadded == plan.resident_ctas, f"{unpadded} CTAs fit unpadded, not resident_ctas = {plan.resident_ctas}"
 
 
 # 256 threads a CTA, 56.7 KB of shared memory; a capped launch's count is the spread test's
