@@ -805,7 +805,8 @@ class K3KernelBuilds:
         """The fused KDA decode step at every TP and batch of builds.toml's [kda_step], at each rank's heads: the
         served variant (kda_step_choice.toml), and every register budget, the warming, the request groups, the
         local decays, the lean start, the lean conv, the joint sums, the wide warps (at every register budget) and
-        the wide warps with the lean conv (uncapped, and capped where the cap binds) where it lists them."""
+        the wide warps with the lean conv (uncapped, capped where the cap binds, and with the lean start) where it
+        lists them."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_step"]
         budgets = spec.get("every_budget", {"batches": []})["batches"]
@@ -817,6 +818,7 @@ class K3KernelBuilds:
         joint = spec.get("joint_sums", {"batches": []})["batches"]
         wide = spec.get("wide_warps", {"batches": []})["batches"]
         wide_conv = spec.get("wide_lean_conv", {"batches": []})["batches"]
+        wide_conv_lean = spec.get("wide_lean_conv_lean", {"batches": []})["batches"]
         capped = spec.get("wide_lean_conv_cap", {"max_ctas_per_sm": 0, "batches": []})
         builds = []
         for tp in spec["tp"]:
@@ -864,6 +866,9 @@ class K3KernelBuilds:
             ]
             pair = {"resident_threads": RESIDENT_THREADS, "wide_warps": True, "lean_conv": True, "max_ctas_per_sm": 0}
             mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **pair) for batch in wide_conv]
+            mine += [
+                KdaStepPlan.for_shape(heads, rows, batch, sms, **pair, lean_start=True) for batch in wide_conv_lean
+            ]
             for batch in capped["batches"]:  # only where the cap binds: elsewhere it is the uncapped build
                 plan = KdaStepPlan.for_shape(heads, rows, batch, sms, **pair)
                 if capped["max_ctas_per_sm"] < plan.spread:

@@ -638,7 +638,7 @@ def test_expectations_judge_every_kda_step_build():
     # 14 at 1024 threads per SM, 6 at 1536, 7 warming the next wave, 4 of request pairs, 6 with local decays, 8 with
     # a lean start, 6 with a lean conv, 6 with joint sums, 12 with wide warps, 10 with wide warps and the lean conv,
     # 3 of those capped at three CTAs an SM
-    assert len(builds) == 82
+    assert len(builds) == 88
     step = expectations["kda_step"]
     assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
 
@@ -1082,8 +1082,11 @@ def test_wide_warps_are_built_at_every_budget_beside_the_served_plan():
     # and with the lean conv at 1024 threads, the budget whose four CTAs an SM the layer rounds run
     together = [b for b in WIDE_BUILDS if b.plan.lean_conv and not b.plan.max_ctas_per_sm]
     assert {(b.tp, b.plan.batch, b.plan.resident_threads) for b in together} == {
-        (tp, batch, 1024) for tp in (8, 16) for batch in (1, 8, 16, 32, 64)
+        (tp, batch, 1024) for tp in (8, 16) for batch in (1, 2, 8, 16, 32, 64)
     }
+    # and so with the lean start: served at TP8 B64, built for its rounds at B1, B2 and B8
+    lean = [b for b in together if b.plan.lean_start]
+    assert {(b.tp, b.plan.batch) for b in lean} == {(tp, n) for tp in (8, 16) for n in (1, 2, 8)} | {(8, 64)}
     # and so, held to three CTAs an SM where the grid would put four there (768 and 1536 CTAs)
     capped = [b for b in WIDE_BUILDS if b.plan.max_ctas_per_sm]
     assert {(b.tp, b.plan.batch, b.plan.ctas, b.plan.spread) for b in capped} == {
@@ -1094,7 +1097,8 @@ def test_wide_warps_are_built_at_every_budget_beside_the_served_plan():
             b.plan.heads, b.plan.rows, b.plan.batch, resident_threads=b.plan.resident_threads
         )
         knobs = {"wide_warps": True, "lean_conv": b.plan.lean_conv, "max_ctas_per_sm": b.plan.max_ctas_per_sm}
-        assert b.plan == dataclasses.replace(served, **knobs), b.name
+        assert b.plan == dataclasses.replace(served, **knobs, lean_start=b.plan.lean_start), b.name
+        assert b.plan.lean_start == served.lean_start or b in lean, b.name
         assert b.plan.lean_conv or not b.plan.max_ctas_per_sm, b.name
         assert b.name.endswith("/wide-warps" + ("/cap3" if b.plan.max_ctas_per_sm else "")), b.name
         assert b.plan.warps * 2 == four_row_twin(b).plan.warps and b.plan.slots == four_row_twin(b).plan.slots == 32
@@ -1204,8 +1208,16 @@ def test_wide_warps_and_the_lean_conv_save_more_together_than_either():
     """The two knobs cut different work (a warp's fixed share, and the conv run by every warp), so together a live
     CTA runs at most two thirds of the plain step's instructions at the same plan (61-62 % at this tree), where wide
     warps alone run 72-74 %: the broken case, a combined build that lost its lean conv, fails the bound."""
-    # where a CTA has more wide warps than the two conv warps (at clusters of 8 both warps convolve: nothing to skip)
-    together = [b for b in WIDE_BUILDS if b.plan.lean_conv and not b.plan.max_ctas_per_sm and b.plan.warps > 2]
+    # where a CTA has more wide warps than the two conv warps (at clusters of 8 both warps convolve: nothing to skip);
+    # the lean start's builds beside the pair for its rounds only move copies, and are left out
+    together = [
+        b
+        for b in WIDE_BUILDS
+        if b.plan.lean_conv
+        and not b.plan.max_ctas_per_sm
+        and b.plan.warps > 2
+        and b.plan.lean_start == KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch).lean_start
+    ]
     assert len(together) == 8
     for build in together:
         plain = cta_instructions(four_row_twin(build))

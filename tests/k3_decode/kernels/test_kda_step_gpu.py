@@ -78,7 +78,8 @@ WIDE = [
 WARM = [b for b in ALL_BUILDS if b.plan.warm_ahead]  # warming the next wave's state in L2
 GROUP = [b for b in ALL_BUILDS if b.plan.requests_per_cta > 1]  # clusters serving two requests each
 LOCAL = [b for b in ALL_BUILDS if b.plan.local_decays]  # every CTA computes the head's decays: no decay exchange
-LEAN = [b for b in ALL_BUILDS if b.plan.lean_start]  # the copies before the cluster barrier's wait
+LEAN = [b for b in ALL_BUILDS if b.plan.lean_start and not b.plan.wide_warps]  # copies before the barrier's wait
+LEAN_PAIR = [b for b in ALL_BUILDS if b.plan.lean_start and b.plan.wide_warps and b.plan.lean_conv]  # and the pair
 LEAN_CONV = [b for b in ALL_BUILDS if b.plan.lean_conv and not b.plan.wide_warps]  # only the conv warps run the conv
 JOINT = [b for b in ALL_BUILDS if b.plan.joint_sums]  # a warp's four rows reduced together
 WIDE_WARPS = [b for b in ALL_BUILDS if b.plan.wide_warps]  # eight rows a warp, half the warps a CTA
@@ -421,6 +422,25 @@ def test_wide_warps_with_the_lean_conv_give_the_plain_steps_bits(tp: int, batch:
     assert_same_bits(step, plain)
     check_step(step)
     assert_same_bits(step, step.plan)
+
+
+# The lean start beside the pair, where the builds have it (B1, B2 and B8 at both TP sizes for their layer rounds, TP8
+# B64 served), uncapped.
+LEAN_PAIR_CASES = sorted({(b.tp, b.plan.batch) for b in LEAN_PAIR if not b.plan.max_ctas_per_sm})
+assert set(LEAN_PAIR_CASES) >= {(8, 1), (8, 8), (16, 2), (8, 64)}
+
+
+@pytest.mark.parametrize("tp, batch", LEAN_PAIR_CASES, ids=[f"tp{t}-b{b}-lean-pair" for t, b in LEAN_PAIR_CASES])
+def test_a_lean_start_beside_the_pair_gives_the_pairs_bits(tp: int, batch: int):
+    """The lean start moves when the CTA reads its slot hint and waits for its peers, whichever warps it has: beside
+    wide warps and the lean conv the outputs, state and taps must be the pair's bit for bit, NULL rows among them;
+    then the oracle checks."""
+    pair = {"resident_threads": 1024, "wide_warps": True, "lean_conv": True, "max_ctas_per_sm": 0}
+    step = Step(tp, batch, seed=tp * 1000 + batch + 29, lean_start=True, **pair)
+    off = dataclasses.replace(step.plan, lean_start=False)
+    assert step.plan.lean_start and off == step_plan(tp, batch, lean_start=False, **pair)
+    assert_same_bits(step, off)
+    check_step(step)
 
 
 # The pair with the launch holding an SM to three CTAs (KdaStepPlan.max_ctas_per_sm), where the builds have it: the
