@@ -509,15 +509,18 @@ def small_rounds(late: bool) -> list[tuple[Path, Path]]:
     return [(WIDE_DIR / f"{stem}-base-{i}.json", WIDE_DIR / f"{stem}-{i}.json") for i in SMALL_COMMITS]
 
 
+def small_savings(late: bool, rounds: list[tuple[Path, Path]] | None = None) -> list[dict[tuple[int, int], float]]:
+    """Per round of the pair at B1-B8 against the tree (`rounds`, else the committed ones of that layer), the layer
+    time it saved per cell, each round checked at its own commit."""
+    knobs = dict.fromkeys(PAIRED_KNOBS, True)
+    pairs = zip(rounds or small_rounds(late), SMALL_COMMITS.values(), strict=True)
+    layer = LATE_LAYER if late else 6
+    return [saved for pair, commit in pairs for saved in knob_savings([pair], layer, knobs, commit)]
+
+
 def small_verdicts(late: list[tuple[Path, Path]] | None = None) -> dict[tuple[int, int], bool]:
-    """Model-time verdicts of the pair's rounds at B1-B8 against the tree, each round checked at its own commit."""
-
-    def savings(rounds: list[tuple[Path, Path]], layer: int) -> list[dict]:
-        knobs = dict.fromkeys(PAIRED_KNOBS, True)
-        pairs = zip(rounds, SMALL_COMMITS.values(), strict=True)
-        return [saved for pair, commit in pairs for saved in knob_savings([pair], layer, knobs, commit)]
-
-    return model_verdicts(savings(small_rounds(False), 6), [savings(late or small_rounds(True), LATE_LAYER)])
+    """Model-time verdicts of the pair's rounds at B1-B8 against the tree."""
+    return model_verdicts(small_savings(False), [small_savings(True, late)])
 
 
 def session_verdicts(variant: str, knobs: dict[str, bool | int], late: list[tuple[Path, Path]] | None = None):
@@ -609,17 +612,15 @@ def test_rounds_where_the_pair_lost_at_tp16_b1_take_it_away(tmp_path):
 def test_the_small_batch_rounds_are_the_ones_the_choice_file_quotes():
     """The layer time each round saved, as kda_step_choice.toml's comment quotes it (layer 6 / layer 86, round 1 at
     eaf08f2): a round recomputed differently, or a results file swapped, fails here."""
-    knobs = dict.fromkeys(PAIRED_KNOBS, True)
     quoted = {
         (8, 8): ([1.72, 1.73, 2.08, 2.03], [0.03, 1.35, 1.98, 1.93]),
         (16, 1): ([0.03, -0.28, 0.18, 0.26], [0.56, 0.16, 0.35, 0.66]),
         (16, 8): ([0.22, 0.43, 0.28, 0.56], [-0.07, 0.13, 0.11, 0.25]),
     }
-    for late, layer in ((False, 6), (True, LATE_LAYER)):
-        pairs = zip(small_rounds(late), SMALL_COMMITS.values(), strict=True)
-        saved = [s for pair, commit in pairs for s in knob_savings([pair], layer, knobs, commit)]
+    for late in (False, True):
+        saved = small_savings(late)
         for key, both in quoted.items():
-            assert [round(s[key], 2) for s in saved] == both[late], (key, layer)
+            assert [round(s[key], 2) for s in saved] == both[late], (key, late)
 
 
 def test_the_cap_is_served_nowhere_and_beat_the_uncapped_pair_only_at_tp16_b64():
