@@ -30,6 +30,7 @@ from k3_decode.kernels.kda_step_plan import (
     KdaStepPlan,
     KdaVerifyPlan,
     knob_alone,
+    the_pair,
 )
 from k3_decode.kernels.wgmma_stream_plan import WgmmaStreamPlan
 
@@ -864,13 +865,12 @@ class K3KernelBuilds:
                 for batch in wide
                 for threads in RESIDENT_CHOICES
             ]
-            pair = {"resident_threads": RESIDENT_THREADS, "wide_warps": True, "lean_conv": True, "max_ctas_per_sm": 0}
-            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **pair) for batch in wide_conv]
+            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **the_pair()) for batch in wide_conv]
             mine += [
-                KdaStepPlan.for_shape(heads, rows, batch, sms, **pair, lean_start=True) for batch in wide_conv_lean
+                KdaStepPlan.for_shape(heads, rows, batch, sms, **the_pair(lean_start=True)) for batch in wide_conv_lean
             ]
             for batch in capped["batches"]:  # only where the cap binds: elsewhere it is the uncapped build
-                plan = KdaStepPlan.for_shape(heads, rows, batch, sms, **pair)
+                plan = KdaStepPlan.for_shape(heads, rows, batch, sms, **the_pair())
                 if capped["max_ctas_per_sm"] < plan.spread:
                     mine.append(replace(plan, max_ctas_per_sm=capped["max_ctas_per_sm"]))
             builds += [KdaStepBuild(tp, plan) for plan in mine]

@@ -58,6 +58,12 @@ def knob_alone(**knob: bool | int) -> dict[str, bool | int]:
     return {**dict.fromkeys(PAIRED_KNOBS, False), "max_ctas_per_sm": 0, **knob}
 
 
+def the_pair(**knob: bool | int) -> dict[str, bool | int]:
+    """for_shape's overrides for the paired knobs on at 1024 threads an SM, uncapped (as the layer rounds time and CI
+    builds them), with `knob` as given, whatever the choice serves."""
+    return {"resident_threads": RESIDENT_THREADS, **dict.fromkeys(PAIRED_KNOBS, True), "max_ctas_per_sm": 0, **knob}
+
+
 SlotDtype = Literal["int32", "int64"]
 
 

@@ -30,6 +30,7 @@ from k3_decode.kernels.kda_step_plan import (
     KdaVerifyPlan,
     StepVariant,
     knob_alone,
+    the_pair,
 )
 from k3_decode.reference.kda import KdaSpec
 from tests.k3_decode.kernels.helpers import (
@@ -341,9 +342,8 @@ def test_a_cap_holds_an_sm_to_fewer_ctas_and_is_refused_where_it_changes_nothing
     launch's shared-memory request alone (whatever the driver charges a CTA beside it); the waves shrink with it,
     and the plan is otherwise the uncapped one. A cap at or above the budget's count, or at or above what the grid
     puts on an SM anyway, would change nothing under another name: refused."""
-    wide = {"resident_threads": 1024, "wide_warps": True, "lean_conv": True, "max_ctas_per_sm": 0}
     for heads, rows, batch in ((12, 6288, 32), (12, 6288, 64), (6, 3216, 64)):
-        free = KdaStepPlan.for_shape(heads, rows, batch, H200_SMS, **wide)
+        free = KdaStepPlan.for_shape(heads, rows, batch, H200_SMS, **the_pair())
         capped = dataclasses.replace(free, max_ctas_per_sm=3)
         assert (free.ctas_per_sm, free.spread, free.resident_ctas, capped.spread, capped.resident_ctas) == (
             4,
@@ -363,9 +363,9 @@ def test_a_cap_holds_an_sm_to_fewer_ctas_and_is_refused_where_it_changes_nothing
             and KdaStepPlan.for_shape(heads, rows, batch, **capped.choice) == capped
         )
     with pytest.raises(ValueError, match="below the 4 of 256 threads"):
-        KdaStepPlan.for_shape(12, 6288, 32, H200_SMS, **{**wide, "max_ctas_per_sm": 4})
+        KdaStepPlan.for_shape(12, 6288, 32, H200_SMS, **the_pair(max_ctas_per_sm=4))
     with pytest.raises(ValueError, match="changes nothing: the grid's 384 CTAs put at most 3"):
-        KdaStepPlan.for_shape(12, 6288, 16, H200_SMS, **{**wide, "max_ctas_per_sm": 3})
+        KdaStepPlan.for_shape(12, 6288, 16, H200_SMS, **the_pair(max_ctas_per_sm=3))
     with pytest.raises(ValueError, match="below the 3 of 512 threads"):  # the four-row plan at 1536 threads
         KdaStepPlan.for_shape(12, 6288, 32, H200_SMS, resident_threads=1536, **knob_alone(max_ctas_per_sm=3))
 

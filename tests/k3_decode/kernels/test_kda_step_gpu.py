@@ -33,7 +33,14 @@ from harness.numerics.compare import ToleranceTable, compare
 from k3_decode.config import K3
 from k3_decode.kernels import kda_step_op
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, KdaStepBuild
-from k3_decode.kernels.kda_step_plan import CLUSTERS, RESIDENT_CHOICES, RESIDENT_THREADS, KdaStepPlan, knob_alone
+from k3_decode.kernels.kda_step_plan import (
+    CLUSTERS,
+    RESIDENT_CHOICES,
+    RESIDENT_THREADS,
+    KdaStepPlan,
+    knob_alone,
+    the_pair,
+)
 from k3_decode.kernels.providers import not_built_reason
 from k3_decode.reference import kda as rk
 from k3_decode.stock import kda as sk
@@ -435,10 +442,9 @@ def test_a_lean_start_beside_the_pair_gives_the_pairs_bits(tp: int, batch: int):
     """The lean start moves when the CTA reads its slot hint and waits for its peers, whichever warps it has: beside
     wide warps and the lean conv the outputs, state and taps must be the pair's bit for bit, NULL rows among them;
     then the oracle checks."""
-    pair = {"resident_threads": 1024, "wide_warps": True, "lean_conv": True, "max_ctas_per_sm": 0}
-    step = Step(tp, batch, seed=tp * 1000 + batch + 29, lean_start=True, **pair)
+    step = Step(tp, batch, seed=tp * 1000 + batch + 29, **the_pair(lean_start=True))
     off = dataclasses.replace(step.plan, lean_start=False)
-    assert step.plan.lean_start and off == step_plan(tp, batch, lean_start=False, **pair)
+    assert step.plan.lean_start and off == step_plan(tp, batch, **the_pair(lean_start=False))
     assert_same_bits(step, off)
     check_step(step)
 
