@@ -829,9 +829,14 @@ class K3KernelBuilds:
                 raise ValueError(f"builds.toml kda_step.tp: {exc}") from None
             heads, rows, sms = shard.kda_heads, shard.kda_in_proj_rows, spec["sm_count"]
             mine = [KdaStepPlan.for_shape(heads, rows, batch, sms) for batch in spec["batches"]]
-            # and its four-row twin where the choice serves the pair there: the plain step every knob alone is
-            # compared with (the build tests' value comparisons), whatever the choice serves
+            # and its four-row twin where the choice serves the pair there, and the plain step where it serves a
+            # lean start: each knob's build is compared with its twin with the knob off (the build tests' value
+            # comparisons), whatever the choice serves
             mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **knob_alone()) for batch in spec["batches"]]
+            mine += [
+                KdaStepPlan.for_shape(heads, rows, batch, sms, **knob_alone(lean_start=False))
+                for batch in spec["batches"]
+            ]
             mine += [  # each budget with the plain step, whatever start, conv and warps the choice serves there
                 KdaStepPlan.for_shape(
                     heads, rows, batch, sms, resident_threads=threads, warm_ahead=False, **knob_alone(lean_start=False)

@@ -105,7 +105,7 @@ def test_expectations_judge_every_build():
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations)  # every tag a rule names exists
     # AttnRes, the KDA in_proj (CUDA-core, tensor-core and wgmma builds), o_proj + AttnRes (test_kda_o_proj_build.py)
     # and its wgmma build (test_kda_o_proj_wgmma_build.py), the KDA step and its verify step (test_kda_step_build.py)
-    assert len(builds) == 81 + 12 + 16 + 10 + 114 + 72 + 88 + 22
+    assert len(builds) == 81 + 12 + 16 + 10 + 114 + 72 + 90 + 22
     assert expectations["attn_res"].max_registers == 128 and expectations["attn_res"].max_frame_bytes == 0
 
 

@@ -502,7 +502,8 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
         if b.plan == KdaStepPlan.for_shape(b.plan.heads, b.plan.rows, b.plan.batch, H200_SMS)
         and b.plan.requests_per_cta == 1
     ]
-    assert [b.name for b in served if b.plan.lean_start] == ["kda_step/tp8/b64/lean/lean-conv/wide-warps"]
+    served_lean = ["kda_step/tp8/b64/lean/lean-conv/wide-warps", "kda_step/tp16/b2/lean"]
+    assert [b.name for b in served if b.plan.lean_start] == served_lean
     budgets = [b for b in one if not b.plan.warm_ahead]
     warm = [b for b in one if b.plan.warm_ahead]
     pairs = [b for b in every if b.plan.requests_per_cta > 1]
@@ -559,9 +560,11 @@ def test_builds_are_every_tp_and_batch_at_the_ranks_heads():
     assert {b.name for b in local} == {f"kda_step/tp{tp}/b{b}/local-decays" for tp in (8, 16) for b in (1, 4, 8)}
     for b in local:
         assert b.plan == alone(b, local_decays=True), b.name
-    # a lean start at B1, B8, B16 and B64
+    # a lean start at B1, B2, B8, B16 and B64
     lean = [b for b in every if b.plan.lean_start and not (b.plan.lean_conv or b.plan.joint_sums or b.plan.wide_warps)]
-    assert len(lean) == 8 and {(b.tp, b.plan.batch) for b in lean} == {(t, n) for t in (8, 16) for n in (1, 8, 16, 64)}
+    assert len(lean) == 10 and {(b.tp, b.plan.batch) for b in lean} == {
+        (t, n) for t in (8, 16) for n in (1, 2, 8, 16, 64)
+    }
     for b in lean:
         assert b.plan == alone(b, lean_start=True) and b.name.endswith("/lean"), b.name
     # a lean conv at B1, B16 and B64
@@ -635,10 +638,10 @@ def test_wide_warp_tags_count_eight_rows_a_warp():
 def test_expectations_judge_every_kda_step_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_step/*")  # every named tag exists
-    # 14 at 1024 threads per SM, 6 at 1536, 7 warming the next wave, 4 of request pairs, 6 with local decays, 8 with
+    # 14 at 1024 threads per SM, 6 at 1536, 7 warming the next wave, 4 of request pairs, 6 with local decays, 10 with
     # a lean start, 6 with a lean conv, 6 with joint sums, 12 with wide warps, 10 with wide warps and the lean conv,
-    # 3 of those capped at three CTAs an SM
-    assert len(builds) == 88
+    # 3 of those capped at three CTAs an SM, 6 of those with a lean start
+    assert len(builds) == 90
     step = expectations["kda_step"]
     assert step.max_registers == 64 and step.max_frame_bytes == 0 and len(step.rules) >= 40
 

@@ -349,9 +349,9 @@ def test_local_decays_give_the_exchanged_decays_bits(tp: int, batch: int):
     assert_the_knob_keeps_the_bits(tp, batch, 7, "local_decays")
 
 
-# A lean start (KdaStepPlan.lean_start) at the plan's cluster and register budget: one wave (B1, B8) and several
+# A lean start (KdaStepPlan.lean_start) at the plan's cluster and register budget: one wave (B1, B2, B8) and several
 # (B16 and B64 at both sizes, where only the first wave warms its state in L2), the builds among them.
-LEAN_CASES = [(tp, batch) for tp in (8, 16) for batch in (1, 8, 16, 64)]
+LEAN_CASES = [(tp, batch) for tp in (8, 16) for batch in (1, 2, 8, 16, 64)]
 assert {(b.tp, b.plan.batch) for b in LEAN} <= set(LEAN_CASES)
 
 
