@@ -413,8 +413,9 @@ def test_wide_warps_give_the_four_row_warps_bits(tp: int, batch: int, threads: i
 
 
 # Wide warps with the lean conv, at 1024 threads (four CTAs of 256 threads an SM at clusters of 2): the builds, B1, B8
-# and B16-B64 (served at TP8 B16 and B64 and TP16 B32), and B2 and B4, which the builds do not list.
-WIDE_CONV_CASES = [(tp, batch) for tp in (8, 16) for batch in (1, 2, 4, 8, 16, 32, 64)]
+# and B16-B64 (served at TP8 B16 and B64 and TP16 B32), and B2 and B4, which the builds do not list; and TP8 B5-B7,
+# between the pair's small-batch rounds (clusters of 4 at B5, of 2 at B6 and B7, as at the served B8).
+WIDE_CONV_CASES = [(tp, batch) for tp in (8, 16) for batch in (1, 2, 4, 8, 16, 32, 64)] + [(8, b) for b in (5, 6, 7)]
 assert {(b.tp, b.plan.batch) for b in WIDE_WARPS if b.plan.lean_conv} <= set(WIDE_CONV_CASES)
 
 
