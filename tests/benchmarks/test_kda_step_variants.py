@@ -424,6 +424,15 @@ def test_the_lean_start_at_b1_to_b8_is_served_exactly_where_it_saved_model_time_
     verdicts = model_verdicts(six, [late])
     assert {key for key, won in verdicts.items() if won} == {(16, 2)}
     assert lean_problems(verdicts) == []
+    # the rounds where each cell lost model time, as docs/kda-layer-h200.md's table of these rounds quotes them
+    layers = {6: six, LATE_LAYER: late}
+    by_cell = {layer: {key: [r[key] for r in rounds] for key in rounds[0]} for layer, rounds in layers.items()}
+    model = bench.model_round_savings(by_cell, K3)
+    lost = {key: [i + 1 for i, us in enumerate(per_round) if us < 0] for key, per_round in model.items()}
+    assert lost == {
+        (8, 1): [4, 5], (8, 2): [1, 2, 4], (8, 4): [2, 4, 5], (8, 8): [3, 5],
+        (16, 1): [2, 5], (16, 2): [], (16, 4): [2, 4], (16, 8): [1, 3, 4, 5],
+    }  # fmt: skip
     served = chosen_variant(K3.shard(16).kda_heads, 2)
     assert served.lean_start and not (served.wide_warps or served.lean_conv or served.local_decays)
     assert [b for b in range(1, 9) if chosen_variant(K3.shard(8).kda_heads, b).lean_start] == []
