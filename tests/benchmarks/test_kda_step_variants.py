@@ -640,6 +640,31 @@ def test_the_small_batch_rounds_are_the_ones_the_choice_file_quotes():
             assert [round(s[key], 2) for s in saved] == both[late], (key, late)
 
 
+# One H100 at 4736f0e, the pair on a rule at TP8 B5-B7 against the tree (clusters of 4 at B5, of 2 at B6 and B7, as at
+# the served B8), 60 rounds: two rounds on layer 6, one on layer 86, before the device time ran out.
+PAIR_B5_7 = {
+    late: [(WIDE_DIR / f"{stem}-base-{i}.json", WIDE_DIR / f"{stem}-{i}.json") for i in rounds]
+    for late, stem, rounds in ((False, "step-pair-b5-7", (1, 2)), (True, "step-pair-b5-7-late", (1,)))
+}
+
+
+def test_the_pair_at_tp8_b5_to_b7_saved_in_its_first_rounds_and_is_served_there_by_no_rule():
+    """An exploratory round, fewer than the three a rule asks for: at B6 and B7 the pair saved 2.3-3.2 us a layer on
+    layer 6 and 1.3-1.7 on layer 86, as at B8 with the same cluster; B5 (clusters of 4, as at B4, where the pair was
+    mixed) saved 0.01-0.91. Until three rounds on both layers, nothing serves it between B4 and B8."""
+    knobs = dict.fromkeys(PAIRED_KNOBS, True)
+    six = knob_savings(PAIR_B5_7[False], 6, knobs, "4736f0e")
+    late = knob_savings(PAIR_B5_7[True], LATE_LAYER, knobs, "4736f0e")
+    rounded = {key: ([round(s[key], 2) for s in six], [round(s[key], 2) for s in late]) for key in six[0]}
+    assert rounded == {
+        (8, 5): ([0.01, 0.91], [0.08]),
+        (8, 6): ([3.18, 3.12], [1.66]),
+        (8, 7): ([2.44, 2.26], [1.31]),
+    }
+    heads = K3.shard(8).kda_heads
+    assert not any(chosen_variant(heads, b).wide_warps for b in (5, 6, 7))
+
+
 def test_the_cap_is_served_nowhere_and_beat_the_uncapped_pair_only_at_tp16_b64():
     """The pair held to three CTAs an SM (max_ctas_per_sm = 3: two waves of three where four an SM leave a second
     wave of 1.8) against the served tree saved model time in every round only at TP8 B64, where the uncapped pair
