@@ -4,6 +4,7 @@ measurement supports (and that kda_step_choice.toml accepts), and a results file
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from itertools import product
 from pathlib import Path
 
@@ -285,9 +286,10 @@ def test_a_choice_serving_local_decays_at_b1_to_b8_contradicts_the_rounds(tmp_pa
 # One H100 at 326f26f, three rounds of 60 against the tree, the lean start served everywhere (kda_step_choice.toml with
 # `lean_start = true` on every rule and the default): layer 6 at B16, B32 and B64, both TP sizes; layer 86 (the late
 # stack) at TP8 B32 and B64, and at TP8 B48 and B56.
-def _rounds(stem: str) -> list[tuple[Path, Path]]:
+def _rounds(stem: str, indices: Iterable[int] = (1, 2, 3)) -> list[tuple[Path, Path]]:
+    """The (base, variant) files of rounds `indices` of `stem`, as the layer benchmark's rounds are named."""
     folder = RESULTS / "kda-layer-variants-h100"
-    return [(folder / f"{stem}-base-{i}.json", folder / f"{stem}-{i}.json") for i in (1, 2, 3)]
+    return [(folder / f"{stem}-base-{i}.json", folder / f"{stem}-{i}.json") for i in indices]
 
 
 LEAN_SIX_ROUNDS = _rounds("step-lean")
@@ -397,7 +399,7 @@ LEAN_SMALL_COMMITS = {1: "4f0836b", 2: "4f0836b", 3: "278ab2b", 4: "278ab2b", 5:
 
 def lean_small_rounds(late: bool) -> list[tuple[Path, Path]]:
     stem = "step-lean-small-late" if late else "step-lean-small"
-    return [(WIDE_DIR / f"{stem}-base-{i}.json", WIDE_DIR / f"{stem}-{i}.json") for i in LEAN_SMALL_COMMITS]
+    return _rounds(stem, LEAN_SMALL_COMMITS)
 
 
 def lean_small_savings(late: bool, rounds: list[tuple[Path, Path]] | None = None) -> list[dict[tuple[int, int], float]]:
@@ -523,7 +525,7 @@ SMALL_COMMITS = {1: "eaf08f2", 2: "fe9509a", 3: "fe9509a", 4: "fe9509a"}
 
 def small_rounds(late: bool) -> list[tuple[Path, Path]]:
     stem = "step-small-late" if late else "step-small"
-    return [(WIDE_DIR / f"{stem}-base-{i}.json", WIDE_DIR / f"{stem}-{i}.json") for i in SMALL_COMMITS]
+    return _rounds(stem, SMALL_COMMITS)
 
 
 def small_savings(late: bool, rounds: list[tuple[Path, Path]] | None = None) -> list[dict[tuple[int, int], float]]:
@@ -642,10 +644,7 @@ def test_the_small_batch_rounds_are_the_ones_the_choice_file_quotes():
 
 # One H100 at 4736f0e, the pair on a rule at TP8 B5-B7 against the tree (clusters of 4 at B5, of 2 at B6 and B7, as at
 # the served B8), 60 rounds: two rounds on layer 6, one on layer 86, before the device time ran out.
-PAIR_B5_7 = {
-    late: [(WIDE_DIR / f"{stem}-base-{i}.json", WIDE_DIR / f"{stem}-{i}.json") for i in rounds]
-    for late, stem, rounds in ((False, "step-pair-b5-7", (1, 2)), (True, "step-pair-b5-7-late", (1,)))
-}
+PAIR_B5_7 = {False: _rounds("step-pair-b5-7", (1, 2)), True: _rounds("step-pair-b5-7-late", (1,))}
 
 
 def test_the_pair_at_tp8_b5_to_b7_saved_in_its_first_rounds_and_is_served_there_by_no_rule():
