@@ -832,9 +832,9 @@ class K3KernelBuilds:
             # and its four-row twin where the choice serves the pair there, and the plain step where it serves a
             # lean start: each knob's build is compared with its twin with the knob off (the build tests' value
             # comparisons), whatever the choice serves
-            mine += [KdaStepPlan.for_shape(heads, rows, batch, sms, **knob_alone()) for batch in spec["batches"]]
             mine += [
-                KdaStepPlan.for_shape(heads, rows, batch, sms, **knob_alone(lean_start=False))
+                KdaStepPlan.for_shape(heads, rows, batch, sms, **twin)
+                for twin in (knob_alone(), knob_alone(lean_start=False))
                 for batch in spec["batches"]
             ]
             mine += [  # each budget with the plain step, whatever start, conv and warps the choice serves there

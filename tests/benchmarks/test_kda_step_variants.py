@@ -339,19 +339,24 @@ def lean_savings(rounds: list[tuple[Path, Path]], layer: int) -> list[dict[tuple
     return knob_savings(rounds, layer, ("lean_start",), "326f26f")
 
 
-def model_verdicts(on_six: list[dict], on_late: list[list[dict]]) -> dict[tuple[int, int], bool]:
-    """Per (TP, batch) timed: whether the variant saved model time in every round. Where both stacks were timed,
-    round i of each paired, each layer's saving times the KDA layers it stands for (bench.model_round_savings: 9 for
-    layer 6, 60 for layer 86); where only one was, that stack's rounds, which cannot serve it alone (the step's rules
-    are judged on both)."""
+def paired_model_savings(on_six: list[dict], on_late: list[dict]) -> dict[tuple[int, int], list[float | None]]:
+    """Per (TP, batch) timed on both layers, round i of each paired: each layer's saving times the KDA layers it
+    stands for, summed (bench.model_round_savings: 9 for layer 6, 60 for layer 86)."""
 
     def by_cell(rounds: list[dict]) -> dict[tuple[int, int], list[float | None]]:
         return {key: [saved.get(key) for saved in rounds] for key in set().union(*rounds)}
 
+    return bench.model_round_savings({6: by_cell(on_six), LATE_LAYER: by_cell(on_late)}, K3)
+
+
+def model_verdicts(on_six: list[dict], on_late: list[list[dict]]) -> dict[tuple[int, int], bool]:
+    """Per (TP, batch) timed: whether the variant saved model time in every round (paired_model_savings) where both
+    stacks were timed; where only one was, that stack's rounds, which cannot serve it alone (the step's rules are
+    judged on both)."""
     verdicts = {key: False for saved in on_six for key in saved}  # layer 6 alone never serves
     for rounds in on_late:
         verdicts |= {key: False for saved in rounds for key in saved}
-        model = bench.model_round_savings({6: by_cell(on_six), LATE_LAYER: by_cell(rounds)}, K3)
+        model = paired_model_savings(on_six, rounds)
         verdicts |= {key: bench.every_round(per_round) == "saved in every round" for key, per_round in model.items()}
     return verdicts
 
@@ -402,12 +407,20 @@ def lean_small_rounds(late: bool) -> list[tuple[Path, Path]]:
     return _rounds(stem, LEAN_SMALL_COMMITS)
 
 
+def savings_by_commit(
+    rounds: list[tuple[Path, Path]], commits: Iterable[str], late: bool, knobs: tuple[str, ...] | dict[str, bool | int]
+) -> list[dict[tuple[int, int], float]]:
+    """knob_savings of each round at its own commit (rounds taken in sessions apart)."""
+    layer = LATE_LAYER if late else 6
+    pairs = zip(rounds, commits, strict=True)
+    return [saved for pair, commit in pairs for saved in knob_savings([pair], layer, knobs, commit)]
+
+
 def lean_small_savings(late: bool, rounds: list[tuple[Path, Path]] | None = None) -> list[dict[tuple[int, int], float]]:
     """Per round, the layer time the lean start saved per cell (knob_savings' checks, each round at its own commit),
     every cell of B1-B8 timed."""
-    pairs = zip(rounds or lean_small_rounds(late), LEAN_SMALL_COMMITS.values(), strict=True)
-    layer = LATE_LAYER if late else 6
-    saved = [cells for pair, commit in pairs for cells in knob_savings([pair], layer, ("lean_start",), commit)]
+    rounds = rounds or lean_small_rounds(late)
+    saved = savings_by_commit(rounds, LEAN_SMALL_COMMITS.values(), late, ("lean_start",))
     assert all(set(cells) == {(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8)} for cells in saved)
     return saved
 
@@ -427,9 +440,7 @@ def test_the_lean_start_at_b1_to_b8_is_served_exactly_where_it_saved_model_time_
     assert {key for key, won in verdicts.items() if won} == {(16, 2)}
     assert lean_problems(verdicts) == []
     # the rounds where each cell lost model time, as docs/kda-layer-h200.md's table of these rounds quotes them
-    layers = {6: six, LATE_LAYER: late}
-    by_cell = {layer: {key: [r[key] for r in rounds] for key in rounds[0]} for layer, rounds in layers.items()}
-    model = bench.model_round_savings(by_cell, K3)
+    model = paired_model_savings(six, late)
     lost = {key: [i + 1 for i, us in enumerate(per_round) if us < 0] for key, per_round in model.items()}
     assert lost == {
         (8, 1): [4, 5], (8, 2): [1, 2, 4], (8, 4): [2, 4, 5], (8, 8): [3, 5],
@@ -532,9 +543,7 @@ def small_savings(late: bool, rounds: list[tuple[Path, Path]] | None = None) -> 
     """Per round of the pair at B1-B8 against the tree (`rounds`, else the committed ones of that layer), the layer
     time it saved per cell, each round checked at its own commit."""
     knobs = dict.fromkeys(PAIRED_KNOBS, True)
-    pairs = zip(rounds or small_rounds(late), SMALL_COMMITS.values(), strict=True)
-    layer = LATE_LAYER if late else 6
-    return [saved for pair, commit in pairs for saved in knob_savings([pair], layer, knobs, commit)]
+    return savings_by_commit(rounds or small_rounds(late), SMALL_COMMITS.values(), late, knobs)
 
 
 def small_verdicts(late: list[tuple[Path, Path]] | None = None) -> dict[tuple[int, int], bool]:
