@@ -688,9 +688,12 @@ def time_batch(
     out = torch.empty(batch, spec.proj, dtype=torch.bfloat16, device=DEV)
 
     def cute(cluster: int | None, resident: int | None, warm: bool | None, group: int | None) -> Callable[[int], None]:
+        given = {"cluster": cluster, "resident_threads": resident, "warm_ahead": warm, "requests_per_cta": group}
+        choice = {name: value for name, value in given.items() if value is not None}
+
         def call(i: int) -> None:
             cache = caches[i % copies]
-            kda_step_op.decode_step(spec, small[i % copies], packed, cache, slots, out, cluster, resident, warm, group)
+            kda_step_op.decode_step(spec, small[i % copies], packed, cache, slots, out, **choice)
 
         return call
 
