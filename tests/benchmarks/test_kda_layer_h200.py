@@ -5,6 +5,7 @@ and the refusal to run without a CUDA device. The GPU run itself is not exercise
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -360,6 +361,50 @@ def test_speedup_cancels_the_order_effect_of_interleaving() -> None:
 )
 def test_roofline_targets_of_the_issue(tp: int, batch: int, target: float | None) -> None:
     assert bench.roofline_target(tp, batch) == target
+
+
+# The docs' "Where the targets stand" table: one row per GPU's newest sweep, its results file named first in the row.
+TARGETS_DOC = bench.REPO / "docs" / "kda-layer-h200.md"
+TARGET_CELLS = [(8, b) for b in (1, 2, 4, 8, 16, 32, 64)] + [(16, b) for b in (1, 2, 4, 8, 16, 32, 64)]
+
+
+def quoted_target_problems(doc: str) -> tuple[int, list[str]]:
+    """(rows checked, problems): each row of the targets table that names a committed results file right after its
+    GPU and commit must quote that file's span fraction at every cell, to 0.1 point, and mark "(met)" exactly where
+    the file's verdict says the target was met. A row whose file is only in git history is not checked."""
+    checked, problems = 0, []
+    for row in doc.splitlines():
+        named = re.match(r"\| (H100|H200), \w+ \(`(kda-layer-[\w.-]+\.json)`", row)
+        if not named:
+            continue
+        checked += 1
+        cells = bench.cells_by_key(json.loads((bench.REPO / "benchmarks" / "results" / named[2]).read_text()))
+        quoted = re.findall(r"(\d+\.\d)( \(met\))?", "|".join(row.split("|")[2:]))
+        if len(quoted) != len(TARGET_CELLS):
+            problems.append(f"{named[2]}: {len(quoted)} figures quoted, not {len(TARGET_CELLS)}")
+            continue
+        for (tp, batch), (figure, met) in zip(TARGET_CELLS, quoted, strict=True):
+            verdict = cells[(tp, batch)]["targets"]["roofline"]
+            if f"{100 * verdict['value']:.1f}" != figure or bool(met) != bool(verdict["met"]):
+                problems.append(f"{named[2]} TP{tp} B{batch}: quoted {figure}{met}, the file has {verdict}")
+    return checked, problems
+
+
+def test_the_docs_targets_table_quotes_each_gpus_newest_sweep():
+    checked, problems = quoted_target_problems(TARGETS_DOC.read_text())
+    assert checked == 2 and problems == [], problems
+
+
+def test_a_targets_table_misquoting_its_sweep_is_caught():
+    """Broken case: one figure of the H200 row changed, and a target marked met that the file says was missed."""
+    doc = TARGETS_DOC.read_text()
+    h200 = next(row for row in doc.splitlines() if row.startswith("| H200, 15d0736"))
+    wrong = h200.replace("73.3 /", "75.3 /").replace("| 73.9 |", "| 73.9 (met) |")
+    checked, problems = quoted_target_problems(doc.replace(h200, wrong))
+    assert checked == 2 and [p.split(":")[0] for p in problems] == [
+        "kda-layer-h200.json TP8 B1",
+        "kda-layer-h200.json TP8 B64",
+    ], problems
 
 
 def test_target_verdicts_met_missed_and_not_judged() -> None:
