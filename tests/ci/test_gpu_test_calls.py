@@ -1,0 +1,114 @@
+"""The GPU tests call the project's functions as those functions now are.
+
+CI has no GPU, so the `gpu`-marked tests never run there, and a signature change that misses one of their calls
+surfaces only on a GPU machine, where device time is scarce (the KDA step's timing tests kept passing the plan's
+overrides by position after the op began taking them by keyword, and failed on the next H200). Here every call a
+GPU test module makes to a function of the project's packages, by module attribute (`kda_step_op.decode_step(...)`)
+or by imported name, is bound to that function's signature, on the CPU.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("k3_decode", "harness", "benchmarks")  # the project's own code; a test's own helpers are not bound here
+GPU_MARK = "pytest.mark.gpu"
+
+
+def gpu_test_modules() -> list[Path]:
+    here = Path(__file__).resolve()
+    return sorted(p for p in (ROOT / "tests").rglob("test_*.py") if p != here and GPU_MARK in p.read_text())
+
+
+def imported_names(tree: ast.Module) -> dict[str, object]:
+    """The module-level names a test module imports from the project's packages, resolved to their objects (a
+    module, or what `from module import name` binds)."""
+    names: dict[str, object] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in PACKAGES and alias.asname:
+                    names[alias.asname] = importlib.import_module(alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                value = getattr(module, alias.name, None)
+                if value is None:  # a submodule imported by name
+                    value = importlib.import_module(f"{node.module}.{alias.name}")
+                names[alias.asname or alias.name] = value
+    return names
+
+
+def _callee(func: ast.expr, names: dict[str, object]) -> tuple[str, Callable] | None:
+    """The project function a call's target names, if it names one: `name(...)` or `module.name(...)`."""
+    if isinstance(func, ast.Name) and inspect.isfunction(names.get(func.id)):
+        return func.id, names[func.id]  # type: ignore[return-value]
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        module = names.get(func.value.id)
+        if isinstance(module, ModuleType) and inspect.isfunction(getattr(module, func.attr, None)):
+            return f"{func.value.id}.{func.attr}", getattr(module, func.attr)
+    return None
+
+
+def call_problems(source: str, label: str) -> tuple[int, list[str]]:
+    """(calls bound, problems): each call to a project function that does not bind to its signature, with where it
+    is and why. A call spreading `*args` is not bound; one spreading `**kwargs` is bound partially (its positional
+    arguments and named keywords must still fit)."""
+    tree = ast.parse(source)
+    names = imported_names(tree)
+    bound, problems = 0, []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        callee = _callee(node.func, names)
+        if callee is None or any(isinstance(a, ast.Starred) for a in node.args):
+            continue
+        name, function = callee
+        signature = inspect.signature(function)
+        args = [object()] * len(node.args)
+        kwargs = {kw.arg: object() for kw in node.keywords if kw.arg is not None}
+        spread = any(kw.arg is None for kw in node.keywords)
+        try:
+            (signature.bind_partial if spread else signature.bind)(*args, **kwargs)
+        except TypeError as exc:
+            problems.append(f"{label}:{node.lineno}: {name}{signature}: {exc}")
+        bound += 1
+    return bound, problems
+
+
+@pytest.mark.parametrize("path", gpu_test_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_gpu_test_call_binds_to_the_function_it_calls(path: Path):
+    _, problems = call_problems(path.read_text(), str(path.relative_to(ROOT)))
+    assert problems == [], "\n".join(problems)
+
+
+def test_the_gpu_tests_are_found_and_their_calls_bound():
+    """The scan is not empty: the GPU test modules are found, and the KDA step's calls among the bound ones."""
+    modules = gpu_test_modules()
+    assert ROOT / "tests/k3_decode/kernels/test_kda_step_gpu.py" in modules and len(modules) >= 15
+    bound, _ = call_problems((ROOT / "tests/k3_decode/kernels/test_kda_step_gpu.py").read_text(), "step")
+    assert bound >= 10
+
+
+def test_a_call_with_the_plans_overrides_by_position_is_caught():
+    """Broken case: the KDA step's timing call as it was before the op took its overrides by keyword, and a call
+    missing the op's cache and slots, are caught; the fixed call and a plan with an override bind."""
+    source = (
+        "from k3_decode.kernels import kda_step_op\n"
+        "kda_step_op.decode_step(spec, w, packed, cache, slots, out, cluster, resident, warm, group)\n"
+        "kda_step_op.plan_for(spec, packed, slots, cluster=2)\n"
+        "kda_step_op.decode_step(spec, w, packed, cache, slots, out, **choice)\n"
+        "kda_step_op.decode_step(spec, w, packed)\n"
+    )
+    bound, problems = call_problems(source, "t.py")
+    assert bound == 4
+    assert [p.split(": ")[0] for p in problems] == ["t.py:2", "t.py:5"], problems
+    assert "too many positional arguments" in problems[0] and "missing a required argument" in problems[1]
