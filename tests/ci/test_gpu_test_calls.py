@@ -30,7 +30,7 @@ def gpu_test_modules() -> list[Path]:
 
 def imported_names(tree: ast.Module) -> dict[str, object]:
     """The module-level names a test module imports from the project's packages, resolved to their objects (a
-    module, or what `from module import name` binds)."""
+    module, or what `from module import name` binds: a function, a class, a constant)."""
     names: dict[str, object] = {}
     for node in tree.body:
         if isinstance(node, ast.Import):
@@ -48,13 +48,21 @@ def imported_names(tree: ast.Module) -> dict[str, object]:
 
 
 def _callee(func: ast.expr, names: dict[str, object]) -> tuple[str, Callable] | None:
-    """The project function a call's target names, if it names one: `name(...)` or `module.name(...)`."""
-    if isinstance(func, ast.Name) and inspect.isfunction(names.get(func.id)):
-        return func.id, names[func.id]  # type: ignore[return-value]
-    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
-        module = names.get(func.value.id)
-        if isinstance(module, ModuleType) and inspect.isfunction(getattr(module, func.attr, None)):
-            return f"{func.value.id}.{func.attr}", getattr(module, func.attr)
+    """The project callable a call's target names, if it names one: a function or a class by name (`name(...)`), a
+    module's function or class (`module.name(...)`), or a class's classmethod or staticmethod (`Class.name(...)`)."""
+    if isinstance(func, ast.Name):
+        target = names.get(func.id)
+        return (func.id, target) if inspect.isfunction(target) or inspect.isclass(target) else None  # type: ignore[return-value]
+    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+        return None
+    owner, name = names.get(func.value.id), f"{func.value.id}.{func.attr}"
+    if isinstance(owner, ModuleType):
+        target = getattr(owner, func.attr, None)
+        return (name, target) if inspect.isfunction(target) or inspect.isclass(target) else None  # type: ignore[return-value]
+    if inspect.isclass(owner) and isinstance(
+        inspect.getattr_static(owner, func.attr, None), classmethod | staticmethod
+    ):
+        return name, getattr(owner, func.attr)
     return None
 
 
@@ -99,16 +107,21 @@ def test_the_gpu_tests_are_found_and_their_calls_bound():
 
 
 def test_a_call_with_the_plans_overrides_by_position_is_caught():
-    """Broken case: the KDA step's timing call as it was before the op took its overrides by keyword, and a call
-    missing the op's cache and slots, are caught; the fixed call and a plan with an override bind."""
+    """Broken case: the KDA step's timing call as it was before the op took its overrides by keyword, a call
+    missing the op's cache and slots, and a classmethod given a keyword it does not take are caught; the fixed
+    call and the plans with overrides they take bind."""
     source = (
         "from k3_decode.kernels import kda_step_op\n"
         "kda_step_op.decode_step(spec, w, packed, cache, slots, out, cluster, resident, warm, group)\n"
         "kda_step_op.plan_for(spec, packed, slots, cluster=2)\n"
         "kda_step_op.decode_step(spec, w, packed, cache, slots, out, **choice)\n"
         "kda_step_op.decode_step(spec, w, packed)\n"
+        "from k3_decode.kernels.kda_step_plan import KdaStepPlan\n"
+        "KdaStepPlan.for_shape(12, 6288, 1, warps=3)\n"
+        "KdaStepPlan.for_shape(12, 6288, 1, wide_warps=True)\n"
     )
     bound, problems = call_problems(source, "t.py")
-    assert bound == 4
-    assert [p.split(": ")[0] for p in problems] == ["t.py:2", "t.py:5"], problems
+    assert bound == 6
+    assert [p.split(": ")[0] for p in problems] == ["t.py:2", "t.py:5", "t.py:7"], problems
     assert "too many positional arguments" in problems[0] and "missing a required argument" in problems[1]
+    assert "unexpected keyword argument 'warps'" in problems[2]
