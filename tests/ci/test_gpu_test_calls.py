@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("k3_decode", "harness", "benchmarks")  # the project's own code; a test's own helpers are not bound here
 GPU_MARK = "pytest.mark.gpu"
+CLASS_LEVEL = (classmethod, staticmethod)  # what `Class.name(...)` calls without an instance
 
 
 def gpu_test_modules() -> list[Path]:
@@ -50,20 +51,16 @@ def imported_names(tree: ast.Module) -> dict[str, object]:
 def _callee(func: ast.expr, names: dict[str, object]) -> tuple[str, Callable] | None:
     """The project callable a call's target names, if it names one: a function or a class by name (`name(...)`), a
     module's function or class (`module.name(...)`), or a class's classmethod or staticmethod (`Class.name(...)`)."""
+    target: object = None
     if isinstance(func, ast.Name):
-        target = names.get(func.id)
-        return (func.id, target) if inspect.isfunction(target) or inspect.isclass(target) else None  # type: ignore[return-value]
-    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
-        return None
-    owner, name = names.get(func.value.id), f"{func.value.id}.{func.attr}"
-    if isinstance(owner, ModuleType):
-        target = getattr(owner, func.attr, None)
-        return (name, target) if inspect.isfunction(target) or inspect.isclass(target) else None  # type: ignore[return-value]
-    if inspect.isclass(owner) and isinstance(
-        inspect.getattr_static(owner, func.attr, None), classmethod | staticmethod
-    ):
-        return name, getattr(owner, func.attr)
-    return None
+        name, target = func.id, names.get(func.id)
+    elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        owner, name = names.get(func.value.id), f"{func.value.id}.{func.attr}"
+        if isinstance(owner, ModuleType):
+            target = getattr(owner, func.attr, None)
+        elif inspect.isclass(owner) and isinstance(inspect.getattr_static(owner, func.attr, None), CLASS_LEVEL):
+            return name, getattr(owner, func.attr)
+    return (name, target) if inspect.isfunction(target) or inspect.isclass(target) else None
 
 
 def call_problems(source: str, label: str) -> tuple[int, list[str]]:
