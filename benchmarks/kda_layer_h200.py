@@ -862,6 +862,67 @@ def timeline_lines(cells: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
+def span_breakdown(cell: Mapping[str, Any], bandwidth: float) -> dict[str, float | None] | None:
+    """Where the specialized attention side's span goes, from its timeline (None without one, or without a
+    projection in it): the projection's start and end (its kernels' first start and last end, us from the side's
+    first kernel), its bytes and rate and that rate's fraction of the copy bandwidth, how long after it the KDA step
+    ends and after that the side, and the span the roofline target allows (roofline / target; None without one)."""
+    side = cell["attention"].get("specialized") if cell.get("specialized_ran") else None
+    timeline = (side or {}).get("timeline") or []
+    proj = [r for r in timeline if r["op"] == "in_proj"]
+    step = [r for r in timeline if r["op"] == "kda"]
+    if not proj or not step:
+        return None
+    start, end = min(r["start_us"] for r in proj), max(r["end_us"] for r in proj)
+    proj_bytes = side["bytes_by_op"]["in_proj"]
+    rate = proj_bytes / ((end - start) * 1e-6)
+    step_end = max(r["end_us"] for r in step)
+    target = roofline_target(cell["tp"], cell["batch"])
+    return {
+        "span_us": side["span_us"],
+        "target_span_us": side["roofline_us"] / target if target else None,
+        "proj_start_us": start,
+        "proj_end_us": end,
+        "proj_bytes": proj_bytes,
+        "proj_bytes_per_s": rate,
+        "proj_fraction": rate / bandwidth,
+        "step_after_us": step_end - end,
+        "rest_after_us": side["span_us"] - step_end,
+    }
+
+
+def span_lines(cells: Sequence[Mapping[str, Any]], bandwidth: float) -> list[str]:
+    """The span breakdown (span_breakdown) of every specialized cell with a timeline: what the projection takes,
+    what the chain after it takes, and what the roofline target leaves that chain."""
+    rows = [(c, span_breakdown(c, bandwidth)) for c in cells]
+    rows = [(c, b) for c, b in rows if b]
+    if not rows:
+        return []
+    out = [
+        "",
+        "Where the specialized span goes (from the timeline above): the projection's kernels, the KDA step's end after "
+        "the projection's, the side's end after the step's, and the chain after the projection now against what the "
+        "roofline target leaves it (target span = roofline / target)",
+        "",
+        "| TP | B | span / target span (us) | projection | step ends after it | side ends after the step "
+        "| after the projection: now / the target leaves (us) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c, b in rows:
+        target = b["target_span_us"]
+        after = b["span_us"] - b["proj_end_us"]
+        left = "-" if target is None else f"{target - b['proj_end_us']:.1f}"
+        proj = (
+            f"{b['proj_start_us']:.1f}-{b['proj_end_us']:.1f} us: {b['proj_bytes'] / 1e6:.1f} MB at "
+            f"{b['proj_bytes_per_s'] / 1e12:.2f} TB/s, {_pct(b['proj_fraction'])} of copy"
+        )
+        out.append(
+            f"| {c['tp']} | {c['batch']} | {b['span_us']:.1f} / {'-' if target is None else f'{target:.1f}'} | "
+            f"{proj} | +{b['step_after_us']:.1f} | +{b['rest_after_us']:.1f} | {after:.1f} / {left} |"
+        )
+    return out
+
+
 def phase_lines(cells: Sequence[Mapping[str, Any]], traced: bool) -> list[str]:
     """The phase traces of the cells that have one (a `--trace` run), kernel by kernel and phase by phase."""
     traced_cells = [c for c in cells if c.get("phase_trace")]
@@ -1134,6 +1195,7 @@ def markdown(results: Mapping[str, Any]) -> str:
             joined = [f"{k}: {v['launches']:g}, {v['time_us']:.1f}" for k, v in by.items() if k not in ATTENTION_OPS]
             out.append(f"| {c['tp']} | {c['batch']} | {p} | " + " | ".join(cols) + f" | {'; '.join(joined) or '-'} |")
     out += timeline_lines(cells)
+    out += span_lines(cells, bw)
     out += phase_lines(cells, traced=bool(results.get("traced")))
     out += [
         "",

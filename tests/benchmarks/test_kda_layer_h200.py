@@ -407,6 +407,44 @@ def test_a_targets_table_misquoting_its_sweep_is_caught():
     ], problems
 
 
+def test_the_span_breakdown_reads_the_specialized_timeline() -> None:
+    """The synthetic cell's specialized kernels: the projection 10-18 us (90 MB: 11.25 TB/s, 2.81x the 4 TB/s copy
+    figure), the KDA step's two kernels ending at 38 (+20 after the projection), the side at 58 (+20); the roofline
+    28.75 us over TP8 B1's 85 % target allows a 33.8 us span, which leaves the chain after the projection 15.8 us."""
+    breakdown = bench.span_breakdown(_cell(8, True), 4e12)
+    assert breakdown == pytest.approx(
+        {
+            "span_us": 58.0,
+            "target_span_us": 28.75 / 0.85,
+            "proj_start_us": 10.0,
+            "proj_end_us": 18.0,
+            "proj_bytes": 90e6,
+            "proj_bytes_per_s": 11.25e12,
+            "proj_fraction": 2.8125,
+            "step_after_us": 20.0,
+            "rest_after_us": 20.0,
+        }
+    )
+    md = bench.markdown(json.loads(json.dumps(_results())))
+    row = "| 8 | 1 | 58.0 / 33.8 | 10.0-18.0 us: 90.0 MB at 11.25 TB/s, 281.2% of copy | +20.0 | +20.0 | 40.0 / 15.8 |"
+    assert row in md.splitlines()
+    assert bench.span_breakdown(_cell(16, False), 4e12) is None  # no specialized path: nothing to break down
+    no_proj = _cell(8, True)
+    side = no_proj["attention"]["specialized"]
+    side["timeline"] = [r for r in side["timeline"] if r["op"] != "in_proj"]
+    assert bench.span_breakdown(no_proj, 4e12) is None  # a projection left stock is not read as another op
+
+
+def test_the_docs_span_table_is_the_benchmarks_own_rows():
+    """docs/kda-layer-h200.md's "Where the span goes on the H200" rows are `--table`'s rows of the committed sweep,
+    character for character: a hand-edited figure there fails here."""
+    doc = TARGETS_DOC.read_text()
+    section = doc[doc.index("**Where the span goes on the H200 at 15d0736**") :]
+    rows = [line for line in section.split("\n\n")[1].splitlines() if re.match(r"\| \d+ \| \d+ \|", line)]
+    produced = bench.markdown(json.loads((bench.REPO / "benchmarks/results/kda-layer-h200.json").read_text()))
+    assert len(rows) == 5 and all(row in produced.splitlines() for row in rows), rows
+
+
 def test_target_verdicts_met_missed_and_not_judged() -> None:
     v = bench.target_verdicts(8, 4, {"roofline_fraction_span": 0.85, "launches": 4}, None)
     assert v["path"] == "specialized" and v["roofline"]["met"] is True and v["launches"]["met"] is True
