@@ -18,6 +18,8 @@ from types import ModuleType
 
 import pytest
 
+from harness.isolation import bindings
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("k3_decode", "harness", "benchmarks")  # the project's own code; a test's own helpers are not bound here
 GPU_MARK = "pytest.mark.gpu"
@@ -30,22 +32,18 @@ def gpu_test_modules() -> list[Path]:
 
 
 def imported_names(tree: ast.Module) -> dict[str, object]:
-    """The module-level names a test module imports from the project's packages, resolved to their objects (a
-    module, or what `from module import name` binds: a function, a class, a constant)."""
-    names: dict[str, object] = {}
-    for node in tree.body:
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.split(".")[0] in PACKAGES and alias.asname:
-                    names[alias.asname] = importlib.import_module(alias.name)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
-            module = importlib.import_module(node.module)
-            for alias in node.names:
-                value = getattr(module, alias.name, None)
-                if value is None:  # a submodule imported by name
-                    value = importlib.import_module(f"{node.module}.{alias.name}")
-                names[alias.asname or alias.name] = value
-    return names
+    """The names a test module binds at module level by importing from the project's packages (the isolation
+    rules' own import bindings), resolved to their objects: a module, or what `from module import name` binds."""
+    imports = bindings.collect(tree.body, PACKAGES).imports
+    return {name: _load(origin) for name, origin in imports.items() if not origin.foreign}
+
+
+def _load(origin: bindings.Origin) -> object:
+    if origin.is_module:
+        return importlib.import_module(origin.dotted)
+    module, _, attr = origin.dotted.rpartition(".")
+    value = getattr(importlib.import_module(module), attr, None)
+    return importlib.import_module(origin.dotted) if value is None else value  # a submodule imported by name
 
 
 def _callee(func: ast.expr, names: dict[str, object]) -> tuple[str, Callable] | None:

@@ -688,10 +688,9 @@ def time_batch(
     out = torch.empty(batch, spec.proj, dtype=torch.bfloat16, device=DEV)
 
     def cute(cluster: int | None, resident: int | None, warm: bool | None, group: int | None) -> Callable[[int], None]:
-        given = {"cluster": cluster, "resident_threads": resident, "warm_ahead": warm, "requests_per_cta": group}
-        choice = {name: value for name, value in given.items() if value is not None}
+        choice = {"cluster": cluster, "resident_threads": resident, "warm_ahead": warm, "requests_per_cta": group}
 
-        def call(i: int) -> None:
+        def call(i: int) -> None:  # None leaves a choice to the plan (KdaStepPlan.for_shape)
             cache = caches[i % copies]
             kda_step_op.decode_step(spec, small[i % copies], packed, cache, slots, out, **choice)
 
