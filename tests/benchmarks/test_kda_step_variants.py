@@ -514,7 +514,7 @@ WIDE_LEAN_CONV_LATE = [
     for i in (1, 2, 3)
 ]
 WIDE_ALONE_SIX = [(WIDE_DIR / f"step-knobs-base-{i}.json", WIDE_DIR / f"step-wide-warps-{i}.json") for i in (1, 2, 3)]
-WIDE_LEAN_CONV_SERVED = {(8, 16), (16, 32), (8, 64), (8, 8), (16, 1)}
+WIDE_LEAN_CONV_SERVED = {(8, 16), (16, 32), (8, 64), (8, 8), (16, 1), (8, 6), (8, 7)}
 # One H100 at ebd4bcb, three rounds of 60 against the served tree (TP8 B64: 1536 threads and the lean start) on
 # layers 6 and 86 at TP8 and TP16 B32 and B64: the pair (step-cap-pair, step-cap-late-pair) and the pair held to three
 # CTAs an SM (step-cap, step-cap-late), each round timing the base, the cap and the pair in turn. TP16 B32 already
@@ -562,10 +562,11 @@ def wide_lean_conv_verdicts(
     late: list[tuple[Path, Path]],
     late_again: list[tuple[Path, Path]] | None = None,
     late_small: list[tuple[Path, Path]] | None = None,
+    late_b5_7: list[tuple[Path, Path]] | None = None,
 ) -> dict[tuple[int, int], bool]:
     """The pair's verdict per cell: at aec1ce9 (against the tree at 1024 threads), where the rounds at ebd4bcb
-    timed it again against the served tree, theirs (the served tree is what a rule replaces), and at B1-B8 the
-    small-batch rounds'."""
+    timed it again against the served tree, theirs (the served tree is what a rule replaces), at B1-B8 the
+    small-batch rounds', and at TP8 B5-B7 theirs."""
     six_sets = [knob_savings(rounds, 6, PAIRED_KNOBS, "aec1ce9") for rounds in WIDE_LEAN_CONV_SIX]
     on_six = [{k: v for saved in per_round for k, v in saved.items()} for per_round in zip(*six_sets, strict=True)]
     first = model_verdicts(on_six, [knob_savings(late, LATE_LAYER, PAIRED_KNOBS, "aec1ce9")])
@@ -573,7 +574,7 @@ def wide_lean_conv_verdicts(
     assert set(again) == PAIR_AGAIN
     small = small_verdicts(late_small)
     assert set(small) == {(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8)}
-    return first | again | small
+    return first | again | small | pair_b5_7_verdicts(late_b5_7)
 
 
 def paired_problems(verdicts: dict[tuple[int, int], bool], choice: Path | None = None) -> list[str]:
@@ -595,10 +596,11 @@ def test_wide_warps_and_the_lean_conv_are_served_exactly_where_they_saved_model_
     against 1024 threads, it was mixed) and TP8 B32 and TP16 B64 did not, as before. Served exactly at the three
     winners, at 1024 threads. At B1-B8, four rounds on both layers: TP8 B8 (+1.72 to +2.08 us on layer 6, +0.03 to
     +1.98 on layer 86) and TP16 B1 (-0.28 to +0.26, +0.16 to +0.66) saved model time in every round and are served;
-    TP16 B8 lost it in round 1, the other cells in one round or more. Between and beyond the timed batches nothing
+    TP16 B8 lost it in round 1, the other cells in one round or more; at TP8 B5-B7, four rounds on both layers: B6 and
+    B7 saved it in every round and are served, B5 lost it in round 2. Between and beyond the timed batches nothing
     serves either knob, and wide warps alone (layer 6 only: TP8 B16 and B64 saved, TP16 mixed or lost) serve nowhere."""
     verdicts = wide_lean_conv_verdicts(WIDE_LEAN_CONV_LATE)
-    assert set(verdicts) == {(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8, 16, 32, 64)}
+    assert set(verdicts) == {(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8, 16, 32, 64)} | {(8, 5), (8, 6), (8, 7)}
     assert {key for key, won in verdicts.items() if won} == WIDE_LEAN_CONV_SERVED
     assert paired_problems(verdicts) == []
     for tp in (8, 16):
@@ -651,26 +653,69 @@ def test_the_small_batch_rounds_are_the_ones_the_choice_file_quotes():
             assert [round(s[key], 2) for s in saved] == both[late], (key, late)
 
 
-# One H100 at 4736f0e, the pair on a rule at TP8 B5-B7 against the tree (clusters of 4 at B5, of 2 at B6 and B7, as at
-# the served B8), 60 rounds: two rounds on layer 6, one on layer 86, before the device time ran out.
-PAIR_B5_7 = {False: _rounds("step-pair-b5-7", (1, 2)), True: _rounds("step-pair-b5-7-late", (1,))}
+# One H100, the pair on a rule at TP8 B5-B7 against the tree (clusters of 4 at B5, of 2 at B6 and B7, as at the served
+# B8), four rounds of 60 on layers 6 and 86 (step-pair-b5-7-*, step-pair-b5-7-late-*): layer 6 rounds 1-2 and layer 86
+# round 1 at 4736f0e, the rest at 7c5690a (the same kernels and choice: tests, tools and docs changed between them).
+PAIR_B5_7_COMMITS = {
+    False: {1: "4736f0e", 2: "4736f0e", 3: "7c5690a", 4: "7c5690a"},
+    True: {1: "4736f0e", 2: "7c5690a", 3: "7c5690a", 4: "7c5690a"},
+}
 
 
-def test_the_pair_at_tp8_b5_to_b7_saved_in_its_first_rounds_and_is_served_there_by_no_rule():
-    """An exploratory round, fewer than the three a rule asks for: at B6 and B7 the pair saved 2.3-3.2 us a layer on
-    layer 6 and 1.3-1.7 on layer 86, as at B8 with the same cluster; B5 (clusters of 4, as at B4, where the pair was
-    mixed) saved 0.01-0.91. Until three rounds on both layers, nothing serves it between B4 and B8."""
+def pair_b5_7_rounds(late: bool) -> list[tuple[Path, Path]]:
+    return _rounds("step-pair-b5-7-late" if late else "step-pair-b5-7", PAIR_B5_7_COMMITS[late])
+
+
+def pair_b5_7_savings(late: bool, rounds: list[tuple[Path, Path]] | None = None) -> list[dict[tuple[int, int], float]]:
+    """Per round of the pair at TP8 B5-B7 against the tree (`rounds`, else the committed ones of that layer), the layer
+    time it saved per cell, each round checked at its own commit, every cell timed."""
     knobs = dict.fromkeys(PAIRED_KNOBS, True)
-    six = knob_savings(PAIR_B5_7[False], 6, knobs, "4736f0e")
-    late = knob_savings(PAIR_B5_7[True], LATE_LAYER, knobs, "4736f0e")
-    rounded = {key: ([round(s[key], 2) for s in six], [round(s[key], 2) for s in late]) for key in six[0]}
-    assert rounded == {
-        (8, 5): ([0.01, 0.91], [0.08]),
-        (8, 6): ([3.18, 3.12], [1.66]),
-        (8, 7): ([2.44, 2.26], [1.31]),
+    saved = savings_by_commit(rounds or pair_b5_7_rounds(late), PAIR_B5_7_COMMITS[late].values(), late, knobs)
+    assert all(set(cells) == {(8, b) for b in (5, 6, 7)} for cells in saved)
+    return saved
+
+
+def pair_b5_7_verdicts(late: list[tuple[Path, Path]] | None = None) -> dict[tuple[int, int], bool]:
+    return model_verdicts(pair_b5_7_savings(False), [pair_b5_7_savings(True, late)])
+
+
+def test_the_pair_at_tp8_b5_to_b7_rounds_are_the_ones_the_choice_file_quotes():
+    """The layer time each round saved, as kda_step_choice.toml's comment quotes it (layer 6 / layer 86): a round
+    recomputed differently, or a results file swapped, fails here."""
+    quoted = {
+        (8, 5): ([0.01, 0.91, 0.83, 0.03], [0.08, -0.96, 0.37, 0.93]),
+        (8, 6): ([3.18, 3.12, 2.51, 1.85], [1.66, 1.78, 1.62, 1.26]),
+        (8, 7): ([2.44, 2.26, 2.60, 1.60], [1.31, 0.84, 1.79, 1.48]),
     }
+    for late in (False, True):
+        saved = pair_b5_7_savings(late)
+        assert {key: [round(s[key], 2) for s in saved] for key in quoted} == {k: v[late] for k, v in quoted.items()}
+    text = (REPO / "k3_decode/kernels/kda_step_choice.toml").read_text()
+    quoted_text = " ".join(line.lstrip("# ") for line in text.splitlines())
+    for (_, batch), (six, late) in quoted.items():
+        signed = [", ".join(f"{us:+.2f}" for us in rounds) for rounds in (six, late)]
+        assert f"B{batch} {signed[0]} / {signed[1]}" in quoted_text, batch
+
+
+def test_the_pair_is_served_at_tp8_b6_and_b7_where_it_saved_model_time_in_every_round_and_not_at_b5():
+    """B6 (+1.85 to +3.18 us a layer on layer 6, +1.26 to +1.78 on layer 86) and B7 (+1.60 to +2.60, +0.84 to +1.79)
+    saved model time in every round, as B8 does at the same cluster: served on B8's rule, which now starts at B6. B5
+    (clusters of 4, as at B4, where the pair was mixed) lost model time in round 2 (layer 86 -0.96 us): not served."""
+    verdicts = pair_b5_7_verdicts()
+    assert verdicts == {(8, 5): False, (8, 6): True, (8, 7): True}
+    assert paired_problems(verdicts) == []
     heads = K3.shard(8).kda_heads
-    assert not any(chosen_variant(heads, b).wide_warps for b in (5, 6, 7))
+    served = [chosen_variant(heads, b) for b in (6, 7, 8)]
+    assert all(v == served[-1] for v in served)  # one rule, B8's
+
+
+def test_rounds_where_the_pair_lost_at_tp8_b6_take_it_away(tmp_path):
+    """Broken case: layer 86's rounds with B6's gains mirrored into losses; the verdict there flips and the served rule
+    no longer matches, while B7 still does."""
+    mirrored = mirrored_rounds(pair_b5_7_rounds(True), tmp_path, lambda key: key == (8, 6))
+    verdicts = pair_b5_7_verdicts(mirrored)
+    assert not verdicts[(8, 6)] and verdicts[(8, 7)]
+    assert paired_problems(verdicts) == ["TP8 B6: did not save but served (True, True, 1024)"]
 
 
 def test_the_cap_is_served_nowhere_and_beat_the_uncapped_pair_only_at_tp16_b64():
