@@ -697,6 +697,33 @@ def test_the_pair_at_tp8_b5_to_b7_rounds_are_the_ones_the_choice_file_quotes():
         assert f"B{batch} {signed[0]} / {signed[1]}" in quoted_text, batch
 
 
+def pair_b5_7_doc_rows(six: list[dict], late: list[dict]) -> list[str]:
+    """The rows of docs/kda-layer-h200.md's table of these rounds: each layer's savings, then the model time where it
+    saved in every round, else the first round that lost it."""
+    model = paired_model_savings(six, late)
+    rows = []
+    for key in sorted(model):
+        signed = [" ".join(f"{s[key]:+.2f}" for s in rounds) for rounds in (six, late)]
+        per_round = model[key]
+        lost = next((i for i, us in enumerate(per_round, 1) if us <= 0), None)
+        verdict = (
+            f"lost in round {lost} ({per_round[lost - 1]:.1f})"
+            if lost
+            else "**" + ", ".join(f"{us:+.1f}" for us in per_round) + "**"
+        )
+        rows.append(f"| {key[0]} {key[1]} | {signed[0]} | {signed[1]} | {verdict} |")
+    return rows
+
+
+def test_the_docs_table_of_the_pair_at_tp8_b5_to_b7_is_the_rounds():
+    """docs/kda-layer-h200.md quotes these rounds row for row; a misquoted row fails (broken case below)."""
+    doc = (REPO / "docs/kda-layer-h200.md").read_text().splitlines()
+    rows = pair_b5_7_doc_rows(pair_b5_7_savings(False), pair_b5_7_savings(True))
+    assert len(rows) == 3 and all(row in doc for row in rows), rows
+    broken = [s | {(8, 6): -s[(8, 6)]} for s in pair_b5_7_savings(True)]
+    assert not any(row in doc for row in pair_b5_7_doc_rows(pair_b5_7_savings(False), broken) if "| 8 6 |" in row)
+
+
 def test_the_pair_is_served_at_tp8_b6_and_b7_where_it_saved_model_time_in_every_round_and_not_at_b5():
     """B6 (+1.85 to +3.18 us a layer on layer 6, +1.26 to +1.78 on layer 86) and B7 (+1.60 to +2.60, +0.84 to +1.79)
     saved model time in every round, as B8 does at the same cluster: served on B8's rule, which now starts at B6. B5
