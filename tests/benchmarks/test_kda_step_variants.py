@@ -718,10 +718,11 @@ def pair_b5_7_doc_rows(six: list[dict], late: list[dict]) -> list[str]:
 def test_the_docs_table_of_the_pair_at_tp8_b5_to_b7_is_the_rounds():
     """docs/kda-layer-h200.md quotes these rounds row for row; a misquoted row fails (broken case below)."""
     doc = (REPO / "docs/kda-layer-h200.md").read_text().splitlines()
-    rows = pair_b5_7_doc_rows(pair_b5_7_savings(False), pair_b5_7_savings(True))
+    six, late = pair_b5_7_savings(False), pair_b5_7_savings(True)
+    rows = pair_b5_7_doc_rows(six, late)
     assert len(rows) == 3 and all(row in doc for row in rows), rows
-    broken = [s | {(8, 6): -s[(8, 6)]} for s in pair_b5_7_savings(True)]
-    assert not any(row in doc for row in pair_b5_7_doc_rows(pair_b5_7_savings(False), broken) if "| 8 6 |" in row)
+    broken = [s | {(8, 6): -s[(8, 6)]} for s in late]
+    assert not any(row in doc for row in pair_b5_7_doc_rows(six, broken) if "| 8 6 |" in row)
 
 
 def test_the_pair_is_served_at_tp8_b6_and_b7_where_it_saved_model_time_in_every_round_and_not_at_b5():
