@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
@@ -396,17 +397,6 @@ def test_rounds_where_the_lean_start_lost_at_tp8_b64_take_it_away(tmp_path):
     assert lean_problems(verdicts) == ["TP8 B64: the lean start is served"]
 
 
-# One H100, five rounds of 60 at B1-B8, both TP sizes and layers: the lean start added to the served tree of 4f0836b
-# (on the pair at TP8 B8 and TP16 B1, alone elsewhere) against that tree; rounds 1-2 at 4f0836b, rounds 3-5 at
-# 278ab2b (the same kernels and choice: only tests and builds changed between them).
-LEAN_SMALL_COMMITS = {1: "4f0836b", 2: "4f0836b", 3: "278ab2b", 4: "278ab2b", 5: "278ab2b"}
-
-
-def lean_small_rounds(late: bool) -> list[tuple[Path, Path]]:
-    stem = "step-lean-small-late" if late else "step-lean-small"
-    return _rounds(stem, LEAN_SMALL_COMMITS)
-
-
 def savings_by_commit(
     rounds: list[tuple[Path, Path]], commits: Iterable[str], late: bool, knobs: tuple[str, ...] | dict[str, bool | int]
 ) -> list[dict[tuple[int, int], float]]:
@@ -416,24 +406,51 @@ def savings_by_commit(
     return [saved for pair, commit in pairs for saved in knob_savings([pair], layer, knobs, commit)]
 
 
-def lean_small_savings(late: bool, rounds: list[tuple[Path, Path]] | None = None) -> list[dict[tuple[int, int], float]]:
-    """Per round, the layer time the lean start saved per cell (knob_savings' checks, each round at its own commit),
-    every cell of B1-B8 timed."""
-    rounds = rounds or lean_small_rounds(late)
-    saved = savings_by_commit(rounds, LEAN_SMALL_COMMITS.values(), late, ("lean_start",))
-    assert all(set(cells) == {(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8)} for cells in saved)
-    return saved
+@dataclass(frozen=True)
+class RoundSet:
+    """Rounds of one variant against the tree on layer 6 (`stem`-base-i / `stem`-i) and layer 86 (`stem`-late-...),
+    round i taken at commits[i] (late_commits[i] on layer 86 where its rounds ran at other commits)."""
+
+    stem: str
+    knobs: tuple[str, ...]
+    commits: dict[int, str]
+    late_commits: dict[int, str] | None = None
+    cells: frozenset[tuple[int, int]] | None = None  # every round times exactly these, where given
+
+    def commits_of(self, late: bool) -> dict[int, str]:
+        return self.late_commits if late and self.late_commits else self.commits
+
+    def rounds(self, late: bool) -> list[tuple[Path, Path]]:
+        return _rounds(f"{self.stem}-late" if late else self.stem, self.commits_of(late))
+
+    def savings(self, late: bool, rounds: list[tuple[Path, Path]] | None = None) -> list[dict[tuple[int, int], float]]:
+        """Per round (`rounds`, else the committed ones of that layer), the layer time the variant saved per cell,
+        each round checked at its own commit (savings_by_commit)."""
+        saved = savings_by_commit(rounds or self.rounds(late), self.commits_of(late).values(), late, self.knobs)
+        assert self.cells is None or all(set(cells) == self.cells for cells in saved)
+        return saved
+
+    def verdicts(self, late: list[tuple[Path, Path]] | None = None) -> dict[tuple[int, int], bool]:
+        """Model-time verdicts of the rounds (`late`: other layer-86 rounds in place of the committed ones)."""
+        return model_verdicts(self.savings(False), [self.savings(True, late)])
 
 
-def lean_small_verdicts(late: list[tuple[Path, Path]] | None = None) -> dict[tuple[int, int], bool]:
-    return model_verdicts(lean_small_savings(False), [lean_small_savings(True, late)])
+# One H100, five rounds of 60 at B1-B8, both TP sizes and layers: the lean start added to the served tree of 4f0836b
+# (on the pair at TP8 B8 and TP16 B1, alone elsewhere) against that tree; rounds 1-2 at 4f0836b, rounds 3-5 at
+# 278ab2b (the same kernels and choice: only tests and builds changed between them).
+LEAN_SMALL = RoundSet(
+    "step-lean-small",
+    ("lean_start",),
+    {1: "4f0836b", 2: "4f0836b", 3: "278ab2b", 4: "278ab2b", 5: "278ab2b"},
+    cells=frozenset((tp, b) for tp in (8, 16) for b in (1, 2, 4, 8)),
+)
 
 
 def test_the_lean_start_at_b1_to_b8_is_served_exactly_where_it_saved_model_time_in_five_rounds():
     """TP16 B2 saved model time in every one of five rounds (layer 86 +0.11 to +0.90 us in each, outweighing layer 6's
     -0.87 in round 5) and is served there, beside no other knob; TP8 B1 and B8, which saved in the first two rounds,
     lost in later ones (TP8 B8 on layer 86 in rounds 3-5, beside the pair): served at no other batch of B1-B8."""
-    six, late = lean_small_savings(False), lean_small_savings(True)
+    six, late = LEAN_SMALL.savings(False), LEAN_SMALL.savings(True)
     assert [round(saved[(16, 2)], 2) for saved in late] == [0.13, 0.9, 0.72, 0.11, 0.35]
     assert [round(saved[(8, 8)], 2) for saved in late] == [0.98, 0.99, -0.19, -0.04, -0.55]
     verdicts = model_verdicts(six, [late])
@@ -455,8 +472,8 @@ def test_the_lean_start_at_b1_to_b8_is_served_exactly_where_it_saved_model_time_
 def test_lean_start_rounds_where_tp16_b2_lost_on_layer_86_take_it_away(tmp_path):
     """Broken case: layer 86's rounds with TP16 B2's gains mirrored into losses; its weighted verdict flips and the
     served rule no longer matches the rounds."""
-    mirrored = mirrored_rounds(lean_small_rounds(True), tmp_path, lambda key: key == (16, 2))
-    verdicts = lean_small_verdicts(mirrored)
+    mirrored = mirrored_rounds(LEAN_SMALL.rounds(True), tmp_path, lambda key: key == (16, 2))
+    verdicts = LEAN_SMALL.verdicts(mirrored)
     assert not any(verdicts.values())
     assert lean_problems(verdicts) == ["TP16 B2: the lean start is served"]
 
@@ -531,24 +548,7 @@ def cap_rounds(variant: str, late: bool) -> list[tuple[Path, Path]]:
 
 # One H100, four rounds of 60 against the tree at B1-B8, both TP sizes, the pair on a rule at B1-B8: round 1 at
 # eaf08f2, rounds 2-4 at fe9509a (the same kernels), layers 6 and 86 (step-small-*, step-small-late-*).
-SMALL_COMMITS = {1: "eaf08f2", 2: "fe9509a", 3: "fe9509a", 4: "fe9509a"}
-
-
-def small_rounds(late: bool) -> list[tuple[Path, Path]]:
-    stem = "step-small-late" if late else "step-small"
-    return _rounds(stem, SMALL_COMMITS)
-
-
-def small_savings(late: bool, rounds: list[tuple[Path, Path]] | None = None) -> list[dict[tuple[int, int], float]]:
-    """Per round of the pair at B1-B8 against the tree (`rounds`, else the committed ones of that layer), the layer
-    time it saved per cell, each round checked at its own commit."""
-    knobs = dict.fromkeys(PAIRED_KNOBS, True)
-    return savings_by_commit(rounds or small_rounds(late), SMALL_COMMITS.values(), late, knobs)
-
-
-def small_verdicts(late: list[tuple[Path, Path]] | None = None) -> dict[tuple[int, int], bool]:
-    """Model-time verdicts of the pair's rounds at B1-B8 against the tree."""
-    return model_verdicts(small_savings(False), [small_savings(True, late)])
+SMALL = RoundSet("step-small", PAIRED_KNOBS, {1: "eaf08f2", 2: "fe9509a", 3: "fe9509a", 4: "fe9509a"})
 
 
 def session_verdicts(variant: str, knobs: dict[str, bool | int], late: list[tuple[Path, Path]] | None = None):
@@ -572,9 +572,9 @@ def wide_lean_conv_verdicts(
     first = model_verdicts(on_six, [knob_savings(late, LATE_LAYER, PAIRED_KNOBS, "aec1ce9")])
     again = session_verdicts("-pair", dict.fromkeys(PAIRED_KNOBS, True), late_again)
     assert set(again) == PAIR_AGAIN
-    small = small_verdicts(late_small)
+    small = SMALL.verdicts(late_small)
     assert set(small) == {(tp, b) for tp in (8, 16) for b in (1, 2, 4, 8)}
-    return first | again | small | pair_b5_7_verdicts(late_b5_7)
+    return first | again | small | PAIR_B5_7.verdicts(late_b5_7)
 
 
 def paired_problems(verdicts: dict[tuple[int, int], bool], choice: Path | None = None) -> list[str]:
@@ -633,7 +633,7 @@ def test_rounds_where_the_pair_lost_at_tp8_b64_take_it_away(tmp_path):
 def test_rounds_where_the_pair_lost_at_tp16_b1_take_it_away(tmp_path):
     """Broken case: the small-batch rounds' layer 86 with TP16 B1's gains mirrored into losses; the verdict there
     flips and the served rule no longer matches, while TP8 B8 still does."""
-    mirrored = mirrored_rounds(small_rounds(True), tmp_path, lambda key: key == (16, 1))
+    mirrored = mirrored_rounds(SMALL.rounds(True), tmp_path, lambda key: key == (16, 1))
     verdicts = wide_lean_conv_verdicts(WIDE_LEAN_CONV_LATE, late_small=mirrored)
     assert not verdicts[(16, 1)] and verdicts[(8, 8)]
     assert paired_problems(verdicts) == ["TP16 B1: did not save but served (True, True, 1024)"]
@@ -648,7 +648,7 @@ def test_the_small_batch_rounds_are_the_ones_the_choice_file_quotes():
         (16, 8): ([0.22, 0.43, 0.28, 0.56], [-0.07, 0.13, 0.11, 0.25]),
     }
     for late in (False, True):
-        saved = small_savings(late)
+        saved = SMALL.savings(late)
         for key, both in quoted.items():
             assert [round(s[key], 2) for s in saved] == both[late], (key, late)
 
@@ -656,27 +656,13 @@ def test_the_small_batch_rounds_are_the_ones_the_choice_file_quotes():
 # One H100, the pair on a rule at TP8 B5-B7 against the tree (clusters of 4 at B5, of 2 at B6 and B7, as at the served
 # B8), four rounds of 60 on layers 6 and 86 (step-pair-b5-7-*, step-pair-b5-7-late-*): layer 6 rounds 1-2 and layer 86
 # round 1 at 4736f0e, the rest at 7c5690a (the same kernels and choice: tests, tools and docs changed between them).
-PAIR_B5_7_COMMITS = {
-    False: {1: "4736f0e", 2: "4736f0e", 3: "7c5690a", 4: "7c5690a"},
-    True: {1: "4736f0e", 2: "7c5690a", 3: "7c5690a", 4: "7c5690a"},
-}
-
-
-def pair_b5_7_rounds(late: bool) -> list[tuple[Path, Path]]:
-    return _rounds("step-pair-b5-7-late" if late else "step-pair-b5-7", PAIR_B5_7_COMMITS[late])
-
-
-def pair_b5_7_savings(late: bool, rounds: list[tuple[Path, Path]] | None = None) -> list[dict[tuple[int, int], float]]:
-    """Per round of the pair at TP8 B5-B7 against the tree (`rounds`, else the committed ones of that layer), the layer
-    time it saved per cell, each round checked at its own commit, every cell timed."""
-    knobs = dict.fromkeys(PAIRED_KNOBS, True)
-    saved = savings_by_commit(rounds or pair_b5_7_rounds(late), PAIR_B5_7_COMMITS[late].values(), late, knobs)
-    assert all(set(cells) == {(8, b) for b in (5, 6, 7)} for cells in saved)
-    return saved
-
-
-def pair_b5_7_verdicts(late: list[tuple[Path, Path]] | None = None) -> dict[tuple[int, int], bool]:
-    return model_verdicts(pair_b5_7_savings(False), [pair_b5_7_savings(True, late)])
+PAIR_B5_7 = RoundSet(
+    "step-pair-b5-7",
+    PAIRED_KNOBS,
+    {1: "4736f0e", 2: "4736f0e", 3: "7c5690a", 4: "7c5690a"},
+    late_commits={1: "4736f0e", 2: "7c5690a", 3: "7c5690a", 4: "7c5690a"},
+    cells=frozenset((8, b) for b in (5, 6, 7)),
+)
 
 
 def test_the_pair_at_tp8_b5_to_b7_rounds_are_the_ones_the_choice_file_quotes():
@@ -688,7 +674,7 @@ def test_the_pair_at_tp8_b5_to_b7_rounds_are_the_ones_the_choice_file_quotes():
         (8, 7): ([2.44, 2.26, 2.60, 1.60], [1.31, 0.84, 1.79, 1.48]),
     }
     for late in (False, True):
-        saved = pair_b5_7_savings(late)
+        saved = PAIR_B5_7.savings(late)
         assert {key: [round(s[key], 2) for s in saved] for key in quoted} == {k: v[late] for k, v in quoted.items()}
     text = (REPO / "k3_decode/kernels/kda_step_choice.toml").read_text()
     quoted_text = " ".join(line.lstrip("# ") for line in text.splitlines())
@@ -718,7 +704,7 @@ def pair_b5_7_doc_rows(six: list[dict], late: list[dict]) -> list[str]:
 def test_the_docs_table_of_the_pair_at_tp8_b5_to_b7_is_the_rounds():
     """docs/kda-layer-h200.md quotes these rounds row for row; a misquoted row fails (broken case below)."""
     doc = (REPO / "docs/kda-layer-h200.md").read_text().splitlines()
-    six, late = pair_b5_7_savings(False), pair_b5_7_savings(True)
+    six, late = PAIR_B5_7.savings(False), PAIR_B5_7.savings(True)
     rows = pair_b5_7_doc_rows(six, late)
     assert len(rows) == 3 and all(row in doc for row in rows), rows
     broken = [s | {(8, 6): -s[(8, 6)]} for s in late]
@@ -729,7 +715,7 @@ def test_the_pair_is_served_at_tp8_b6_and_b7_where_it_saved_model_time_in_every_
     """B6 (+1.85 to +3.18 us a layer on layer 6, +1.26 to +1.78 on layer 86) and B7 (+1.60 to +2.60, +0.84 to +1.79)
     saved model time in every round, as B8 does at the same cluster: served on B8's rule, which now starts at B6. B5
     (clusters of 4, as at B4, where the pair was mixed) lost model time in round 2 (layer 86 -0.96 us): not served."""
-    verdicts = pair_b5_7_verdicts()
+    verdicts = PAIR_B5_7.verdicts()
     assert verdicts == {(8, 5): False, (8, 6): True, (8, 7): True}
     assert paired_problems(verdicts) == []
     heads = K3.shard(8).kda_heads
@@ -740,8 +726,8 @@ def test_the_pair_is_served_at_tp8_b6_and_b7_where_it_saved_model_time_in_every_
 def test_rounds_where_the_pair_lost_at_tp8_b6_take_it_away(tmp_path):
     """Broken case: layer 86's rounds with B6's gains mirrored into losses; the verdict there flips and the served rule
     no longer matches, while B7 still does."""
-    mirrored = mirrored_rounds(pair_b5_7_rounds(True), tmp_path, lambda key: key == (8, 6))
-    verdicts = pair_b5_7_verdicts(mirrored)
+    mirrored = mirrored_rounds(PAIR_B5_7.rounds(True), tmp_path, lambda key: key == (8, 6))
+    verdicts = PAIR_B5_7.verdicts(mirrored)
     assert not verdicts[(8, 6)] and verdicts[(8, 7)]
     assert paired_problems(verdicts) == ["TP8 B6: did not save but served (True, True, 1024)"]
 
