@@ -17,6 +17,7 @@ from harness.kernels_cmd import KernelArtifacts
 from k3_decode.config import ShardError, load_dims
 from k3_decode.kernels import cutedsl
 from k3_decode.kernels.attn_res_plan import AttnResKind, ClusterPlan, site_kinds
+from k3_decode.kernels.kda_head_stream_plan import HeadStreamPlan
 from k3_decode.kernels.kda_in_proj_choice import wgmma_plan
 from k3_decode.kernels.kda_in_proj_mma_plan import InProjMmaPlan
 from k3_decode.kernels.kda_in_proj_plan import InProjPlan
@@ -246,6 +247,56 @@ class KdaInProjWgmmaBuild:
         from k3_decode.kernels.wgmma_stream import KdaInProjKernelWgmma, compile_args  # imports CuTe DSL
 
         return cutedsl.compile_artifacts(KdaInProjKernelWgmma(self.plan), compile_args(self.plan), arch)
+
+
+@dataclass(frozen=True)
+class KdaHeadStreamBuild:
+    """The input projection streamed head by head (kda_head_stream.py, not served: the one-kernel plan's probe) at
+    one rank's rows, one batch and one K split."""
+
+    tp: int
+    plan: HeadStreamPlan
+    kernel = "kda_head_stream"
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel}/tp{self.tp}/b{self.plan.batch}/s{self.plan.split}"
+
+    @property
+    def tags(self) -> dict[str, Any]:
+        """Facts the expectations select on, and the instruction counts the plan implies: trip 0's loads before the
+        wait, one rolled trip body (the refill of every slot, the products, one slice sum per batch row), x staged
+        once."""
+        p = self.plan
+        return {
+            "tp": self.tp,
+            "batch": p.batch,
+            "split": p.split,
+            "rows": p.rows,
+            "ctas": p.ctas,
+            "ctas_per_sm": p.ctas_per_sm,
+            "trips": p.trips,
+            "groups": p.groups,
+            "weight_bytes": p.weight_bytes,
+            "weight_loads_ahead": p.steps_per_unit,
+            "global_loads": 2 * p.steps_per_unit + p.fill_loads,
+            "x_stages": p.fill_loads,
+            "x_reads": p.steps_per_unit * p.batch,
+            "fmas": p.steps_per_unit * p.batch * 8,
+            "shuffles": 5 * p.batch,
+            # the slice sums of a warp's batch rows sit in consecutive words, 16-byte aligned where the batch allows,
+            # so ptxas moves them in vectors of up to 4
+            "slice_vectors": p.batch // p.slice_vector,
+            "shared_stores": p.fill_loads + p.batch // p.slice_vector,
+            "shared_loads": p.steps_per_unit * p.batch + (p.split - 1) * (p.batch // p.slice_vector),
+            "out_stores": p.batch,
+            "group_threads": p.split * 32,
+        }
+
+    def compile(self, arch: str) -> KernelArtifacts:
+        from k3_decode.kernels.kda_head_stream import KdaHeadStreamKernel, compile_args  # imports CuTe DSL
+
+        return cutedsl.compile_artifacts(KdaHeadStreamKernel(self.plan), compile_args(self.plan), arch)
 
 
 @dataclass(frozen=True)
@@ -606,6 +657,7 @@ class K3KernelBuilds:
         | KdaInProjBuild
         | KdaInProjMmaBuild
         | KdaInProjWgmmaBuild
+        | KdaHeadStreamBuild
         | KdaOProjBuild
         | KdaOProjWgmmaBuild
         | KdaStepBuild
@@ -616,6 +668,7 @@ class K3KernelBuilds:
             *self.kda_in_proj_builds(),
             *self.kda_in_proj_mma_builds(),
             *self.kda_in_proj_wgmma_builds(),
+            *self.kda_head_stream_builds(),
             *self.kda_o_proj_builds(),
             *self.kda_o_proj_wgmma_builds(),
             *self.kda_step_builds(),
@@ -674,6 +727,31 @@ class K3KernelBuilds:
         return self._rank_projections(
             "kda_in_proj_wgmma", lambda tp, rows, k, batch: KdaInProjWgmmaBuild(tp, wgmma_plan(rows, k, batch))
         )
+
+    def kda_head_stream_builds(self) -> list[KdaHeadStreamBuild]:
+        """The head-ordered input projection at each rank's rows and heads, for the batches and K splits of
+        builds.toml's [kda_head_stream]."""
+        dims = load_dims(self.table["model"])
+        spec = self.table["kda_head_stream"]
+        builds = []
+        for tp in spec["tp"]:
+            try:
+                shard = dims.shard(tp)
+            except ShardError as exc:
+                raise ValueError(f"builds.toml kda_head_stream.tp: {exc}") from None
+            for batch in spec["batches"]:
+                for split in spec["splits"]:
+                    plan = HeadStreamPlan.for_shape(
+                        shard.kda_in_proj_rows,
+                        shard.hidden,
+                        batch,
+                        shard.kda_heads,
+                        dims.kda.head_dim,
+                        split,
+                        spec["sm_count"],
+                    )
+                    builds.append(KdaHeadStreamBuild(tp, plan))
+        return builds
 
     def _rank_projections(self, section: str, make: Callable[[int, int, int, int], Any]) -> list[Any]:
         """make(tp, rows, k, batch) at each rank's projection shape for the TP sizes and batches of `section`."""

@@ -104,8 +104,9 @@ def test_expectations_judge_every_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
     builds = select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations)  # every tag a rule names exists
     # AttnRes, the KDA in_proj (CUDA-core, tensor-core and wgmma builds), o_proj + AttnRes (test_kda_o_proj_build.py)
-    # and its wgmma build (test_kda_o_proj_wgmma_build.py), the KDA step and its verify step (test_kda_step_build.py)
-    assert len(builds) == 81 + 12 + 16 + 10 + 114 + 72 + 90 + 22
+    # and its wgmma build (test_kda_o_proj_wgmma_build.py), the KDA step and its verify step (test_kda_step_build.py),
+    # and the head-ordered projection probe (test_kda_head_stream_build.py)
+    assert len(builds) == 81 + 12 + 16 + 10 + 114 + 72 + 90 + 22 + 12
     assert expectations["attn_res"].max_registers == 128 and expectations["attn_res"].max_frame_bytes == 0
 
 

@@ -1,0 +1,181 @@
+"""The head-ordered input projection (kda_head_stream.py): its plan (fast, no CuTe DSL) and its sm_90a builds with
+their PTX, SASS and cubin checked, and the broken builds the checks must catch (slow; needs CuTe DSL)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.kernels_cmd import cubin_resources, parse_expectations, select_builds
+from k3_decode.config import K3
+from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds, KdaHeadStreamBuild
+from k3_decode.kernels.kda_head_stream_plan import MAX_BATCH, HeadStreamPlan
+from tests.k3_decode.kernels.helpers import build_command, failed_checks_of_broken_build, needs_cutedsl
+
+H200_SMS = 132
+SMEM_PER_SM = 228 * 1024
+
+
+def plan_at(tp: int, batch: int = 1, split: int = 2, sm_count: int = H200_SMS) -> HeadStreamPlan:
+    s = K3.shard(tp)
+    return HeadStreamPlan.for_shape(s.kda_in_proj_rows, s.hidden, batch, s.kda_heads, K3.kda.head_dim, split, sm_count)
+
+
+def head_stream_builds() -> list[KdaHeadStreamBuild]:
+    return [b for b in K3_KERNEL_BUILDS.builds("sm_90a") if isinstance(b, KdaHeadStreamBuild)]
+
+
+# --- the plan -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp, split, ctas, trips", [(8, 2, 262, 6), (8, 4, 262, 12), (16, 2, 134, 6), (16, 4, 134, 12)])
+def test_the_grid_fills_every_sm_in_whole_trips(tp, split, ctas, trips):
+    plan = plan_at(tp, split=split)
+    assert (plan.ctas, plan.trips) == (ctas, trips)
+    assert plan.row_groups * plan.trips == plan.rows  # every trip whole: no SM idles in a partial last trip
+    assert H200_SMS <= plan.ctas <= 2 * H200_SMS and plan.ctas_per_sm == 2
+    assert plan.steps_per_unit * plan.split * 256 == K3.hidden_size
+    assert 2 * (plan.smem_bytes + 1024) <= SMEM_PER_SM  # two CTAs an SM at the largest batch too
+    assert 2 * (plan_at(tp, MAX_BATCH, split).smem_bytes + 1024) <= SMEM_PER_SM
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_the_stream_order_is_every_packed_row_once_shared_rows_then_head_by_head(tp):
+    plan, shard = plan_at(tp), K3.shard(tp)
+    order = [plan.row_at(p) for p in range(plan.rows)]
+    assert sorted(order) == list(range(plan.rows))  # a permutation: every row streamed exactly once
+    sections = shard.in_proj_sections()
+    shared = set(range(sections["f_a"].start, plan.rows))  # f_a, beta and the padding
+    assert set(order[: plan.shared_rows]) == shared and plan.group_rows(0) == len(shared) == plan.shared_rows
+    for h in range(plan.heads):
+        rows = {plan.row_at(p) for p in plan.positions(1 + h)}
+        want = set()
+        for name in ("q", "k", "v", "g"):  # head h's rows of each of the four sections
+            start = sections[name].start + h * plan.head_dim
+            want |= set(range(start, start + plan.head_dim))
+        assert rows == want, f"head {h}'s positions hold other rows"
+        assert {plan.group_of(p) for p in plan.positions(1 + h)} == {1 + h}
+    assert sum(plan.group_rows(g) for g in range(plan.groups)) == plan.rows
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_heads_finish_in_order_trip_by_trip(tp):
+    """At trip t the grid streams positions Q t .. Q (t + 1) - 1, so a head's last row is in a trip no earlier than the
+    previous head's: the ordering the plan's head pipelining relies on."""
+    plan = plan_at(tp, split=4)
+    last_trip = [plan.trip_of(plan.positions(g)[-1]) for g in range(plan.groups)]
+    assert last_trip == sorted(last_trip) and last_trip[-1] == plan.trips - 1
+    assert last_trip[1] < last_trip[-1]  # not every head at the end: the first head is done trips before the last
+    covered = sorted(q + plan.row_groups * t for q in range(plan.row_groups) for t in range(plan.trips))
+    assert covered == list(range(plan.rows))  # the row groups' trips are every position once
+
+
+def test_the_plan_refuses_shapes_it_cannot_take():
+    s = K3.shard(8)
+    with pytest.raises(ValueError, match="2 or 4 slices"):
+        HeadStreamPlan.for_shape(s.kda_in_proj_rows, s.hidden, 1, s.kda_heads, 128, split=3)
+    with pytest.raises(ValueError, match=r"batches 1\.\.8"):
+        HeadStreamPlan.for_shape(s.kda_in_proj_rows, s.hidden, 9, s.kda_heads, 128)
+    with pytest.raises(ValueError, match="multiple of 1024"):
+        HeadStreamPlan.for_shape(s.kda_in_proj_rows, 7168 - 512, 1, s.kda_heads, 128, split=4)
+    with pytest.raises(ValueError, match="cannot hold 12 heads"):
+        HeadStreamPlan.for_shape(6144, s.hidden, 1, s.kda_heads, 128)
+    with pytest.raises(ValueError, match="pad the packed rows"):  # 6289 is prime: no grid divides it
+        HeadStreamPlan.for_shape(6289, s.hidden, 1, s.kda_heads, 128)
+
+
+# --- what is built ----------------------------------------------------------------------------------------------
+
+
+def test_builds_are_every_tp_batch_and_split_at_the_ranks_rows():
+    builds = head_stream_builds()
+    assert {(b.tp, b.plan.batch, b.plan.split) for b in builds} == {
+        (tp, b, s) for tp in (8, 16) for b in (1, 4, 8) for s in (2, 4)
+    }
+    assert len({b.name for b in builds}) == len(builds) == 12
+    assert {b.tp: (b.plan.rows, b.plan.heads) for b in builds} == {8: (6288, 12), 16: (3216, 6)}
+    tags = {b.name: b.tags for b in builds}
+    b8 = tags["kda_head_stream/tp8/b8/s4"]  # 7 steps a trip, 28 staging passes, slice sums in two 4-word vectors
+    assert (b8["weight_loads_ahead"], b8["global_loads"], b8["x_stages"], b8["x_reads"]) == (7, 7 + 7 + 28, 28, 56)
+    assert (b8["shared_stores"], b8["shared_loads"], b8["fmas"], b8["out_stores"]) == (28 + 2, 56 + 3 * 2, 448, 8)
+    b1 = tags["kda_head_stream/tp16/b1/s2"]  # 14 steps a trip, 896 vectors of x over 256 threads: 4 passes
+    assert (b1["global_loads"], b1["shared_stores"], b1["shared_loads"], b1["group_threads"]) == (32, 5, 15, 64)
+
+
+def test_expectations_judge_every_head_stream_build():
+    expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
+    assert len(select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_head_stream/*")) == 12
+    assert expectations["kda_head_stream"].max_registers == 128 and expectations["kda_head_stream"].max_frame_bytes == 0
+    assert len(expectations["kda_head_stream"].rules) >= 25
+
+
+def test_a_tp_the_model_cannot_shard_is_a_build_table_error(monkeypatch):
+    table = K3_KERNEL_BUILDS.table | {"kda_head_stream": K3_KERNEL_BUILDS.table["kda_head_stream"] | {"tp": [7]}}
+    builds = K3KernelBuilds()
+    monkeypatch.setattr(K3KernelBuilds, "table", table)
+    with pytest.raises(ValueError, match=r"builds\.toml kda_head_stream\.tp"):
+        builds.kda_head_stream_builds()
+
+
+# --- the real builds (CuTe DSL, no GPU) ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_every_head_stream_build_compiles_and_meets_its_expectations(tmp_path):
+    out = tmp_path / "out"
+    proc = build_command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "kda_head_stream/*")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)["subjects"]["K3_KERNEL_BUILDS"]
+    assert report["ok"] and len(report["builds"]) == 12
+    assert all(b["ok"] and len(b["checks"]) >= 30 for b in report["builds"])
+    for b in report["builds"]:  # facts read straight from the artifacts, independent of the expectations file
+        name = b["build"]
+        ptx = (out / name / "kernel.ptx").read_text()
+        sass = (out / name / "kernel.sass").read_text()
+        (res,) = cubin_resources((out / name / "kernel.cubin").read_bytes()).values()
+        assert res.frame_bytes == 0 and res.registers * 256 * 2 <= 65536, (name, res)
+        head, _, tail = sass.partition("ACQBULK")
+        assert tail and "LDS" not in head, f"{name}: x read before the dependency wait"
+        publish = ptx.index("atom.global.release.add.u32")
+        # the row's outputs are stored after its group meets and before it is published
+        assert ptx.rfind("st.global.b16", 0, publish) > ptx.rfind("bar.sync", 0, publish), name
+        assert sass.count("FFMA") == b["tags"]["fmas"], name
+
+
+# Each broken case removes one thing a check exists for, in the compiling process only; the named rule must catch it
+# while the build still compiles within its register cap.
+UNSYNCHRONIZED_SLICES = """
+import os
+os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+import cutlass.cute as cute
+cute.arch.barrier = lambda *args, **kwargs: None
+"""
+
+RELAXED_PUBLISH = """
+import os
+os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+import cutlass.cute as cute
+add = cute.arch.atomic_add
+cute.arch.atomic_add = lambda ptr, value, sem=None, scope=None, **kw: add(ptr, value, sem="relaxed", scope=scope, **kw)
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_row_group_that_does_not_meet_before_summing_its_slices_fails_its_build(tmp_path):
+    """Without the named barrier the leading warp reads slice sums the other warps have not written yet (and a warp
+    two trips ahead overwrites them): the barrier rule catches it."""
+    failed = failed_checks_of_broken_build(tmp_path, "kda_head_stream/tp8/b1/s4", UNSYNCHRONIZED_SLICES)
+    assert len(failed) == 2 and all("bar" in name for name in failed), sorted(failed)
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_row_published_with_a_relaxed_add_fails_its_build(tmp_path):
+    """A relaxed add lets a waiter that sees the full count read outputs not yet visible: the release rules catch
+    it (and the rule that allows only the two kinds of add)."""
+    failed = failed_checks_of_broken_build(tmp_path, "kda_head_stream/tp16/b4/s2", RELAXED_PUBLISH)
+    assert any("release" in name for name in failed) and any("atom" in name for name in failed), sorted(failed)
+    assert len(failed) <= 4, sorted(failed)
