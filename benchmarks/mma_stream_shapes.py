@@ -189,7 +189,7 @@ def plan_record(plan: InProjMmaPlan | WgmmaStreamPlan) -> dict[str, Any]:
 # --- on the GPU --------------------------------------------------------------------------------------------------
 
 
-def _graph(name: str, fn: Any, calls: int, out: Any) -> Any:
+def graph_of_calls(name: str, fn: Any, calls: int, out: Any) -> Any:
     """`calls` calls of `fn` captured in one CUDA graph. A launch sent to any stream but the capturing one runs once,
     eagerly, and the graph replays nothing of it (timed at 0.25 us for 3.7 MB: 93 TB/s), so the graph must write
     `out` from a poisoned start, or no time is recorded for it."""
@@ -210,7 +210,7 @@ def _graph(name: str, fn: Any, calls: int, out: Any) -> Any:
     return graph
 
 
-def _replay_seconds(graph: Any, calls: int) -> float:
+def replay_seconds(graph: Any, calls: int) -> float:
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -275,13 +275,13 @@ def measure_shape(shape: Shape, rounds: int, device: Any) -> dict[str, Any]:
         cells[name]["bits_equal_baseline"] = bool(torch.equal(out, outs[shape.baseline]))
 
     calls = 4 * copies
-    graphs = {name: _graph(name, fn, calls, buffers[name]) for name, fn in fns.items()}
+    graphs = {name: graph_of_calls(name, fn, calls, buffers[name]) for name, fn in fns.items()}
     names = list(graphs)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
-            samples[name].append(_replay_seconds(graphs[name], calls))
+            samples[name].append(replay_seconds(graphs[name], calls))
     moved = w_bytes + (shape.batch * shape.k + shape.batch * shape.rows) * 2
     for name in names:
         s = samples[name]

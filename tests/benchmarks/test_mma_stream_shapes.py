@@ -250,11 +250,11 @@ def test_a_graph_that_replays_nothing_is_refused_not_timed(monkeypatch: pytest.M
             write()
 
     if captured:
-        assert mss._graph("m1k4", fn, 3, out) is graph
+        assert mss.graph_of_calls("m1k4", fn, 3, out) is graph
         assert len(graph.calls) == 3
     else:
         with pytest.raises(RuntimeError, match="m1k4 left its output unwritten"):
-            mss._graph("m1k4", fn, 3, out)
+            mss.graph_of_calls("m1k4", fn, 3, out)
 
 
 # --- the committed runs (H200 at fe6c705, H100 at d609cb5) against what the tree serves ---------------------------

@@ -3,6 +3,7 @@ their PTX, SASS and cubin checked, and the broken builds the checks must catch (
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -11,7 +12,12 @@ from harness.kernels_cmd import cubin_resources, parse_expectations, select_buil
 from k3_decode.config import K3
 from k3_decode.kernels.builds import K3_KERNEL_BUILDS, K3KernelBuilds, KdaHeadStreamBuild
 from k3_decode.kernels.kda_head_stream_plan import MAX_BATCH, HeadStreamPlan
-from tests.k3_decode.kernels.helpers import build_command, failed_checks_of_broken_build, needs_cutedsl
+from tests.k3_decode.kernels.helpers import (
+    assert_launch_reaches_the_driver,
+    build_command,
+    failed_checks_of_broken_build,
+    needs_cutedsl,
+)
 
 H200_SMS = 132
 SMEM_PER_SM = 228 * 1024
@@ -179,3 +185,27 @@ def test_a_row_published_with_a_relaxed_add_fails_its_build(tmp_path):
     failed = failed_checks_of_broken_build(tmp_path, "kda_head_stream/tp16/b4/s2", RELAXED_PUBLISH)
     assert any("release" in name for name in failed) and any("atom" in name for name in failed), sorted(failed)
     assert len(failed) <= 4, sorted(failed)
+
+
+LAUNCH_ON_CPU = """
+import torch
+from k3_decode.kernels import kda_head_stream_op
+from k3_decode.kernels.kda_head_stream_plan import HeadStreamPlan
+
+plan = HeadStreamPlan.for_shape(3216, 7168, 2, 6, 128, split=4)
+compiled = kda_head_stream_op._compiled(plan)
+x, w, out = (torch.zeros(*s, dtype=torch.bfloat16) for s in ((2, 7168), (3216, 7168), (2, 3216)))
+try:
+    kda_head_stream_op.launch(compiled, x, w, out, torch.zeros(plan.trace_words, dtype=torch.int32), 0)
+except Exception as exc:
+    print("RAISED", type(exc).__name__, "cudaErrorInsufficientDriver" in str(exc))
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_the_gpu_launch_path_binds_every_argument(tmp_path):
+    """The launcher the GPU test and the benchmark use compiles from the build's fake signature and hands over
+    every argument; without a driver the call gets as far as the launch (CUDA error 35), not a binding error."""
+    assert_launch_reaches_the_driver(LAUNCH_ON_CPU, tmp_path)

@@ -1,0 +1,243 @@
+"""The head-ordered projection probe against the served CUDA-core projection on one GPU, side by side in one run.
+
+Why this exists (issue 8). The one-kernel plan for the attention side (docs/kda-layer-h200.md, "What each missed
+target needs") needs W's rows to stream in head order, every row published on its head's counter, at the rate the
+served projection streams them in row order. This script measures that first: per (TP, batch) cell it times the
+served CUDA-core stream (kda_in_proj.py) and the head stream (kda_head_stream.py) at each K split, each as a CUDA
+graph of back-to-back calls, interleaved round by round, and reads one isolated head-stream launch's stamps: when
+each head's rows were all published, and the stream's rate from the first CTA's start to the last row.
+
+    python3 benchmarks/head_stream_h200.py --out benchmarks/results/head-stream-h200.json
+    python3 benchmarks/head_stream_h200.py --table benchmarks/results/head-stream-h200.json   # no GPU
+
+Each call reads a different copy of W, round robin over enough copies to hold three times the L2, so no call finds
+its weight in L2 (TP16's 46 MB would otherwise partly stay there between calls). Without a CUDA device the script
+prints one line of error and exits with status 2. The file is rewritten after every cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+CALLS = 12  # back-to-back launches per graph
+SPLITS = (2, 4)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--out", help="where to write the JSON results")
+    ap.add_argument("--table", metavar="JSON", help="print the results file as markdown tables (no GPU)")
+    ap.add_argument("--tp", nargs="+", type=int, default=[8, 16], help="TP sizes (default: 8 16)")
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8], help="batches 1..8 (default: 1 4 8)")
+    ap.add_argument("--rounds", type=int, default=30, help="interleaved timing rounds per cell (default: 30)")
+    return ap
+
+
+def shapes(tp: int) -> tuple[int, int, int, int]:
+    """(rows, K, heads, head_dim) of the rank's packed input projection."""
+    from k3_decode.config import K3
+
+    s = K3.shard(tp)
+    return s.kda_in_proj_rows, s.hidden, s.kda_heads, K3.kda.head_dim
+
+
+def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, Any]:
+    import torch
+
+    from benchmarks.mma_stream_shapes import graph_of_calls, replay_seconds
+    from k3_decode.kernels import kda_head_stream_op, kda_in_proj_op
+    from k3_decode.kernels.kda_head_stream_trace import HeadStreamTimeline
+
+    rows, k, heads, head_dim = shapes(tp)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(tp * 100 + batch)
+    weight_bytes = rows * k * 2
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    copies = max(2, math.ceil(3 * l2 / weight_bytes))  # each call's W comes from HBM, not L2
+    ws = [(torch.randn(rows, k, device=dev, generator=gen) * 0.02).bfloat16() for _ in range(copies)]
+    x = torch.randn(batch, k, device=dev, generator=gen).bfloat16()
+    out = torch.empty(batch, rows, dtype=torch.bfloat16, device=dev)
+    moved = weight_bytes + x.numel() * 2 + out.numel() * 2
+
+    def served(i: int) -> None:
+        kda_in_proj_op.linear(x, ws[i % copies], out, kernel="cuda_core")
+
+    want = kda_in_proj_op.linear(x, ws[0], kernel="cuda_core").float()
+    arms: dict[str, Callable[[int], None]] = {"cuda_core": served}
+    plans, traces = {}, {}
+    for split in SPLITS:
+        plan = kda_head_stream_op.plan_for(x, ws[0], heads, head_dim, split)
+        trace = kda_head_stream_op.trace_buffer(plan, dev)
+        plans[split], traces[split] = plan, trace
+
+        def head(i: int, split: int = split, trace: Any = trace) -> None:
+            kda_head_stream_op.project(x, ws[i % copies], out, trace, heads=heads, head_dim=head_dim, split=split)
+
+        head(0)
+        torch.cuda.synchronize()
+        if not torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2):  # the GPU test holds the exact bound
+            raise RuntimeError(f"TP{tp} B{batch} split {split}: the head stream's product differs from the served one")
+        arms[f"s{split}"] = head
+
+    graphs = {name: graph_of_calls(name, fn, CALLS, out) for name, fn in arms.items()}
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    names = list(arms)
+    for r in range(rounds):  # a rotating order, so no arm always runs first or after the same one
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(replay_seconds(graphs[name], CALLS) * 1e6)
+
+    flush = torch.empty(4 * l2, dtype=torch.uint8, device=dev)
+    cell: dict[str, Any] = {
+        "tp": tp,
+        "batch": batch,
+        "rows": rows,
+        "bytes": moved,
+        "weight_copies": copies,
+        "cuda_core": arm_result(times["cuda_core"], moved, bandwidth),
+        "head_stream": [],
+    }
+    for split in SPLITS:
+        plan, trace = plans[split], traces[split]
+        flush.fill_(1)  # an isolated launch: W cold, nothing before it in flight
+        torch.cuda.synchronize()
+        trace.zero_()
+        kda_head_stream_op.project(x, ws[0], out, trace, heads=heads, head_dim=head_dim, split=split)
+        torch.cuda.synchronize()
+        timeline = HeadStreamTimeline.from_words(plan, trace.tolist())
+        ratios = [h / c for h, c in zip(times[f"s{split}"], times["cuda_core"], strict=True)]
+        cell["head_stream"].append(
+            {
+                "split": split,
+                "ctas": plan.ctas,
+                "trips": plan.trips,
+                **arm_result(times[f"s{split}"], moved, bandwidth),
+                "time_vs_cuda_core": {
+                    "median": statistics.median(ratios),
+                    "min": min(ratios),
+                    "max": max(ratios),
+                },
+                "timeline": {
+                    "end_us": timeline.end_us,
+                    "start_spread_us": timeline.start_spread_us,
+                    "stream_pct_of_copy": 100 * timeline.stream_rate(plan) / bandwidth,
+                    "group_first_us": list(timeline.group_first_us),
+                    "group_done_us": list(timeline.group_done_us),
+                    "trip_median_us": list(timeline.trip_median_us),
+                },
+            }
+        )
+    return cell
+
+
+def arm_result(us: Sequence[float], moved: int, bandwidth: float) -> dict[str, Any]:
+    median = statistics.median(us)
+    return {"us": median, "us_rounds": list(us), "pct_of_copy": 100 * moved / (median * 1e-6) / bandwidth}
+
+
+def table(results: Mapping[str, Any]) -> str:
+    """Markdown: per cell the served stream and each split per call, and each split's isolated launch."""
+    env = results["env"]
+    lines = [
+        f"{env['gpu']}, commit {env['commit'][:7]}{' (dirty)' if env.get('dirty') else ''}; copy bandwidth "
+        f"{results['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; {results['calls_per_graph']} calls a graph, "
+        f"{results['rounds']} rounds",
+        "",
+        "| TP | B | CUDA-core stream | head stream, split 2 | head stream, split 4 |",
+        "|---|---|---|---|---|",
+    ]
+    for c in results["cells"]:
+        heads = {h["split"]: h for h in c["head_stream"]}
+        row = [str(c["tp"]), str(c["batch"]), f"{c['cuda_core']['us']:.2f} us ({c['cuda_core']['pct_of_copy']:.0f} %)"]
+        for split in SPLITS:
+            h = heads.get(split)
+            row.append(
+                "-"
+                if h is None
+                else f"{h['us']:.2f} us ({h['pct_of_copy']:.0f} %), x{h['time_vs_cuda_core']['median']:.3f} "
+                f"[{h['time_vs_cuda_core']['min']:.3f}, {h['time_vs_cuda_core']['max']:.3f}]"
+            )
+        lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "One isolated launch each (W cold): the stream's rate by stamps, and when each group's last row was published.",
+        "",
+        "| TP | B | split | end | rate by stamps | shared rows done | heads done (first, middle, last) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in results["cells"]:
+        for h in c["head_stream"]:
+            t = h["timeline"]
+            done = t["group_done_us"][1:]
+            lines.append(
+                f"| {c['tp']} | {c['batch']} | {h['split']} | {t['end_us']:.2f} us | "
+                f"{t['stream_pct_of_copy']:.0f} % | {t['group_done_us'][0]:.2f} us | "
+                f"{done[0]:.2f}, {done[len(done) // 2]:.2f}, {done[-1]:.2f} us |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.table:
+        try:
+            print(table(json.loads(Path(args.table).read_text())))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"head_stream_h200.py: cannot read {args.table} as results: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if not args.out:
+        parser().error("--out is required (or --table JSON)")
+    if bad := [b for b in args.batches if not 1 <= b <= 8]:
+        parser().error(f"--batches takes 1..8 (the head stream stages one x chunk), got {bad}")
+    if args.rounds < 3:
+        parser().error(f"--rounds must be at least 3, got {args.rounds}")
+    for tp in args.tp:
+        try:
+            shapes(tp)
+        except ValueError as exc:
+            parser().error(f"--tp {tp}: {exc}")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("head_stream_h200.py: no CUDA device here; run it on the GPU machine (an H200)", file=sys.stderr)
+        return 2
+    from benchmarks.stock_h200 import environment, log, measure_copy_bandwidth
+
+    started = time.perf_counter()
+    bandwidth = measure_copy_bandwidth(torch.device("cuda"))["bandwidth_bytes_per_s"]
+    results: dict[str, Any] = {
+        "benchmark": "head-ordered projection probe against the served CUDA-core stream (issue 8)",
+        "env": environment(),
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "calls_per_graph": CALLS,
+        "rounds": args.rounds,
+        "cells": [],
+    }
+    for tp in args.tp:
+        for batch in args.batches:
+            cell = run_cell(tp, batch, args.rounds, bandwidth)
+            results["cells"].append(cell)
+            results["wall_s"] = time.perf_counter() - started
+            Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+            heads = ", ".join(
+                f"s{h['split']} {h['us']:.2f} us x{h['time_vs_cuda_core']['median']:.3f}" for h in cell["head_stream"]
+            )
+            log(f"TP{tp} B{batch}: cuda_core {cell['cuda_core']['us']:.2f} us; {heads}")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
