@@ -5,7 +5,8 @@ target needs") needs W's rows to stream in head order, every row published on it
 served projection streams them in row order. This script measures that first: per (TP, batch) cell it times the
 served CUDA-core stream (kda_in_proj.py) and the head stream (kda_head_stream.py) at each K split, each as a CUDA
 graph of back-to-back calls, interleaved round by round, and reads one isolated head-stream launch's stamps: when
-each head's rows were all published, and the stream's rate from the first CTA's start to the last row.
+each head's rows were all published, and the stream's rate from the first CTA's start to the last row, beside the
+served stream's rate from one isolated launch of its traced build (phase_trace.py), first CTA start to last CTA end.
 
     python3 benchmarks/head_stream_h200.py --out benchmarks/results/head-stream-h200.json
     python3 benchmarks/head_stream_h200.py --table benchmarks/results/head-stream-h200.json   # no GPU
@@ -98,6 +99,7 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
         for name in names[r % len(names) :] + names[: r % len(names)]:
             times[name].append(replay_seconds(graphs[name], CALLS) * 1e6)
 
+    del graphs  # the served stream's trace below grows its launch counter: no graph may still hold the old one
     flush = torch.empty(4 * l2, dtype=torch.uint8, device=dev)
     cell: dict[str, Any] = {
         "tp": tp,
@@ -106,6 +108,7 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
         "bytes": moved,
         "weight_copies": copies,
         "cuda_core": arm_result(times["cuda_core"], moved, bandwidth),
+        "cuda_core_timeline": served_timeline(lambda: served(0), flush, weight_bytes, bandwidth),
         "head_stream": [],
     }
     for split in SPLITS:
@@ -141,6 +144,33 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
     return cell
 
 
+def served_timeline(call: Callable[[], None], flush: Any, weight_bytes: int, bandwidth: float) -> dict[str, float]:
+    """One isolated launch of the served stream compiled with its phase stamps (phase_trace.py): its end and its
+    rate from the first CTA's start to the last CTA's end, as the head stream's timeline reads its own."""
+    import torch
+
+    from k3_decode.kernels import kda_in_proj_op, phase_trace
+
+    phase_trace.enable(True)
+    try:
+        flush.fill_(1)
+        call()  # compiles the traced build and grows the counter
+        flush.fill_(2)
+        counter = kda_in_proj_op.launch_counter(flush.device)
+        counter[1:].zero_()
+        torch.cuda.synchronize()
+        call()
+        torch.cuda.synchronize()
+        ctas = phase_trace.decode(counter.tolist(), "kda_in_proj")
+    finally:
+        phase_trace.enable(False)
+    if not ctas or any(t.timer[2] is None for t in ctas):
+        raise RuntimeError("the served stream's traced launch left CTAs without their end stamp")
+    (kernel,) = phase_trace.summarize({"kda_in_proj": ctas})["kernels"]
+    end_us = kernel["phases"][-1]["max_us"]  # since the earliest CTA start
+    return {"end_us": end_us, "stream_pct_of_copy": 100 * weight_bytes / (end_us * 1e-6) / bandwidth}
+
+
 def arm_result(us: Sequence[float], moved: int, bandwidth: float) -> dict[str, Any]:
     median = statistics.median(us)
     return {"us": median, "us_rounds": list(us), "pct_of_copy": 100 * moved / (median * 1e-6) / bandwidth}
@@ -171,18 +201,21 @@ def table(results: Mapping[str, Any]) -> str:
         lines.append("| " + " | ".join(row) + " |")
     lines += [
         "",
-        "One isolated launch each (W cold): the stream's rate by stamps, and when each group's last row was published.",
+        "One isolated launch each (W cold), by its stamps: the end and the rate from the first CTA's start (% of "
+        "copy), and when each group's last row was published.",
         "",
-        "| TP | B | split | end | rate by stamps | shared rows done | heads done (first, middle, last) |",
+        "| TP | B | served stream | split | head stream | shared rows done | heads done (first, middle, last) |",
         "|---|---|---|---|---|---|---|",
     ]
     for c in results["cells"]:
+        s = c["cuda_core_timeline"]
+        served = f"{s['end_us']:.2f} us ({s['stream_pct_of_copy']:.0f} %)"
         for h in c["head_stream"]:
             t = h["timeline"]
             done = t["group_done_us"][1:]
             lines.append(
-                f"| {c['tp']} | {c['batch']} | {h['split']} | {t['end_us']:.2f} us | "
-                f"{t['stream_pct_of_copy']:.0f} % | {t['group_done_us'][0]:.2f} us | "
+                f"| {c['tp']} | {c['batch']} | {served} | {h['split']} | {t['end_us']:.2f} us "
+                f"({t['stream_pct_of_copy']:.0f} %) | {t['group_done_us'][0]:.2f} us | "
                 f"{done[0]:.2f}, {done[len(done) // 2]:.2f}, {done[-1]:.2f} us |"
             )
     return "\n".join(lines)

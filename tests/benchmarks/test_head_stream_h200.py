@@ -43,6 +43,7 @@ def results() -> dict:
                 "bytes": 90_000_000,
                 "weight_copies": 2,
                 "cuda_core": {"us": 23.1, "us_rounds": [23.1] * 3, "pct_of_copy": 93.0},
+                "cuda_core_timeline": {"end_us": 21.75, "stream_pct_of_copy": 98.8},
                 "head_stream": [head],
             }
         ],
@@ -56,7 +57,7 @@ def test_the_tables_show_each_arm_and_each_launch_timeline(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "NVIDIA H200, commit 0123456; copy bandwidth 4.19 TB/s; 12 calls a graph, 3 rounds" in out
     assert "| 8 | 1 | 23.10 us (93 %) | 22.75 us (94 %), x0.982 [0.951, 1.004] | - |" in out
-    assert "| 8 | 1 | 2 | 21.50 us | 98 % | 2.25 us | 7.50, 14.00, 21.50 us |" in out
+    assert "| 8 | 1 | 21.75 us (99 %) | 2 | 21.50 us (98 %) | 2.25 us | 7.50, 14.00, 21.50 us |" in out
 
 
 def test_a_file_that_is_not_results_is_one_line_of_error(tmp_path, capsys):
