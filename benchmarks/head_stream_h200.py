@@ -36,6 +36,19 @@ CALLS = 12  # back-to-back launches per graph
 SPLITS = (2, 4)
 
 
+def variants(batch: int) -> list[tuple[int, bool]]:
+    """(split, watch) of the head-stream arms at `batch`: both splits, and with the watching warp at the batches
+    builds.toml builds it at (above them its register cap would spill)."""
+    from k3_decode.kernels.builds import K3_KERNEL_BUILDS
+
+    watched = batch in K3_KERNEL_BUILDS.table["kda_head_stream"]["watch_batches"]
+    return [(s, False) for s in SPLITS] + ([(s, True) for s in SPLITS] if watched else [])
+
+
+def arm_name(split: int, watch: bool) -> str:
+    return f"s{split}" + ("w" if watch else "")
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--out", help="where to write the JSON results")
@@ -77,20 +90,23 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
 
     want = kda_in_proj_op.linear(x, ws[0], kernel="cuda_core").float()
     arms: dict[str, Callable[[int], None]] = {"cuda_core": served}
-    plans, traces = {}, {}
-    for split in SPLITS:
-        plan = kda_head_stream_op.plan_for(x, ws[0], heads, head_dim, split)
+    plans, traces, calls = {}, {}, {}
+    for split, watch in variants(batch):
+        name = arm_name(split, watch)
+        plan = kda_head_stream_op.plan_for(x, ws[0], heads, head_dim, split, watch)
         trace = kda_head_stream_op.trace_buffer(plan, dev)
-        plans[split], traces[split] = plan, trace
+        plans[name], traces[name] = plan, trace
 
-        def head(i: int, split: int = split, trace: Any = trace) -> None:
-            kda_head_stream_op.project(x, ws[i % copies], out, trace, heads=heads, head_dim=head_dim, split=split)
+        def head(i: int, split: int = split, watch: bool = watch, trace: Any = trace) -> None:
+            kda_head_stream_op.project(
+                x, ws[i % copies], out, trace, heads=heads, head_dim=head_dim, split=split, watch=watch
+            )
 
         head(0)
         torch.cuda.synchronize()
         if not torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2):  # the GPU test holds the exact bound
-            raise RuntimeError(f"TP{tp} B{batch} split {split}: the head stream's product differs from the served one")
-        arms[f"s{split}"] = head
+            raise RuntimeError(f"TP{tp} B{batch} {name}: the head stream's product differs from the served one")
+        arms[name] = calls[name] = head
 
     graphs = {name: graph_of_calls(name, fn, CALLS, out) for name, fn in arms.items()}
     times: dict[str, list[float]] = {name: [] for name in arms}
@@ -111,21 +127,22 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
         "cuda_core_timeline": served_timeline(lambda: served(0), flush, weight_bytes, bandwidth),
         "head_stream": [],
     }
-    for split in SPLITS:
-        plan, trace = plans[split], traces[split]
+    for name, plan in plans.items():
+        trace = traces[name]
         flush.fill_(1)  # an isolated launch: W cold, nothing before it in flight
         torch.cuda.synchronize()
-        trace.zero_()
-        kda_head_stream_op.project(x, ws[0], out, trace, heads=heads, head_dim=head_dim, split=split)
+        trace.zero_()  # counters, epoch and stamps from zero: this launch is launch 1
+        calls[name](0)
         torch.cuda.synchronize()
         timeline = HeadStreamTimeline.from_words(plan, trace.tolist())
-        ratios = [h / c for h, c in zip(times[f"s{split}"], times["cuda_core"], strict=True)]
+        ratios = [h / c for h, c in zip(times[name], times["cuda_core"], strict=True)]
         cell["head_stream"].append(
             {
-                "split": split,
+                "split": plan.split,
+                "watch": plan.watch,
                 "ctas": plan.ctas,
                 "trips": plan.trips,
-                **arm_result(times[f"s{split}"], moved, bandwidth),
+                **arm_result(times[name], moved, bandwidth),
                 "time_vs_cuda_core": {
                     "median": statistics.median(ratios),
                     "min": min(ratios),
@@ -138,6 +155,9 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
                     "group_first_us": list(timeline.group_first_us),
                     "group_done_us": list(timeline.group_done_us),
                     "trip_median_us": list(timeline.trip_median_us),
+                    "seen_first_us": list(timeline.seen_first_us),
+                    "seen_median_us": list(timeline.seen_median_us),
+                    "seen_last_us": list(timeline.seen_last_us),
                 },
             }
         )
@@ -177,21 +197,23 @@ def arm_result(us: Sequence[float], moved: int, bandwidth: float) -> dict[str, A
 
 
 def table(results: Mapping[str, Any]) -> str:
-    """Markdown: per cell the served stream and each split per call, and each split's isolated launch."""
+    """Markdown: per cell the served stream and each head-stream arm per call, and each arm's isolated launch."""
     env = results["env"]
+    arms = [(split, False) for split in SPLITS] + [(split, True) for split in SPLITS]
     lines = [
         f"{env['gpu']}, commit {env['commit'][:7]}{' (dirty)' if env.get('dirty') else ''}; copy bandwidth "
         f"{results['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; {results['calls_per_graph']} calls a graph, "
-        f"{results['rounds']} rounds",
+        f"{results['rounds']} rounds. Per call (% of copy bandwidth), and time over the CUDA-core stream's: median "
+        "[min, max] of the rounds.",
         "",
-        "| TP | B | CUDA-core stream | head stream, split 2 | head stream, split 4 |",
-        "|---|---|---|---|---|",
+        "| TP | B | CUDA-core stream | " + " | ".join(_arm_title(*a) for a in arms) + " |",
+        "|---|---|---|" + "---|" * len(arms),
     ]
     for c in results["cells"]:
-        heads = {h["split"]: h for h in c["head_stream"]}
+        heads = {(h["split"], h.get("watch", False)): h for h in c["head_stream"]}
         row = [str(c["tp"]), str(c["batch"]), f"{c['cuda_core']['us']:.2f} us ({c['cuda_core']['pct_of_copy']:.0f} %)"]
-        for split in SPLITS:
-            h = heads.get(split)
+        for arm in arms:
+            h = heads.get(arm)
             row.append(
                 "-"
                 if h is None
@@ -202,10 +224,12 @@ def table(results: Mapping[str, Any]) -> str:
     lines += [
         "",
         "One isolated launch each (W cold), by its stamps: the end and the rate from the first CTA's start (% of "
-        "copy), and when each group's last row was published.",
+        "copy), when each group's last row was published, and with the watching warp how long after that the "
+        "watchers saw it (median over groups of the median watcher; the latest watcher of any group).",
         "",
-        "| TP | B | served stream | split | head stream | shared rows done | heads done (first, middle, last) |",
-        "|---|---|---|---|---|---|---|",
+        "| TP | B | served stream | head stream | end | shared rows done | heads done (first, middle, last) "
+        "| seen after |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in results["cells"]:
         s = c["cuda_core_timeline"]
@@ -213,12 +237,21 @@ def table(results: Mapping[str, Any]) -> str:
         for h in c["head_stream"]:
             t = h["timeline"]
             done = t["group_done_us"][1:]
+            seen = "-"
+            if t.get("seen_median_us"):
+                after = [m - d for m, d in zip(t["seen_median_us"], t["group_done_us"], strict=True)]
+                worst = max(v - d for v, d in zip(t["seen_last_us"], t["group_done_us"], strict=True))
+                seen = f"{statistics.median(after):.2f} us, latest {worst:.2f} us"
             lines.append(
-                f"| {c['tp']} | {c['batch']} | {served} | {h['split']} | {t['end_us']:.2f} us "
-                f"({t['stream_pct_of_copy']:.0f} %) | {t['group_done_us'][0]:.2f} us | "
-                f"{done[0]:.2f}, {done[len(done) // 2]:.2f}, {done[-1]:.2f} us |"
+                f"| {c['tp']} | {c['batch']} | {served} | {_arm_title(h['split'], h.get('watch', False))} | "
+                f"{t['end_us']:.2f} us ({t['stream_pct_of_copy']:.0f} %) | {t['group_done_us'][0]:.2f} us | "
+                f"{done[0]:.2f}, {done[len(done) // 2]:.2f}, {done[-1]:.2f} us | {seen} |"
             )
     return "\n".join(lines)
+
+
+def _arm_title(split: int, watch: bool) -> str:
+    return f"split {split}" + (", watched" if watch else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -265,7 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["wall_s"] = time.perf_counter() - started
             Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
             heads = ", ".join(
-                f"s{h['split']} {h['us']:.2f} us x{h['time_vs_cuda_core']['median']:.3f}" for h in cell["head_stream"]
+                f"{arm_name(h['split'], h['watch'])} {h['us']:.2f} us x{h['time_vs_cuda_core']['median']:.3f}"
+                for h in cell["head_stream"]
             )
             log(f"TP{tp} B{batch}: cuda_core {cell['cuda_core']['us']:.2f} us; {heads}")
     print(table(results))

@@ -260,7 +260,8 @@ class KdaHeadStreamBuild:
 
     @property
     def name(self) -> str:
-        return f"{self.kernel}/tp{self.tp}/b{self.plan.batch}/s{self.plan.split}"
+        watch = "/watch" if self.plan.watch else ""
+        return f"{self.kernel}/tp{self.tp}/b{self.plan.batch}/s{self.plan.split}{watch}"
 
     @property
     def tags(self) -> dict[str, Any]:
@@ -291,6 +292,13 @@ class KdaHeadStreamBuild:
             "shared_loads": p.steps_per_unit * p.batch + (p.split - 1) * (p.batch // p.slice_vector),
             "out_stores": p.batch,
             "group_threads": p.split * 32,
+            "watch": p.watch,
+            "threads": p.threads,
+            # the watcher: the epoch, then two acquire loads a group (the first read and the loop's); a stamp a group
+            "acquire_loads": (1 + 2 * p.groups) if p.watch else 0,
+            "stamps": 2 + (p.groups if p.watch else 0),
+            "release_adds": 1 + p.watch,  # each row's publish, and the last CTA's epoch advance
+            "cta_barriers": 1 + p.watch,  # after staging x, and before the CTA counts itself done
         }
 
     def compile(self, arch: str) -> KernelArtifacts:
@@ -730,7 +738,7 @@ class K3KernelBuilds:
 
     def kda_head_stream_builds(self) -> list[KdaHeadStreamBuild]:
         """The head-ordered input projection at each rank's rows and heads, for the batches and K splits of
-        builds.toml's [kda_head_stream]."""
+        builds.toml's [kda_head_stream], and with the watching warp at its watch batches."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_head_stream"]
         builds = []
@@ -739,7 +747,8 @@ class K3KernelBuilds:
                 shard = dims.shard(tp)
             except ShardError as exc:
                 raise ValueError(f"builds.toml kda_head_stream.tp: {exc}") from None
-            for batch in spec["batches"]:
+            cells = [(b, False) for b in spec["batches"]] + [(b, True) for b in spec["watch_batches"]]
+            for batch, watch in cells:
                 for split in spec["splits"]:
                     plan = HeadStreamPlan.for_shape(
                         shard.kda_in_proj_rows,
@@ -749,6 +758,7 @@ class K3KernelBuilds:
                         dims.kda.head_dim,
                         split,
                         spec["sm_count"],
+                        watch,
                     )
                     builds.append(KdaHeadStreamBuild(tp, plan))
         return builds

@@ -30,7 +30,7 @@ from typing import Any
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, const_expr
 
 from k3_decode.kernels import cutedsl
 from k3_decode.kernels.kda_head_stream_plan import WARP, WARPS, HeadStreamPlan
@@ -89,17 +89,58 @@ class KdaHeadStreamKernel:
         parts = smem.allocate_tensor(Float32, cute.make_layout((plan.partial_words,)), byte_alignment=16)
         slots = [cute.make_rmem_tensor((8,), BFloat16) for _ in range(plan.steps_per_unit)]
 
-        row = self._row_at(first)
-        lane_w = self._lane_vectors(w, row, vec0)
-        for i in cutlass.range_constexpr(plan.steps_per_unit):  # W does not depend on the previous kernel
-            load8(lane_w, WARP * i, slots[i])
+        if const_expr(plan.watch):
+            if warp < WARPS:  # the watching warp streams nothing
+                self._first_trip(w, slots, first, vec0)
+        else:
+            self._first_trip(w, slots, first, vec0)
         cute.arch.griddepcontrol_wait()
         if tidx + cta == 0:  # thread 0 of CTA 0: the launch count
             cute.arch.atomic_add(trace.iterator, Int32(1), sem="relaxed", scope="gpu")
-        stage(plan, x, xs, Int32(0), plan.batch, plan.fill_loads, tidx)
+        if const_expr(plan.watch):
+            if warp < WARPS:
+                stage(plan.staging, x, xs, Int32(0), plan.batch, plan.fill_loads, tidx)
+        else:
+            stage(plan.staging, x, xs, Int32(0), plan.batch, plan.fill_loads, tidx)
         cute.arch.sync_threads()
         cute.arch.griddepcontrol_launch_dependents()
 
+        if const_expr(plan.watch):
+            if warp < WARPS:
+                self._stream(w, out, trace, xs, parts, slots, warp, lane, group, piece, first, vec0)
+            elif lane == 0:
+                self._watch(trace, cta)
+            cute.arch.sync_threads()  # every row of the CTA published and every group seen
+            if tidx == 0:
+                self._finish(trace)
+        else:
+            self._stream(w, out, trace, xs, parts, slots, warp, lane, group, piece, first, vec0)
+
+    @cute.jit
+    def _first_trip(self, w: cute.Tensor, slots: list, first: Int32, vec0: Int32):
+        """Trip 0's vectors into the slots: W does not depend on the previous kernel, so before its wait."""
+        lane_w = self._lane_vectors(w, self._row_at(first), vec0)
+        for i in cutlass.range_constexpr(self.plan.steps_per_unit):
+            load8(lane_w, WARP * i, slots[i])
+
+    @cute.jit
+    def _stream(
+        self,
+        w: cute.Tensor,
+        out: cute.Tensor,
+        trace: cute.Tensor,
+        xs: cute.Tensor,
+        parts: cute.Tensor,
+        slots: list,
+        warp: Int32,
+        lane: Int32,
+        group: Int32,
+        piece: Int32,
+        first: Int32,
+        vec0: Int32,
+    ):
+        """Every trip of the warp's row group: its slice of the row, the group's sum, the row's stores and publish."""
+        plan = self.plan
         for t in cutlass.range(plan.trips, unroll=1):
             position = first + plan.row_groups * t
             row = self._row_at(position)
@@ -132,6 +173,28 @@ class KdaHeadStreamKernel:
                 counter = trace.iterator + (plan.counter_base + self._group_of(position))
                 cute.arch.atomic_add(counter, Int32(1), sem="release", scope="gpu")
                 trace[plan.row_stamp_base + row] = cute.arch.globaltimer_lo()
+
+    @cute.jit
+    def _watch(self, trace: cute.Tensor, cta: Int32):
+        """Lane 0 of the watching warp: each group's counter in stream order, polled with gpu-scope acquire loads
+        until it holds (epoch + 1) x the group's rows, then a stamp."""
+        plan = self.plan
+        epoch = cute.arch.load(trace.iterator + plan.epoch_word, Int32, sem="acquire", scope="gpu")
+        for g in cutlass.range_constexpr(plan.groups):
+            full = (epoch + 1) * plan.group_rows(g)
+            seen = cute.arch.load(trace.iterator + (plan.counter_base + g), Int32, sem="acquire", scope="gpu")
+            while seen < full:
+                seen = cute.arch.load(trace.iterator + (plan.counter_base + g), Int32, sem="acquire", scope="gpu")
+            trace[plan.watch_base + cta * plan.groups + g] = cute.arch.globaltimer_lo()
+
+    @cute.jit
+    def _finish(self, trace: cute.Tensor):
+        """Thread 0, after its CTA is done: count the CTA, and if it is the launch's last, advance the epoch the
+        next launch's watchers read (release: it follows every counter add of this launch in causality order)."""
+        plan = self.plan
+        done = cute.arch.atomic_add(trace.iterator + plan.done_word, Int32(1), sem="acq_rel", scope="gpu")
+        if (done + 1) % plan.ctas == 0:
+            cute.arch.atomic_add(trace.iterator + plan.epoch_word, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def _lane_vectors(self, w: cute.Tensor, row: Int32, vec0: Int32) -> cute.Tensor:

@@ -17,6 +17,13 @@ the whole grid streams positions Q t .. Q (t + 1) - 1: the stream moves through 
 taking part in every head. The plan picks the fewest CTAs of at least one per SM (at most two per SM, all resident)
 whose row groups divide R: every trip is whole, and no SM idles in a last, partial trip.
 
+Watching (`watch`, a variant). The plan's step workers wait for a head's counter to be full before they start.
+With `watch`, each CTA has one more warp that does only that: its lane 0 waits for every group's counter in turn
+with gpu-scope acquire loads and stamps when it sees it full. Counters are never reset, so the full count is the
+launch's epoch + 1 times the group's rows; the epoch is a word the previous launch's last CTA advanced, read after
+the dependency wait (the plan's epochs: a CUDA graph replays the launch unchanged). It measures what a waiter adds:
+how long after a head's last row is published a waiter sees it, and whether 262 pollers slow the stream.
+
 Loads in flight. Each lane loads one 16-byte vector (8 columns) of its warp's row per k step of 256 columns and keeps
 a whole trip's vectors in registers (`steps_per_unit` of them: 14 at split 2, 7 at split 4); the next trip's
 vectors are loaded as this trip's are used, so the stream crosses trips and heads without a bubble.
@@ -37,6 +44,14 @@ H200_SMS = 132
 
 
 @dataclass(frozen=True)
+class StageShape:
+    """What the x staging (kda_in_proj.stage) reads of a plan: K and the threads that stage, the stream's."""
+
+    k: int
+    threads: int
+
+
+@dataclass(frozen=True)
 class HeadStreamPlan:
     rows: int  # R, the packed rows of the rank [q | k | v | g | f_a | beta | pad]
     k: int  # K, the hidden size
@@ -46,10 +61,19 @@ class HeadStreamPlan:
     split: int  # K slices a row, one warp each
     sm_count: int
     ctas: int
+    watch: bool = False  # one more warp a CTA waits on every group's counter (the module docstring)
 
     @classmethod
     def for_shape(
-        cls, rows: int, k: int, batch: int, heads: int, head_dim: int, split: int = 2, sm_count: int = H200_SMS
+        cls,
+        rows: int,
+        k: int,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        split: int = 2,
+        sm_count: int = H200_SMS,
+        watch: bool = False,
     ) -> HeadStreamPlan:
         """The plan for one rank's packed rows: the fewest CTAs, at least one an SM and at most two, whose row
         groups divide the rows."""
@@ -68,7 +92,7 @@ class HeadStreamPlan:
         per_cta = WARPS // split
         for ctas in range(sm_count, MAX_CTAS_PER_SM * sm_count + 1):
             if rows % (ctas * per_cta) == 0:
-                return cls(rows, k, batch, heads, head_dim, split, sm_count, ctas)
+                return cls(rows, k, batch, heads, head_dim, split, sm_count, ctas, watch)
         raise ValueError(
             f"no grid of {sm_count}..{MAX_CTAS_PER_SM * sm_count} CTAs of {per_cta} row groups divides {rows} rows "
             "into whole trips; pad the packed rows"
@@ -78,7 +102,16 @@ class HeadStreamPlan:
 
     @property
     def threads(self) -> int:
+        """The stream's 8 warps, and the watching warp."""
+        return (WARPS + self.watch) * WARP
+
+    @property
+    def stream_threads(self) -> int:
         return WARPS * WARP
+
+    @property
+    def staging(self) -> StageShape:
+        return StageShape(self.k, self.stream_threads)
 
     @property
     def groups_per_cta(self) -> int:
@@ -190,8 +223,8 @@ class HeadStreamPlan:
 
     @property
     def fill_loads(self) -> int:
-        """Staging passes of x: one 16-byte vector per thread and pass."""
-        return -(-self.batch * self.k // VECTOR // self.threads)
+        """Staging passes of x: one 16-byte vector per stream thread and pass."""
+        return -(-self.batch * self.k // VECTOR // self.stream_threads)
 
     # --- the trace words (Int32, after the launch count) ------------------------------------------------------
 
@@ -210,5 +243,22 @@ class HeadStreamPlan:
         return self.start_base + self.ctas
 
     @property
+    def epoch_word(self) -> int:
+        """With `watch`: launches completed, advanced by each launch's last CTA."""
+        return self.row_stamp_base + self.rows
+
+    @property
+    def done_word(self) -> int:
+        """With `watch`: CTAs finished, over all launches (the last CTA of a launch advances the epoch)."""
+        return self.epoch_word + 1
+
+    @property
+    def watch_base(self) -> int:
+        """With `watch`: per CTA and group, the global timer's low word when its watcher saw the counter full."""
+        return self.done_word + 1
+
+    @property
     def trace_words(self) -> int:
+        if self.watch:
+            return self.watch_base + self.ctas * self.groups
         return self.row_stamp_base + self.rows

@@ -2,7 +2,8 @@
 the device by the caller).
 
 The words (HeadStreamPlan's layout): the launch count, one counter per group (shared rows, then each head), each
-CTA's start stamp and each packed row's publish stamp, stamps being the GPU's nanosecond timer's low 32 bits. The
+CTA's start stamp and each packed row's publish stamp, stamps being the GPU's nanosecond timer's low 32 bits; with
+the watching warp also the epoch, the done count and, per CTA and group, when its watcher saw the counter full. The
 counters add up over launches; the stamps are the last launch's. Times are taken from the earliest CTA start,
 modulo 2^32 ns (a launch lasts microseconds, the timer's low word wraps every 4.3 s).
 """
@@ -27,11 +28,18 @@ class HeadStreamTimeline:
     group_done_us: tuple[float, ...]  # per group: its last row published (its counter full)
     trip_median_us: tuple[float, ...]  # per trip: the median publish time of the trip's rows
     end_us: float  # the last row published
+    # With the watching warp: per group, over the CTAs' watchers, when they saw its counter full (after the first
+    # CTA's start): the earliest, the median and the latest. Empty without it.
+    seen_first_us: tuple[float, ...] = ()
+    seen_median_us: tuple[float, ...] = ()
+    seen_last_us: tuple[float, ...] = ()
 
     @classmethod
     def from_words(cls, plan: HeadStreamPlan, words: Sequence[int]) -> HeadStreamTimeline:
         """Raises ValueError where the words are not a complete launch of this plan: a length other than the
-        plan's, counters that are not the launch count times the group's rows, or a CTA or row never stamped."""
+        plan's, counters that are not the launch count times the group's rows, or a CTA or row never stamped; with
+        the watching warp also an epoch or a done count that is not the launches', or a group a watcher saw full
+        before any of its rows was published (it waited for the wrong count)."""
         if len(words) != plan.trace_words:
             raise ValueError(f"head stream trace: {len(words)} words, the plan has {plan.trace_words}")
         launches = words[0]
@@ -52,14 +60,34 @@ class HeadStreamTimeline:
         published = [us(rows[plan.row_at(p)]) for p in range(plan.rows)]  # by stream position
         by_group = [[published[p] for p in plan.positions(g)] for g in range(plan.groups)]
         q = plan.row_groups
+        first = tuple(min(g) for g in by_group)
+        seen: list[list[float]] = [[] for _ in range(plan.groups)]
+        if plan.watch:
+            epoch, done = words[plan.epoch_word], words[plan.done_word]
+            if (epoch, done) != (launches, launches * plan.ctas):
+                raise ValueError(
+                    f"head stream trace: epoch {epoch} and {done} CTAs done, not {launches} and {launches * plan.ctas}"
+                )
+            for c in range(plan.ctas):
+                for g in range(plan.groups):
+                    stamp = words[plan.watch_base + c * plan.groups + g] % WRAP
+                    if stamp == 0:
+                        raise ValueError(f"head stream trace: CTA {c}'s watcher never saw group {g} full")
+                    seen[g].append(us(stamp))
+            early = [g for g in range(plan.groups) if min(seen[g]) < first[g]]
+            if early:
+                raise ValueError(f"head stream trace: groups {early} seen full before any of their rows was published")
         return cls(
             launches=launches,
             counters=counters,
             start_spread_us=max(us(s) for s in starts),
-            group_first_us=tuple(min(g) for g in by_group),
+            group_first_us=first,
             group_done_us=tuple(max(g) for g in by_group),
             trip_median_us=tuple(statistics.median(published[t * q : (t + 1) * q]) for t in range(plan.trips)),
             end_us=max(published),
+            seen_first_us=tuple(min(v) for v in seen if v),
+            seen_median_us=tuple(statistics.median(v) for v in seen if v),
+            seen_last_us=tuple(max(v) for v in seen if v),
         )
 
     def stream_rate(self, plan: HeadStreamPlan) -> float:

@@ -22,6 +22,7 @@ def results() -> dict:
     }
     head = {
         "split": 2,
+        "watch": False,
         "ctas": 262,
         "trips": 6,
         "us": 22.75,
@@ -29,6 +30,19 @@ def results() -> dict:
         "pct_of_copy": 94.3,
         "time_vs_cuda_core": {"median": 0.982, "min": 0.951, "max": 1.004},
         "timeline": timeline,
+    }
+    watched = {
+        **head,
+        "watch": True,
+        "us": 23.0,
+        "pct_of_copy": 93.3,
+        "time_vs_cuda_core": {"median": 0.996, "min": 0.97, "max": 1.02},
+        "timeline": {
+            **timeline,
+            "seen_first_us": [2.5, 7.75, 14.25, 21.75],
+            "seen_median_us": [2.75, 8.0, 14.5, 22.0],  # 0.5 us after each group's last row
+            "seen_last_us": [3.25, 8.25, 14.75, 23.5],  # the latest: 2 us after the last head
+        },
     }
     return {
         "env": {"gpu": "NVIDIA H200", "commit": "0123456789abcdef", "dirty": False},
@@ -44,7 +58,7 @@ def results() -> dict:
                 "weight_copies": 2,
                 "cuda_core": {"us": 23.1, "us_rounds": [23.1] * 3, "pct_of_copy": 93.0},
                 "cuda_core_timeline": {"end_us": 21.75, "stream_pct_of_copy": 98.8},
-                "head_stream": [head],
+                "head_stream": [head, watched],
             }
         ],
     }
@@ -55,9 +69,17 @@ def test_the_tables_show_each_arm_and_each_launch_timeline(tmp_path, capsys):
     path.write_text(json.dumps(results()))
     assert hs.main(["--table", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "NVIDIA H200, commit 0123456; copy bandwidth 4.19 TB/s; 12 calls a graph, 3 rounds" in out
-    assert "| 8 | 1 | 23.10 us (93 %) | 22.75 us (94 %), x0.982 [0.951, 1.004] | - |" in out
-    assert "| 8 | 1 | 21.75 us (99 %) | 2 | 21.50 us (98 %) | 2.25 us | 7.50, 14.00, 21.50 us |" in out
+    assert "NVIDIA H200, commit 0123456; copy bandwidth 4.19 TB/s; 12 calls a graph, 3 rounds." in out
+    assert (
+        "| 8 | 1 | 23.10 us (93 %) | 22.75 us (94 %), x0.982 [0.951, 1.004] | - | "
+        "23.00 us (93 %), x0.996 [0.970, 1.020] | - |"
+    ) in out
+    served = "| 8 | 1 | 21.75 us (99 %) |"
+    assert f"{served} split 2 | 21.50 us (98 %) | 2.25 us | 7.50, 14.00, 21.50 us | - |" in out
+    assert (
+        f"{served} split 2, watched | 21.50 us (98 %) | 2.25 us | 7.50, 14.00, 21.50 us | 0.50 us, latest 2.00 us |"
+        in out
+    )
 
 
 def test_a_file_that_is_not_results_is_one_line_of_error(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """The head-ordered projection probe (kda_head_stream.py) on a GPU, at every shape CI compiles: the product within
 the error bound of the served projection's test (one BF16 rounding of an FP32 sum, any order), every row published
 once per launch on its group's counter, the stamps showing the stream move through the heads in order, and the same
-bits from a CUDA graph. Its timing is benchmarks/head_stream_h200.py's, not a test's."""
+bits from a CUDA graph; with the watching warp, every CTA's watcher seeing every group full once a launch, on the
+epoch the previous launch advanced. Its timing is benchmarks/head_stream_h200.py's, not a test's."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ HEAD_DIM = K3.kda.head_dim
 
 def run(build: KdaHeadStreamBuild, x, w, out, trace):
     p = build.plan
-    return kda_head_stream_op.project(x, w, out, trace, heads=p.heads, head_dim=HEAD_DIM, split=p.split)
+    return kda_head_stream_op.project(x, w, out, trace, heads=p.heads, head_dim=HEAD_DIM, split=p.split, watch=p.watch)
 
 
 @pytest.mark.parametrize("build", BUILDS, ids=[b.name for b in BUILDS])
@@ -47,9 +48,11 @@ def test_the_head_stream_matches_linear_and_publishes_every_row_once_per_launch(
     assert worst <= 1.0, f"{build.name}: error reaches {worst:.2f}x the bound"
     assert ((out.double() - linear_fp32_reduction(x, w).double()).abs() <= 2 * tol).all()
 
-    # from_words refuses counters other than 3 launches x each group's rows, and any CTA or row left unstamped.
+    # from_words refuses counters other than 3 launches x each group's rows, and any CTA or row left unstamped; with
+    # the watcher an epoch or done count other than the launches', and a group seen full before a row of it was out.
     timeline = HeadStreamTimeline.from_words(p, trace.tolist())
     assert timeline.launches == 3
+    assert len(timeline.seen_median_us) == (p.groups if p.watch else 0)
     medians = timeline.trip_median_us
     assert all(a < b for a, b in itertools.pairwise(medians)), f"trips not in order: {medians}"
     heads = timeline.group_done_us[1:]

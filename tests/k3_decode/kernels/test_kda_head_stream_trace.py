@@ -10,9 +10,9 @@ from k3_decode.kernels.kda_head_stream_plan import HeadStreamPlan
 from k3_decode.kernels.kda_head_stream_trace import WRAP, HeadStreamTimeline
 
 
-def plan16() -> HeadStreamPlan:
+def plan16(watch: bool = False) -> HeadStreamPlan:
     s = K3.shard(16)
-    return HeadStreamPlan.for_shape(s.kda_in_proj_rows, s.hidden, 1, s.kda_heads, K3.kda.head_dim, split=4)
+    return HeadStreamPlan.for_shape(s.kda_in_proj_rows, s.hidden, 1, s.kda_heads, K3.kda.head_dim, split=4, watch=watch)
 
 
 def words_of(plan: HeadStreamPlan, launches: int = 3, base: int = 5_000, trip_ns: int = 1_000) -> list[int]:
@@ -27,6 +27,12 @@ def words_of(plan: HeadStreamPlan, launches: int = 3, base: int = 5_000, trip_ns
     for p in range(plan.rows):
         stamp = base + 500 + (plan.trip_of(p) + 1) * trip_ns + (p * 13) % (trip_ns // 2)
         words[plan.row_stamp_base + plan.row_at(p)] = stamp
+    if plan.watch:  # each watcher sees a group full 100-400 ns after its last row
+        words[plan.epoch_word], words[plan.done_word] = launches, launches * plan.ctas
+        for g in range(plan.groups):
+            done = max(words[plan.row_stamp_base + plan.row_at(p)] for p in plan.positions(g))
+            for c in range(plan.ctas):
+                words[plan.watch_base + c * plan.groups + g] = done + 100 + (c * 11) % 301
     return [((w + (1 << 31)) % WRAP) - (1 << 31) for w in words]  # as torch's int32 holds them
 
 
@@ -65,3 +71,31 @@ def test_words_that_are_not_a_whole_launch_are_refused():
     never = [0] * plan.trace_words
     with pytest.raises(ValueError, match="0 launches"):
         HeadStreamTimeline.from_words(plan, never)
+
+
+def test_a_watched_launch_reads_when_each_watcher_saw_each_group():
+    plan = plan16(watch=True)
+    t = HeadStreamTimeline.from_words(plan, words_of(plan))
+    assert len(t.seen_first_us) == len(t.seen_median_us) == len(t.seen_last_us) == plan.groups
+    for g in range(plan.groups):
+        assert t.seen_first_us[g] == pytest.approx(t.group_done_us[g] + 0.1)
+        assert t.seen_last_us[g] == pytest.approx(t.group_done_us[g] + 0.4)
+        assert t.seen_first_us[g] <= t.seen_median_us[g] <= t.seen_last_us[g]
+    assert HeadStreamTimeline.from_words(plan16(), words_of(plan16())).seen_median_us == ()  # no watcher, no field
+
+
+def test_a_watcher_that_waited_for_the_wrong_count_is_refused():
+    plan = plan16(watch=True)
+    words = words_of(plan)
+    early = list(words)  # CTA 5's watcher saw head 3 full before any of its rows was published
+    early[plan.watch_base + 5 * plan.groups + 4] = words[plan.start_base]
+    with pytest.raises(ValueError, match=r"groups \[4\] seen full before any of their rows"):
+        HeadStreamTimeline.from_words(plan, early)
+    stale = list(words)
+    stale[plan.epoch_word] -= 1  # a launch whose last CTA did not advance the epoch
+    with pytest.raises(ValueError, match="epoch 2 and"):
+        HeadStreamTimeline.from_words(plan, stale)
+    blind = list(words)
+    blind[plan.watch_base + 7 * plan.groups] = 0
+    with pytest.raises(ValueError, match="CTA 7's watcher never saw group 0 full"):
+        HeadStreamTimeline.from_words(plan, blind)
