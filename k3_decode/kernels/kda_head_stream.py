@@ -16,12 +16,17 @@ Design, and where it differs from the served CUDA-core stream (kda_in_proj.py):
   barrier, and the leading warp's lane 0 adds the slices in slice order, stores the row's B outputs and publishes.
 - Publishing: lane 0 stores the outputs, then one `atom.release.gpu` add on its group's counter (the same thread
   stored them, so the release orders them), then stamps the row. Counters are never reset: a group's counter grows
-  by its row count each launch, so a waiter would compare against (launches) x (rows), as the plan's epochs do.
+  by its row count each launch, so a waiter compares against (epoch + 1) x (rows), as the plan's epochs do.
+- Watching (`watch`): a ninth warp whose lane 0 is that waiter for every group in stream order (acquire polls,
+  then a stamp); after a CTA barrier thread 0 counts the CTA done (acq_rel), and the launch's last CTA advances
+  the epoch (release) that the next launch's watchers read after their dependency wait. The stream warps are the
+  same code as without it.
 - The stream crosses trips without a bubble: a lane holds its slice's whole trip (`steps_per_unit` 16-byte vectors
   of one row) and loads the next trip's row into each register slot as it converts it. Trip 0's loads are issued
   before `griddepcontrol.wait` (W does not depend on the previous kernel), x is staged after it.
-- Stamps, always on (it is a probe): CTA start times and one per row when it is published, the global timer's low
-  word, after the launch count and the counters (HeadStreamPlan's trace words).
+- Stamps, always on (it is a probe): CTA start times, one per row when it is published and, watched, one per CTA
+  and group when its watcher saw the group full: the global timer's low word, after the launch count and the
+  counters (HeadStreamPlan's trace words).
 """
 
 from __future__ import annotations
