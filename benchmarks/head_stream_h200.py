@@ -1,12 +1,13 @@
-"""The head-ordered projection probe against the served CUDA-core projection on one GPU, side by side in one run.
+"""The head-ordered projection probe against the served projection on one GPU, side by side in one run.
 
 Why this exists (issue 8). The one-kernel plan for the attention side (docs/kda-layer-h200.md, "What each missed
 target needs") needs W's rows to stream in head order, every row published on its head's counter, at the rate the
 served projection streams them in row order. This script measures that first: per (TP, batch) cell it times the
-served CUDA-core stream (kda_in_proj.py) and the head stream (kda_head_stream.py) at each K split, each as a CUDA
+served build (kda_in_proj_choice.toml: at B1 the CUDA-core stream at TP8, tensor cores at TP16), the CUDA-core
+stream where that is not the served one, and the head stream (kda_head_stream.py) at each K split, each as a CUDA
 graph of back-to-back calls, interleaved round by round, and reads one isolated head-stream launch's stamps: when
 each head's rows were all published, and the stream's rate from the first CTA's start to the last row, beside the
-served stream's rate from one isolated launch of its traced build (phase_trace.py), first CTA start to last CTA end.
+served build's rate from one isolated launch of its traced build (phase_trace.py), first CTA start to last CTA end.
 
     python3 benchmarks/head_stream_h200.py --out benchmarks/results/head-stream-h200.json
     python3 benchmarks/head_stream_h200.py --table benchmarks/results/head-stream-h200.json   # no GPU
@@ -73,6 +74,7 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
     from benchmarks.mma_stream_shapes import graph_of_calls, replay_seconds
     from k3_decode.kernels import kda_head_stream_op, kda_in_proj_op
     from k3_decode.kernels.kda_head_stream_trace import HeadStreamTimeline
+    from k3_decode.kernels.kda_in_proj_choice import kernel_for_rows
 
     rows, k, heads, head_dim = shapes(tp)
     dev = torch.device("cuda")
@@ -85,11 +87,15 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
     out = torch.empty(batch, rows, dtype=torch.bfloat16, device=dev)
     moved = weight_bytes + x.numel() * 2 + out.numel() * 2
 
-    def served(i: int) -> None:
-        kda_in_proj_op.linear(x, ws[i % copies], out, kernel="cuda_core")
+    served_kernel = kernel_for_rows(batch, rows)
+    arms: dict[str, Callable[[int], None]] = {}
+    for kernel in dict.fromkeys((served_kernel, "cuda_core")):  # the served build, and the CUDA-core one beside it
 
-    want = kda_in_proj_op.linear(x, ws[0], kernel="cuda_core").float()
-    arms: dict[str, Callable[[int], None]] = {"cuda_core": served}
+        def projection(i: int, kernel: str = kernel) -> None:
+            kda_in_proj_op.linear(x, ws[i % copies], out, kernel=kernel)
+
+        arms[kernel] = projection
+    want = kda_in_proj_op.linear(x, ws[0], kernel=served_kernel).float()
     plans, traces, calls = {}, {}, {}
     for split, watch in variants(batch):
         name = arm_name(split, watch)
@@ -123,8 +129,9 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
         "rows": rows,
         "bytes": moved,
         "weight_copies": copies,
-        "cuda_core": arm_result(times["cuda_core"], moved, bandwidth),
-        "cuda_core_timeline": served_timeline(lambda: served(0), flush, weight_bytes, bandwidth),
+        "served": {"kernel": served_kernel, **arm_result(times[served_kernel], moved, bandwidth)},
+        "served_timeline": served_timeline(lambda: arms[served_kernel](0), flush, weight_bytes, bandwidth),
+        "cuda_core": None if served_kernel == "cuda_core" else arm_result(times["cuda_core"], moved, bandwidth),
         "head_stream": [],
     }
     for name, plan in plans.items():
@@ -135,7 +142,7 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
         calls[name](0)
         torch.cuda.synchronize()
         timeline = HeadStreamTimeline.from_words(plan, trace.tolist())
-        ratios = [h / c for h, c in zip(times[name], times["cuda_core"], strict=True)]
+        ratios = [h / c for h, c in zip(times[name], times[served_kernel], strict=True)]
         cell["head_stream"].append(
             {
                 "split": plan.split,
@@ -143,7 +150,7 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
                 "ctas": plan.ctas,
                 "trips": plan.trips,
                 **arm_result(times[name], moved, bandwidth),
-                "time_vs_cuda_core": {
+                "time_vs_served": {
                     "median": statistics.median(ratios),
                     "min": min(ratios),
                     "max": max(ratios),
@@ -203,22 +210,28 @@ def table(results: Mapping[str, Any]) -> str:
     lines = [
         f"{env['gpu']}, commit {env['commit'][:7]}{' (dirty)' if env.get('dirty') else ''}; copy bandwidth "
         f"{results['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; {results['calls_per_graph']} calls a graph, "
-        f"{results['rounds']} rounds. Per call (% of copy bandwidth), and time over the CUDA-core stream's: median "
+        f"{results['rounds']} rounds. Per call (% of copy bandwidth), and time over the served build's: median "
         "[min, max] of the rounds.",
         "",
-        "| TP | B | CUDA-core stream | " + " | ".join(_arm_title(*a) for a in arms) + " |",
-        "|---|---|---|" + "---|" * len(arms),
+        "| TP | B | served build | CUDA-core stream | " + " | ".join(_arm_title(*a) for a in arms) + " |",
+        "|---|---|---|---|" + "---|" * len(arms),
     ]
     for c in results["cells"]:
         heads = {(h["split"], h.get("watch", False)): h for h in c["head_stream"]}
-        row = [str(c["tp"]), str(c["batch"]), f"{c['cuda_core']['us']:.2f} us ({c['cuda_core']['pct_of_copy']:.0f} %)"]
+        served, core = c["served"], c["cuda_core"]
+        row = [
+            str(c["tp"]),
+            str(c["batch"]),
+            f"{served['kernel']}: {served['us']:.2f} us ({served['pct_of_copy']:.0f} %)",
+            "served" if core is None else f"{core['us']:.2f} us ({core['pct_of_copy']:.0f} %)",
+        ]
         for arm in arms:
             h = heads.get(arm)
             row.append(
                 "-"
                 if h is None
-                else f"{h['us']:.2f} us ({h['pct_of_copy']:.0f} %), x{h['time_vs_cuda_core']['median']:.3f} "
-                f"[{h['time_vs_cuda_core']['min']:.3f}, {h['time_vs_cuda_core']['max']:.3f}]"
+                else f"{h['us']:.2f} us ({h['pct_of_copy']:.0f} %), x{h['time_vs_served']['median']:.3f} "
+                f"[{h['time_vs_served']['min']:.3f}, {h['time_vs_served']['max']:.3f}]"
             )
         lines.append("| " + " | ".join(row) + " |")
     lines += [
@@ -232,7 +245,7 @@ def table(results: Mapping[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for c in results["cells"]:
-        s = c["cuda_core_timeline"]
+        s = c["served_timeline"]
         served = f"{s['end_us']:.2f} us ({s['stream_pct_of_copy']:.0f} %)"
         for h in c["head_stream"]:
             t = h["timeline"]
@@ -284,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     bandwidth = measure_copy_bandwidth(torch.device("cuda"))["bandwidth_bytes_per_s"]
     results: dict[str, Any] = {
-        "benchmark": "head-ordered projection probe against the served CUDA-core stream (issue 8)",
+        "benchmark": "head-ordered projection probe against the served projection (issue 8)",
         "env": environment(),
         "copy_bandwidth_bytes_per_s": bandwidth,
         "calls_per_graph": CALLS,
@@ -298,10 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["wall_s"] = time.perf_counter() - started
             Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
             heads = ", ".join(
-                f"{arm_name(h['split'], h['watch'])} {h['us']:.2f} us x{h['time_vs_cuda_core']['median']:.3f}"
+                f"{arm_name(h['split'], h['watch'])} {h['us']:.2f} us x{h['time_vs_served']['median']:.3f}"
                 for h in cell["head_stream"]
             )
-            log(f"TP{tp} B{batch}: cuda_core {cell['cuda_core']['us']:.2f} us; {heads}")
+            log(f"TP{tp} B{batch}: served {cell['served']['kernel']} {cell['served']['us']:.2f} us; {heads}")
     print(table(results))
     return 0
 

@@ -28,7 +28,7 @@ def results() -> dict:
         "us": 22.75,
         "us_rounds": [22.75] * 3,
         "pct_of_copy": 94.3,
-        "time_vs_cuda_core": {"median": 0.982, "min": 0.951, "max": 1.004},
+        "time_vs_served": {"median": 0.982, "min": 0.951, "max": 1.004},
         "timeline": timeline,
     }
     watched = {
@@ -36,7 +36,7 @@ def results() -> dict:
         "watch": True,
         "us": 23.0,
         "pct_of_copy": 93.3,
-        "time_vs_cuda_core": {"median": 0.996, "min": 0.97, "max": 1.02},
+        "time_vs_served": {"median": 0.996, "min": 0.97, "max": 1.02},
         "timeline": {
             **timeline,
             "seen_first_us": [2.5, 7.75, 14.25, 21.75],
@@ -56,8 +56,9 @@ def results() -> dict:
                 "rows": 6288,
                 "bytes": 90_000_000,
                 "weight_copies": 2,
-                "cuda_core": {"us": 23.1, "us_rounds": [23.1] * 3, "pct_of_copy": 93.0},
-                "cuda_core_timeline": {"end_us": 21.75, "stream_pct_of_copy": 98.8},
+                "served": {"kernel": "tensor_core", "us": 23.1, "us_rounds": [23.1] * 3, "pct_of_copy": 93.0},
+                "served_timeline": {"end_us": 21.75, "stream_pct_of_copy": 98.8},
+                "cuda_core": {"us": 24.2, "us_rounds": [24.2] * 3, "pct_of_copy": 88.8},
                 "head_stream": [head, watched],
             }
         ],
@@ -65,13 +66,15 @@ def results() -> dict:
 
 
 def test_the_tables_show_each_arm_and_each_launch_timeline(tmp_path, capsys):
+    """The served build named, the CUDA-core stream beside it where it is not the one served, every head-stream arm
+    against the served build, and each arm's isolated launch."""
     path = tmp_path / "r.json"
     path.write_text(json.dumps(results()))
     assert hs.main(["--table", str(path)]) == 0
     out = capsys.readouterr().out
     assert "NVIDIA H200, commit 0123456; copy bandwidth 4.19 TB/s; 12 calls a graph, 3 rounds." in out
     assert (
-        "| 8 | 1 | 23.10 us (93 %) | 22.75 us (94 %), x0.982 [0.951, 1.004] | - | "
+        "| 8 | 1 | tensor_core: 23.10 us (93 %) | 24.20 us (89 %) | 22.75 us (94 %), x0.982 [0.951, 1.004] | - | "
         "23.00 us (93 %), x0.996 [0.970, 1.020] | - |"
     ) in out
     served = "| 8 | 1 | 21.75 us (99 %) |"
@@ -111,3 +114,12 @@ def test_without_a_gpu_the_script_says_so_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == "head_stream_h200.py: no CUDA device here; run it on the GPU machine (an H200)"
     assert not (tmp_path / "r.json").exists()
+
+
+def test_where_the_cuda_core_stream_is_the_served_build_it_is_not_shown_twice(tmp_path, capsys):
+    r = results()
+    r["cells"][0]["served"]["kernel"], r["cells"][0]["cuda_core"] = "cuda_core", None
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(r))
+    assert hs.main(["--table", str(path)]) == 0
+    assert "| 8 | 1 | cuda_core: 23.10 us (93 %) | served | 22.75 us (94 %)" in capsys.readouterr().out
