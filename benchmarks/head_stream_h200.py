@@ -8,6 +8,8 @@ stream where that is not the served one, and the head stream (kda_head_stream.py
 graph of back-to-back calls, interleaved round by round, and reads one isolated head-stream launch's stamps: when
 each head's rows were all published, and the stream's rate from the first CTA's start to the last row, beside the
 served build's rate from one isolated launch of its traced build (phase_trace.py), first CTA start to last CTA end.
+The head-stream arms: K split over 2 and over 4 warps a row, and at B1 also with the watching warp and copy-fed
+through a shared-memory ring (builds.toml [kda_head_stream]).
 
     python3 benchmarks/head_stream_h200.py --out benchmarks/results/head-stream-h200.json
     python3 benchmarks/head_stream_h200.py --table benchmarks/results/head-stream-h200.json   # no GPU
@@ -37,17 +39,23 @@ CALLS = 12  # back-to-back launches per graph
 SPLITS = (2, 4)
 
 
-def variants(batch: int) -> list[tuple[int, bool]]:
-    """(split, watch) of the head-stream arms at `batch`: both splits, and with the watching warp at the batches
-    builds.toml builds it at (above them its register cap would spill)."""
+def variants(batch: int) -> list[tuple[int, bool, int]]:
+    """(split, watch, stages) of the head-stream arms at `batch`: both splits; with the watching warp, and copy-fed,
+    at the batches builds.toml builds those at (above them the watcher's register cap would spill, and the ring
+    would not leave two CTAs an SM room)."""
     from k3_decode.kernels.builds import K3_KERNEL_BUILDS
 
-    watched = batch in K3_KERNEL_BUILDS.table["kda_head_stream"]["watch_batches"]
-    return [(s, False) for s in SPLITS] + ([(s, True) for s in SPLITS] if watched else [])
+    spec = K3_KERNEL_BUILDS.table["kda_head_stream"]
+    arms = [(s, False, 0) for s in SPLITS]
+    if batch in spec["watch_batches"]:
+        arms += [(s, True, 0) for s in SPLITS]
+    if batch in spec["copies"]["batches"]:
+        arms.append((spec["copies"]["split"], False, spec["copies"]["stages"]))
+    return arms
 
 
-def arm_name(split: int, watch: bool) -> str:
-    return f"s{split}" + ("w" if watch else "")
+def arm_name(split: int, watch: bool, stages: int = 0) -> str:
+    return f"s{split}" + ("w" if watch else "") + (f"r{stages}" if stages else "")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -97,15 +105,23 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
         arms[kernel] = projection
     want = kda_in_proj_op.linear(x, ws[0], kernel=served_kernel).float()
     plans, traces, calls = {}, {}, {}
-    for split, watch in variants(batch):
-        name = arm_name(split, watch)
-        plan = kda_head_stream_op.plan_for(x, ws[0], heads, head_dim, split, watch)
+    for split, watch, stages in variants(batch):
+        name = arm_name(split, watch, stages)
+        plan = kda_head_stream_op.plan_for(x, ws[0], heads, head_dim, split, watch, stages)
         trace = kda_head_stream_op.trace_buffer(plan, dev)
         plans[name], traces[name] = plan, trace
 
-        def head(i: int, split: int = split, watch: bool = watch, trace: Any = trace) -> None:
+        def head(i: int, plan: Any = plan, trace: Any = trace) -> None:
             kda_head_stream_op.project(
-                x, ws[i % copies], out, trace, heads=heads, head_dim=head_dim, split=split, watch=watch
+                x,
+                ws[i % copies],
+                out,
+                trace,
+                heads=heads,
+                head_dim=head_dim,
+                split=plan.split,
+                watch=plan.watch,
+                stages=plan.stages,
             )
 
         head(0)
@@ -147,6 +163,7 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
             {
                 "split": plan.split,
                 "watch": plan.watch,
+                "stages": plan.stages,
                 "ctas": plan.ctas,
                 "trips": plan.trips,
                 **arm_result(times[name], moved, bandwidth),
@@ -206,7 +223,7 @@ def arm_result(us: Sequence[float], moved: int, bandwidth: float) -> dict[str, A
 def table(results: Mapping[str, Any]) -> str:
     """Markdown: per cell the served stream and each head-stream arm per call, and each arm's isolated launch."""
     env = results["env"]
-    arms = [(split, False) for split in SPLITS] + [(split, True) for split in SPLITS]
+    arms = sorted({_arm_key(h) for c in results["cells"] for h in c["head_stream"]}, key=lambda a: (a[2], a[1], a[0]))
     lines = [
         f"{env['gpu']}, commit {env['commit'][:7]}{' (dirty)' if env.get('dirty') else ''}; copy bandwidth "
         f"{results['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; {results['calls_per_graph']} calls a graph, "
@@ -217,7 +234,7 @@ def table(results: Mapping[str, Any]) -> str:
         "|---|---|---|---|" + "---|" * len(arms),
     ]
     for c in results["cells"]:
-        heads = {(h["split"], h.get("watch", False)): h for h in c["head_stream"]}
+        heads = {_arm_key(h): h for h in c["head_stream"]}
         served, core = c["served"], c["cuda_core"]
         row = [
             str(c["tp"]),
@@ -256,15 +273,19 @@ def table(results: Mapping[str, Any]) -> str:
                 worst = max(v - d for v, d in zip(t["seen_last_us"], t["group_done_us"], strict=True))
                 seen = f"{statistics.median(after):.2f} us, latest {worst:.2f} us"
             lines.append(
-                f"| {c['tp']} | {c['batch']} | {served} | {_arm_title(h['split'], h.get('watch', False))} | "
+                f"| {c['tp']} | {c['batch']} | {served} | {_arm_title(*_arm_key(h))} | "
                 f"{t['end_us']:.2f} us ({t['stream_pct_of_copy']:.0f} %) | {t['group_done_us'][0]:.2f} us | "
                 f"{done[0]:.2f}, {done[len(done) // 2]:.2f}, {done[-1]:.2f} us | {seen} |"
             )
     return "\n".join(lines)
 
 
-def _arm_title(split: int, watch: bool) -> str:
-    return f"split {split}" + (", watched" if watch else "")
+def _arm_key(h: Mapping[str, Any]) -> tuple[int, bool, int]:
+    return h["split"], h.get("watch", False), h.get("stages", 0)
+
+
+def _arm_title(split: int, watch: bool, stages: int) -> str:
+    return f"split {split}" + (", watched" if watch else "") + (f", ring of {stages}" if stages else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -311,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["wall_s"] = time.perf_counter() - started
             Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
             heads = ", ".join(
-                f"{arm_name(h['split'], h['watch'])} {h['us']:.2f} us x{h['time_vs_served']['median']:.3f}"
+                f"{arm_name(h['split'], h['watch'], h['stages'])} {h['us']:.2f} us x{h['time_vs_served']['median']:.3f}"
                 for h in cell["head_stream"]
             )
             log(f"TP{tp} B{batch}: served {cell['served']['kernel']} {cell['served']['us']:.2f} us; {heads}")

@@ -261,7 +261,8 @@ class KdaHeadStreamBuild:
     @property
     def name(self) -> str:
         watch = "/watch" if self.plan.watch else ""
-        return f"{self.kernel}/tp{self.tp}/b{self.plan.batch}/s{self.plan.split}{watch}"
+        ring = f"/ring{self.plan.stages}" if self.plan.stages else ""
+        return f"{self.kernel}/tp{self.tp}/b{self.plan.batch}/s{self.plan.split}{watch}{ring}"
 
     @property
     def tags(self) -> dict[str, Any]:
@@ -269,27 +270,35 @@ class KdaHeadStreamBuild:
         wait, one rolled trip body (the refill of every slot, the products, one slice sum per batch row), x staged
         once."""
         p = self.plan
+        copies = p.stages > 0
+        ahead = min(p.stages, p.trips)  # trips copied into the ring before the wait
+        ring_reads = p.steps_per_unit if copies else 0  # a copy-fed lane reads its W vectors back from the ring
         return {
             "tp": self.tp,
             "batch": p.batch,
             "split": p.split,
+            "copies": copies,
+            "stages": p.stages,
+            "bulk_copies": ahead + 1 if copies else 0,  # the first trips unrolled, one refill in the trip body
+            "bulk_copies_ahead": ahead,
+            "proxy_fences": 2 if copies else 0,  # after the barriers' set-up, and before each refill
             "rows": p.rows,
             "ctas": p.ctas,
             "ctas_per_sm": p.ctas_per_sm,
             "trips": p.trips,
             "groups": p.groups,
             "weight_bytes": p.weight_bytes,
-            "weight_loads_ahead": p.steps_per_unit,
-            "global_loads": 2 * p.steps_per_unit + p.fill_loads,
+            "weight_loads_ahead": 0 if copies else p.steps_per_unit,
+            "global_loads": p.fill_loads + (0 if copies else 2 * p.steps_per_unit),
             "x_stages": p.fill_loads,
-            "x_reads": p.steps_per_unit * p.batch,
+            "x_reads": p.steps_per_unit * p.batch + ring_reads,
             "fmas": p.steps_per_unit * p.batch * 8,
             "shuffles": 5 * p.batch,
             # the slice sums of a warp's batch rows sit in consecutive words, 16-byte aligned where the batch allows,
             # so ptxas moves them in vectors of up to 4
             "slice_vectors": p.batch // p.slice_vector,
             "shared_stores": p.fill_loads + p.batch // p.slice_vector,
-            "shared_loads": p.steps_per_unit * p.batch + (p.split - 1) * (p.batch // p.slice_vector),
+            "shared_loads": p.steps_per_unit * p.batch + ring_reads + (p.split - 1) * (p.batch // p.slice_vector),
             "out_stores": p.batch,
             "group_threads": p.split * 32,
             "watch": p.watch,
@@ -738,7 +747,7 @@ class K3KernelBuilds:
 
     def kda_head_stream_builds(self) -> list[KdaHeadStreamBuild]:
         """The head-ordered input projection at each rank's rows and heads, for the batches and K splits of
-        builds.toml's [kda_head_stream], and with the watching warp at its watch batches."""
+        builds.toml's [kda_head_stream], with the watching warp at its watch batches, and copy-fed at its copies."""
         dims = load_dims(self.table["model"])
         spec = self.table["kda_head_stream"]
         builds = []
@@ -747,20 +756,23 @@ class K3KernelBuilds:
                 shard = dims.shard(tp)
             except ShardError as exc:
                 raise ValueError(f"builds.toml kda_head_stream.tp: {exc}") from None
-            cells = [(b, False) for b in spec["batches"]] + [(b, True) for b in spec["watch_batches"]]
-            for batch, watch in cells:
-                for split in spec["splits"]:
-                    plan = HeadStreamPlan.for_shape(
-                        shard.kda_in_proj_rows,
-                        shard.hidden,
-                        batch,
-                        shard.kda_heads,
-                        dims.kda.head_dim,
-                        split,
-                        spec["sm_count"],
-                        watch,
-                    )
-                    builds.append(KdaHeadStreamBuild(tp, plan))
+            ring = spec["copies"]
+            cells = [(b, s, False, 0) for b in spec["batches"] for s in spec["splits"]]
+            cells += [(b, s, True, 0) for b in spec["watch_batches"] for s in spec["splits"]]
+            cells += [(b, ring["split"], False, ring["stages"]) for b in ring["batches"]]
+            for batch, split, watch, stages in cells:
+                plan = HeadStreamPlan.for_shape(
+                    shard.kda_in_proj_rows,
+                    shard.hidden,
+                    batch,
+                    shard.kda_heads,
+                    dims.kda.head_dim,
+                    split,
+                    spec["sm_count"],
+                    watch,
+                    stages,
+                )
+                builds.append(KdaHeadStreamBuild(tp, plan))
         return builds
 
     def _rank_projections(self, section: str, make: Callable[[int, int, int, int], Any]) -> list[Any]:

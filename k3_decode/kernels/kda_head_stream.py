@@ -35,12 +35,12 @@ from typing import Any
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from k3_decode.kernels import cutedsl
 from k3_decode.kernels.kda_head_stream_plan import WARP, WARPS, HeadStreamPlan
 from k3_decode.kernels.kda_in_proj import stage
-from k3_decode.kernels.primitives import launch_resident, load8, load8_value, to_f32, warp_sum
+from k3_decode.kernels.primitives import bulk_copy, launch_resident, load8, load8_value, to_f32, warp_sum
 
 
 def compile_args(plan: HeadStreamPlan) -> tuple[Any, ...]:
@@ -92,13 +92,13 @@ class KdaHeadStreamKernel:
             BFloat16, cute.make_layout((plan.batch, plan.k), stride=(plan.k, 1)), byte_alignment=16
         )
         parts = smem.allocate_tensor(Float32, cute.make_layout((plan.partial_words,)), byte_alignment=16)
-        slots = [cute.make_rmem_tensor((8,), BFloat16) for _ in range(plan.steps_per_unit)]
+        feed = self._feed(smem)
 
         if const_expr(plan.watch):
             if warp < WARPS:  # the watching warp streams nothing
-                self._first_trip(w, slots, first, vec0)
+                self._first_trips(w, feed, first, vec0, warp, lane, piece)
         else:
-            self._first_trip(w, slots, first, vec0)
+            self._first_trips(w, feed, first, vec0, warp, lane, piece)
         cute.arch.griddepcontrol_wait()
         if tidx + cta == 0:  # thread 0 of CTA 0: the launch count
             cute.arch.atomic_add(trace.iterator, Int32(1), sem="relaxed", scope="gpu")
@@ -112,21 +112,63 @@ class KdaHeadStreamKernel:
 
         if const_expr(plan.watch):
             if warp < WARPS:
-                self._stream(w, out, trace, xs, parts, slots, warp, lane, group, piece, first, vec0)
+                self._stream(w, out, trace, xs, parts, feed, warp, lane, group, piece, first, vec0)
             elif lane == 0:
                 self._watch(trace, cta)
             cute.arch.sync_threads()  # every row of the CTA published and every group seen
             if tidx == 0:
                 self._finish(trace)
         else:
-            self._stream(w, out, trace, xs, parts, slots, warp, lane, group, piece, first, vec0)
+            self._stream(w, out, trace, xs, parts, feed, warp, lane, group, piece, first, vec0)
+
+    def _feed(self, smem: Any) -> Any:
+        """Where W's vectors wait to be used: register slots for one trip, or (copy-fed) the ring, each warp's
+        `stages` slices of a row in shared memory, and a transaction barrier a stage."""
+        plan = self.plan
+        if const_expr(plan.stages == 0):
+            return [cute.make_rmem_tensor((8,), BFloat16) for _ in range(plan.steps_per_unit)]
+        bars = smem.allocate_array(Int64, WARPS * plan.stages, byte_alignment=8)
+        width = plan.slice_bytes // 2
+        ring = smem.allocate_tensor(
+            BFloat16, cute.make_layout((WARPS * plan.stages, width), stride=(width, 1)), byte_alignment=128
+        )
+        return ring, bars
 
     @cute.jit
-    def _first_trip(self, w: cute.Tensor, slots: list, first: Int32, vec0: Int32):
-        """Trip 0's vectors into the slots: W does not depend on the previous kernel, so before its wait."""
-        lane_w = self._lane_vectors(w, self._row_at(first), vec0)
-        for i in cutlass.range_constexpr(self.plan.steps_per_unit):
-            load8(lane_w, WARP * i, slots[i])
+    def _first_trips(self, w: cute.Tensor, feed: Any, first: Int32, vec0: Int32, warp: Int32, lane: Int32,
+                     piece: Int32):  # fmt: skip
+        """What the warp streams before the dependency wait (W does not depend on the previous kernel): trip 0's
+        vectors into its register slots, or, copy-fed, its ring's barriers set up and its first `stages` trips
+        copied in."""
+        plan = self.plan
+        if const_expr(plan.stages == 0):
+            lane_w = self._lane_vectors(w, self._row_at(first), vec0)
+            for i in cutlass.range_constexpr(plan.steps_per_unit):
+                load8(lane_w, WARP * i, feed[i])
+        else:
+            _, bars = feed
+            if lane == 0:
+                for i in cutlass.range_constexpr(plan.stages):
+                    cute.arch.mbarrier_init(bars + (warp * plan.stages + i), 1)
+                cute.arch.mbarrier_init_fence()
+                cute.arch.fence_proxy("async.shared", space="cta")  # the bulk copies complete these barriers
+            cute.arch.sync_warp()  # the warp's lanes see its barriers set up before they wait on them
+            for i in cutlass.range_constexpr(min(plan.stages, plan.trips)):
+                self._fill(w, feed, first, Int32(i), warp, lane, piece)
+
+    @cute.jit
+    def _fill(self, w: cute.Tensor, feed: Any, first: Int32, trip: Int32, warp: Int32, lane: Int32, piece: Int32):
+        """Copy-fed: lane 0 copies the warp's slice of its trip-`trip` row into stage trip % stages, one bulk copy
+        completing that stage's barrier, which it arms with the slice's bytes."""
+        plan = self.plan
+        ring, bars = feed
+        stage = warp * plan.stages + trip % plan.stages
+        if lane == 0:
+            bar = bars + stage
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, plan.slice_bytes)
+            row = self._row_at(first + plan.row_groups * trip)
+            src = w.iterator + cute.assume(row * plan.k + piece * (plan.slice_bytes // 2), divby=8)
+            bulk_copy(ring[stage, None].iterator, src, plan.slice_bytes, bar)
 
     @cute.jit
     def _stream(
@@ -136,7 +178,7 @@ class KdaHeadStreamKernel:
         trace: cute.Tensor,
         xs: cute.Tensor,
         parts: cute.Tensor,
-        slots: list,
+        feed: Any,
         warp: Int32,
         lane: Int32,
         group: Int32,
@@ -149,20 +191,27 @@ class KdaHeadStreamKernel:
         for t in cutlass.range(plan.trips, unroll=1):
             position = first + plan.row_groups * t
             row = self._row_at(position)
-            following = self._row_at(position + plan.row_groups)  # next trip's row (unused on the last trip)
-            next_w = self._lane_vectors(w, following, vec0)
             acc = cute.make_rmem_tensor((plan.batch,), Float32)
             acc.fill(0.0)
-            for i in cutlass.range_constexpr(plan.steps_per_unit):
-                wv = to_f32(slots[i].load())
-                if t + 1 < plan.trips:  # refill the slot just read with the next trip's vector
-                    load8(next_w, WARP * i, slots[i])
-                for b in cutlass.range_constexpr(plan.batch):
-                    xv = to_f32(load8_value(xs[b, None], vec0 + WARP * i))
-                    a = acc[b]
-                    for e in cutlass.range_constexpr(8):
-                        a = a + wv[e] * xv[e]
-                    acc[b] = a
+            if const_expr(plan.stages == 0):
+                following = self._row_at(position + plan.row_groups)  # next trip's row (unused on the last trip)
+                next_w = self._lane_vectors(w, following, vec0)
+                for i in cutlass.range_constexpr(plan.steps_per_unit):
+                    wv = to_f32(feed[i].load())
+                    if t + 1 < plan.trips:  # refill the slot just read with the next trip's vector
+                        load8(next_w, WARP * i, feed[i])
+                    self._products(acc, wv, xs, vec0 + WARP * i)
+            else:
+                ring, bars = feed
+                stage = warp * plan.stages + t % plan.stages
+                cute.arch.mbarrier_wait(bars + stage, (t // plan.stages) % 2)  # this trip's slice has landed
+                for i in cutlass.range_constexpr(plan.steps_per_unit):
+                    wv = to_f32(load8_value(ring[stage, None], lane + WARP * i))
+                    self._products(acc, wv, xs, vec0 + WARP * i)
+                if t + plan.stages < plan.trips:  # the stage takes the trip `stages` ahead
+                    cute.arch.fence_proxy("async.shared", space="cta")  # our reads before the copy engine's writes
+                    cute.arch.sync_warp()
+                    self._fill(w, feed, first, t + plan.stages, warp, lane, piece)
             totals = [warp_sum(acc[b]) for b in range(plan.batch)]
             buffer = (t % 2) * (WARPS * plan.batch)
             if piece != 0 and lane == 0:
@@ -178,6 +227,16 @@ class KdaHeadStreamKernel:
                 counter = trace.iterator + (plan.counter_base + self._group_of(position))
                 cute.arch.atomic_add(counter, Int32(1), sem="release", scope="gpu")
                 trace[plan.row_stamp_base + row] = cute.arch.globaltimer_lo()
+
+    @cute.jit
+    def _products(self, acc: cute.Tensor, wv: cute.Tensor, xs: cute.Tensor, vector: Int32):
+        """acc[b] += the 8 products of one W vector with batch row b's x vector, in FMA order."""
+        for b in cutlass.range_constexpr(self.plan.batch):
+            xv = to_f32(load8_value(xs[b, None], vector))
+            a = acc[b]
+            for e in cutlass.range_constexpr(8):
+                a = a + wv[e] * xv[e]
+            acc[b] = a
 
     @cute.jit
     def _watch(self, trace: cute.Tensor, cta: Int32):

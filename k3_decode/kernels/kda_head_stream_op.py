@@ -1,7 +1,7 @@
 """The head-ordered projection probe (kda_head_stream.py) called on torch tensors. Not a provider: the GPU test and
 `benchmarks/head_stream_h200.py` call it, and read its trace words with kda_head_stream_trace.py.
 
-`project(x, weight, out, trace, heads=, head_dim=, split=, watch=)` computes out = x @ weight^T (BF16, FP32
+`project(x, weight, out, trace, heads=, head_dim=, split=, watch=, stages=)` computes out = x @ weight^T (BF16, FP32
 accumulation) with the weight's rows in head order. `trace` is the caller's Int32 buffer of `plan.trace_words`
 words (`trace_buffer`): the launch count, one counter per group and the stamps (with `watch` also the epoch, the
 done count and the watcher's stamps); the kernel adds to the counts and overwrites the stamps. Zero it once, then
@@ -38,9 +38,11 @@ def _check(name: str, t: Tensor, device: torch.device, dtype: torch.dtype = DTYP
         raise ValueError(f"head stream {name} must be contiguous and {ALIGN}-byte aligned; pass .contiguous()")
 
 
-def plan_for(x: Tensor, weight: Tensor, heads: int, head_dim: int, split: int, watch: bool = False) -> HeadStreamPlan:
-    """The plan for x @ weight^T on x's device (`watch`: with the watching warp); raises for what the kernel cannot
-    take."""
+def plan_for(
+    x: Tensor, weight: Tensor, heads: int, head_dim: int, split: int, watch: bool = False, stages: int = 0
+) -> HeadStreamPlan:
+    """The plan for x @ weight^T on x's device (`watch`: with the watching warp; `stages`: copy-fed through a ring
+    of that many stages); raises for what the kernel cannot take."""
     if x.device.type != "cuda":
         raise ValueError(f"the head stream runs on a CUDA device, got {x.device}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -48,7 +50,8 @@ def plan_for(x: Tensor, weight: Tensor, heads: int, head_dim: int, split: int, w
     _check("x", x, x.device)
     _check("weight", weight, x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    return HeadStreamPlan.for_shape(weight.shape[0], weight.shape[1], x.shape[0], heads, head_dim, split, sms, watch)
+    rows, k, batch = weight.shape[0], weight.shape[1], x.shape[0]
+    return HeadStreamPlan.for_shape(rows, k, batch, heads, head_dim, split, sms, watch, stages)
 
 
 def trace_buffer(plan: HeadStreamPlan, device: torch.device) -> Tensor:
@@ -65,9 +68,10 @@ def project(
     head_dim: int,
     split: int,
     watch: bool = False,
+    stages: int = 0,
 ) -> HeadStreamPlan:
     """out[B, R] = x @ weight^T on the current stream of x's device; returns the plan that ran."""
-    plan = plan_for(x, weight, heads, head_dim, split, watch)
+    plan = plan_for(x, weight, heads, head_dim, split, watch, stages)
     if tuple(out.shape) != (x.shape[0], weight.shape[0]):
         raise ValueError(f"head stream out {tuple(out.shape)} must be [B, R] = {(x.shape[0], weight.shape[0])}")
     _check("out", out, x.device)

@@ -27,6 +27,12 @@ how long after a head's last row is published a waiter sees it, and whether 262 
 Loads in flight. Each lane loads one 16-byte vector (8 columns) of its warp's row per k step of 256 columns and keeps
 a whole trip's vectors in registers (`steps_per_unit` of them: 14 at split 2, 7 at split 4); the next trip's
 vectors are loaded as this trip's are used, so the stream crosses trips and heads without a bubble.
+
+Copy-fed (`stages` > 0, a variant). Registers cap what a lane keeps in flight. With `stages`, each warp instead has
+a ring of `stages` slices of its rows in shared memory, filled by the copy engine: one bulk copy of its slice of a
+row a trip (3.5 KB at split 4), completing that stage's transaction barrier. The warp reads its slice back from the
+ring and refills the stage with the trip `stages` ahead. At split 4 and 3 stages a CTA keeps 84 KB of W in flight
+with no register holding any of it, against 28 KB from registers; two such CTAs still fit an SM at B1.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ STEP = WARP * VECTOR  # columns one warp covers per k step
 MAX_BATCH = 8  # one x chunk staged in shared memory (8 x 7168 x 2 B = 112 KiB): two CTAs an SM
 MAX_CTAS_PER_SM = 2
 SPLITS = (2, 4)  # K slices a row: warps a row group; 8 warps hold whole row groups
+MAX_STAGES = 4
+SMEM_PER_SM = 228 * 1024  # an H100/H200 SM's shared memory
+SMEM_RESERVED = 1024  # what the driver reserves per CTA
 H200_SMS = 132
 
 
@@ -62,6 +71,7 @@ class HeadStreamPlan:
     sm_count: int
     ctas: int
     watch: bool = False  # one more warp a CTA waits on every group's counter (the module docstring)
+    stages: int = 0  # copy-fed: trips of each warp's slice in a shared-memory ring (0: loads into registers)
 
     @classmethod
     def for_shape(
@@ -74,9 +84,10 @@ class HeadStreamPlan:
         split: int = 2,
         sm_count: int = H200_SMS,
         watch: bool = False,
+        stages: int = 0,
     ) -> HeadStreamPlan:
         """The plan for one rank's packed rows: the fewest CTAs, at least one an SM and at most two, whose row
-        groups divide the rows."""
+        groups divide the rows; copy-fed with `stages` > 0, where the ring must leave every CTA of the grid room."""
         if split not in SPLITS:
             raise ValueError(f"the head stream splits K into {' or '.join(map(str, SPLITS))} slices, got {split}")
         if k <= 0 or k % (STEP * split):
@@ -89,10 +100,18 @@ class HeadStreamPlan:
             )
         if sm_count < 1:
             raise ValueError(f"sm_count must be at least 1, got {sm_count}")
+        if not 0 <= stages <= MAX_STAGES:
+            raise ValueError(f"the head stream's ring takes 0..{MAX_STAGES} stages (0: no ring), got {stages}")
         per_cta = WARPS // split
         for ctas in range(sm_count, MAX_CTAS_PER_SM * sm_count + 1):
             if rows % (ctas * per_cta) == 0:
-                return cls(rows, k, batch, heads, head_dim, split, sm_count, ctas, watch)
+                plan = cls(rows, k, batch, heads, head_dim, split, sm_count, ctas, watch, stages)
+                if plan.ctas_per_sm * (plan.smem_bytes + SMEM_RESERVED) > SMEM_PER_SM:
+                    raise ValueError(
+                        f"{plan.ctas_per_sm} CTAs of {plan.smem_bytes} bytes of shared memory do not fit an SM "
+                        f"({SMEM_PER_SM}); take fewer stages or a smaller batch"
+                    )
+                return plan
         raise ValueError(
             f"no grid of {sm_count}..{MAX_CTAS_PER_SM * sm_count} CTAs of {per_cta} row groups divides {rows} rows "
             "into whole trips; pad the packed rows"
@@ -207,6 +226,16 @@ class HeadStreamPlan:
         return self.batch * self.k * 2
 
     @property
+    def slice_bytes(self) -> int:
+        """One warp's slice of one row: what a copy-fed stage holds."""
+        return self.k // self.split * 2
+
+    @property
+    def ring_bytes(self) -> int:
+        """The copy-fed ring: every warp's stages (0 without one)."""
+        return WARPS * self.stages * self.slice_bytes
+
+    @property
     def partial_words(self) -> int:
         """FP32 slice sums in shared memory: two trips (double-buffered) x warps x batch rows."""
         return 2 * WARPS * self.batch
@@ -219,7 +248,8 @@ class HeadStreamPlan:
 
     @property
     def smem_bytes(self) -> int:
-        return self.x_bytes + 4 * self.partial_words
+        """x, the slice sums, and with a ring its stages and their barriers (8 bytes each)."""
+        return self.x_bytes + 4 * self.partial_words + self.ring_bytes + 8 * WARPS * self.stages
 
     @property
     def fill_loads(self) -> int:

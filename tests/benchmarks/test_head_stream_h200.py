@@ -44,6 +44,14 @@ def results() -> dict:
             "seen_last_us": [3.25, 8.25, 14.75, 23.5],  # the latest: 2 us after the last head
         },
     }
+    ring = {
+        **head,
+        "split": 4,
+        "stages": 3,
+        "us": 21.9,
+        "pct_of_copy": 97.9,
+        "time_vs_served": {"median": 0.948, "min": 0.93, "max": 0.97},
+    }
     return {
         "env": {"gpu": "NVIDIA H200", "commit": "0123456789abcdef", "dirty": False},
         "copy_bandwidth_bytes_per_s": 4.19e12,
@@ -59,7 +67,7 @@ def results() -> dict:
                 "served": {"kernel": "tensor_core", "us": 23.1, "us_rounds": [23.1] * 3, "pct_of_copy": 93.0},
                 "served_timeline": {"end_us": 21.75, "stream_pct_of_copy": 98.8},
                 "cuda_core": {"us": 24.2, "us_rounds": [24.2] * 3, "pct_of_copy": 88.8},
-                "head_stream": [head, watched],
+                "head_stream": [head, watched, ring],
             }
         ],
     }
@@ -73,11 +81,13 @@ def test_the_tables_show_each_arm_and_each_launch_timeline(tmp_path, capsys):
     assert hs.main(["--table", str(path)]) == 0
     out = capsys.readouterr().out
     assert "NVIDIA H200, commit 0123456; copy bandwidth 4.19 TB/s; 12 calls a graph, 3 rounds." in out
+    assert "| TP | B | served build | CUDA-core stream | split 2 | split 2, watched | split 4, ring of 3 |" in out
     assert (
-        "| 8 | 1 | tensor_core: 23.10 us (93 %) | 24.20 us (89 %) | 22.75 us (94 %), x0.982 [0.951, 1.004] | - | "
-        "23.00 us (93 %), x0.996 [0.970, 1.020] | - |"
+        "| 8 | 1 | tensor_core: 23.10 us (93 %) | 24.20 us (89 %) | 22.75 us (94 %), x0.982 [0.951, 1.004] | "
+        "23.00 us (93 %), x0.996 [0.970, 1.020] | 21.90 us (98 %), x0.948 [0.930, 0.970] |"
     ) in out
     served = "| 8 | 1 | 21.75 us (99 %) |"
+    assert f"{served} split 4, ring of 3 | 21.50 us (98 %) |" in out
     assert f"{served} split 2 | 21.50 us (98 %) | 2.25 us | 7.50, 14.00, 21.50 us | - |" in out
     assert (
         f"{served} split 2, watched | 21.50 us (98 %) | 2.25 us | 7.50, 14.00, 21.50 us | 0.50 us, latest 2.00 us |"
@@ -117,9 +127,13 @@ def test_without_a_gpu_the_script_says_so_in_one_line(tmp_path, capsys):
 
 
 def test_where_the_cuda_core_stream_is_the_served_build_it_is_not_shown_twice(tmp_path, capsys):
+    """And a cell without an arm another cell has (the ring is built at B1 only) shows "-" there."""
     r = results()
     r["cells"][0]["served"]["kernel"], r["cells"][0]["cuda_core"] = "cuda_core", None
+    r["cells"].append({**r["cells"][0], "batch": 4, "head_stream": r["cells"][0]["head_stream"][:1]})
     path = tmp_path / "r.json"
     path.write_text(json.dumps(r))
     assert hs.main(["--table", str(path)]) == 0
-    assert "| 8 | 1 | cuda_core: 23.10 us (93 %) | served | 22.75 us (94 %)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 8 | 1 | cuda_core: 23.10 us (93 %) | served | 22.75 us (94 %)" in out
+    assert "| 8 | 4 | cuda_core: 23.10 us (93 %) | served | 22.75 us (94 %), x0.982 [0.951, 1.004] | - | - |" in out

@@ -106,7 +106,7 @@ def test_expectations_judge_every_build():
     # AttnRes, the KDA in_proj (CUDA-core, tensor-core and wgmma builds), o_proj + AttnRes (test_kda_o_proj_build.py)
     # and its wgmma build (test_kda_o_proj_wgmma_build.py), the KDA step and its verify step (test_kda_step_build.py),
     # and the head-ordered projection probe (test_kda_head_stream_build.py)
-    assert len(builds) == 81 + 12 + 16 + 10 + 114 + 72 + 90 + 22 + 16
+    assert len(builds) == 81 + 12 + 16 + 10 + 114 + 72 + 90 + 22 + 18
     assert expectations["attn_res"].max_registers == 128 and expectations["attn_res"].max_frame_bytes == 0
 
 

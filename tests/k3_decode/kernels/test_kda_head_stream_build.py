@@ -23,10 +23,12 @@ H200_SMS = 132
 SMEM_PER_SM = 228 * 1024
 
 
-def plan_at(tp: int, batch: int = 1, split: int = 2, sm_count: int = H200_SMS, watch: bool = False) -> HeadStreamPlan:
+def plan_at(
+    tp: int, batch: int = 1, split: int = 2, sm_count: int = H200_SMS, watch: bool = False, stages: int = 0
+) -> HeadStreamPlan:
     s = K3.shard(tp)
     return HeadStreamPlan.for_shape(
-        s.kda_in_proj_rows, s.hidden, batch, s.kda_heads, K3.kda.head_dim, split, sm_count, watch
+        s.kda_in_proj_rows, s.hidden, batch, s.kda_heads, K3.kda.head_dim, split, sm_count, watch, stages
     )
 
 
@@ -87,6 +89,16 @@ def test_the_watching_warp_adds_threads_and_words_not_stream_work():
     assert watched.trace_words == plain.trace_words + 2 + watched.ctas * watched.groups
 
 
+def test_a_copy_fed_ring_leaves_two_ctas_an_sm_room_or_is_refused():
+    ring = plan_at(16, split=4, stages=3)
+    assert ring.ring_bytes == 8 * 3 * 3584 and 2 * (ring.smem_bytes + 1024) <= SMEM_PER_SM
+    assert ring.smem_bytes == plan_at(16, split=4).smem_bytes + ring.ring_bytes + 8 * 8 * 3
+    with pytest.raises(ValueError, match="do not fit an SM"):  # x of 4 rows beside the ring: over 114 KB a CTA
+        plan_at(16, batch=4, split=4, stages=3)
+    with pytest.raises(ValueError, match=r"0\.\.4 stages"):
+        plan_at(16, split=4, stages=5)
+
+
 def test_the_plan_refuses_shapes_it_cannot_take():
     s = K3.shard(8)
     with pytest.raises(ValueError, match="2 or 4 slices"):
@@ -104,12 +116,14 @@ def test_the_plan_refuses_shapes_it_cannot_take():
 # --- what is built ----------------------------------------------------------------------------------------------
 
 
-def test_builds_are_every_tp_batch_and_split_at_the_ranks_rows_and_b1_watched():
+def test_builds_are_every_tp_batch_and_split_at_the_ranks_rows_and_b1_watched_and_copy_fed():
     builds = head_stream_builds()
-    assert {(b.tp, b.plan.batch, b.plan.split, b.plan.watch) for b in builds} == {
-        (tp, b, s, False) for tp in (8, 16) for b in (1, 4, 8) for s in (2, 4)
-    } | {(tp, 1, s, True) for tp in (8, 16) for s in (2, 4)}
-    assert len({b.name for b in builds}) == len(builds) == 16
+    assert {(b.tp, b.plan.batch, b.plan.split, b.plan.watch, b.plan.stages) for b in builds} == (
+        {(tp, b, s, False, 0) for tp in (8, 16) for b in (1, 4, 8) for s in (2, 4)}
+        | {(tp, 1, s, True, 0) for tp in (8, 16) for s in (2, 4)}
+        | {(tp, 1, 4, False, 3) for tp in (8, 16)}
+    )
+    assert len({b.name for b in builds}) == len(builds) == 18
     assert {b.tp: (b.plan.rows, b.plan.heads) for b in builds} == {8: (6288, 12), 16: (3216, 6)}
     tags = {b.name: b.tags for b in builds}
     b8 = tags["kda_head_stream/tp8/b8/s4"]  # 7 steps a trip, 28 staging passes, slice sums in two 4-word vectors
@@ -127,11 +141,15 @@ def test_builds_are_every_tp_batch_and_split_at_the_ranks_rows_and_b1_watched():
     w = tags["kda_head_stream/tp16/b1/s2/watch"]  # 7 groups: the epoch and two polls each; a stamp each
     assert (w["threads"], w["acquire_loads"], w["stamps"], w["release_adds"], w["cta_barriers"]) == (288, 15, 9, 2, 2)
     assert w["global_loads"] == b1["global_loads"] and w["shared_loads"] == b1["shared_loads"]  # the same stream
+    r = tags["kda_head_stream/tp8/b1/s4/ring3"]  # 3 trips copied ahead, 1 refill; W read back from the ring
+    assert (r["bulk_copies"], r["bulk_copies_ahead"], r["proxy_fences"], r["weight_loads_ahead"]) == (4, 3, 2, 0)
+    assert (r["global_loads"], r["x_reads"], r["shared_loads"]) == (4, 7 + 7, 7 + 7 + 3)
+    assert tags["kda_head_stream/tp8/b1/s4"]["bulk_copies"] == 0
 
 
 def test_expectations_judge_every_head_stream_build():
     expectations = parse_expectations(K3_KERNEL_BUILDS.expectations_text(), "expectations.toml", "sm_90a")
-    assert len(select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_head_stream/*")) == 16
+    assert len(select_builds(K3_KERNEL_BUILDS, "sm_90a", expectations, "kda_head_stream/*")) == 18
     assert expectations["kda_head_stream"].max_registers == 128 and expectations["kda_head_stream"].max_frame_bytes == 0
     assert len(expectations["kda_head_stream"].rules) >= 25
 
@@ -154,8 +172,8 @@ def test_every_head_stream_build_compiles_and_meets_its_expectations(tmp_path):
     proc = build_command(tmp_path, "--out", str(out), "--json", "--jobs", "2", "--match", "kda_head_stream/*")
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)["subjects"]["K3_KERNEL_BUILDS"]
-    assert report["ok"] and len(report["builds"]) == 16
-    assert all(b["ok"] and len(b["checks"]) >= 35 for b in report["builds"])
+    assert report["ok"] and len(report["builds"]) == 18
+    assert all(b["ok"] and len(b["checks"]) >= 39 for b in report["builds"])
     for b in report["builds"]:  # facts read straight from the artifacts, independent of the expectations file
         name = b["build"]
         ptx = (out / name / "kernel.ptx").read_text()
@@ -163,7 +181,7 @@ def test_every_head_stream_build_compiles_and_meets_its_expectations(tmp_path):
         (res,) = cubin_resources((out / name / "kernel.cubin").read_bytes()).values()
         assert res.frame_bytes == 0 and res.registers * b["tags"]["threads"] * 2 <= 65536, (name, res)
         head, _, tail = sass.partition("ACQBULK")
-        assert tail and "LDS" not in head, f"{name}: x read before the dependency wait"
+        assert tail and "LDS" not in head, f"{name}: x or the ring read before the dependency wait"
         publish = ptx.index("atom.global.release.add.u32")
         # the row's outputs are stored after its group meets and before it is published
         assert ptx.rfind("st.global.b16", 0, publish) > ptx.rfind("bar.sync", 0, publish), name
@@ -247,3 +265,20 @@ def test_a_watcher_that_polls_with_relaxed_loads_fails_its_build(tmp_path):
     after it (the step's workers would read q, k, v not yet visible): the acquire-load rule catches it."""
     failed = failed_checks_of_broken_build(tmp_path, "kda_head_stream/tp8/b1/s4/watch", RELAXED_POLL)
     assert failed == {"ptx 'ld\\\\.acquire\\\\.gpu\\\\.global\\\\.b32'"}, sorted(failed)
+
+
+NO_PROXY_FENCE = """
+import os
+os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+import cutlass.cute as cute
+cute.arch.fence_proxy = lambda *args, **kwargs: None
+"""
+
+
+@pytest.mark.slow
+@needs_cutedsl
+def test_a_ring_refilled_without_the_proxy_fence_fails_its_build(tmp_path):
+    """Without the async-proxy fence the copy engine's refill of a stage is not ordered after the warp's reads of
+    it, so a refill may land under a read of the trip before: the fence rule catches it, and only that rule."""
+    failed = failed_checks_of_broken_build(tmp_path, "kda_head_stream/tp16/b1/s4/ring3", NO_PROXY_FENCE)
+    assert failed == {"ptx 'fence\\\\.proxy\\\\.async\\\\.shared::cta'"}, sorted(failed)

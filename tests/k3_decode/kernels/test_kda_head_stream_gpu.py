@@ -1,8 +1,9 @@
 """The head-ordered projection probe (kda_head_stream.py) on a GPU, at every shape CI compiles: the product within
 the error bound of the served projection's test (one BF16 rounding of an FP32 sum, any order), every row published
 once per launch on its group's counter, the stamps showing the stream move through the heads in order, and the same
-bits from a CUDA graph; with the watching warp, every CTA's watcher seeing every group full once a launch, on the
-epoch the previous launch advanced. Its timing is benchmarks/head_stream_h200.py's, not a test's."""
+bits from a CUDA graph. The copy-fed builds too, whose ring's phases wrap over the trips. With the watching warp,
+every CTA's watcher sees every group full once a launch, on the epoch the previous launch advanced. Its timing is
+benchmarks/head_stream_h200.py's, not a test's."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ HEAD_DIM = K3.kda.head_dim
 
 def run(build: KdaHeadStreamBuild, x, w, out, trace):
     p = build.plan
-    return kda_head_stream_op.project(x, w, out, trace, heads=p.heads, head_dim=HEAD_DIM, split=p.split, watch=p.watch)
+    return kda_head_stream_op.project(
+        x, w, out, trace, heads=p.heads, head_dim=HEAD_DIM, split=p.split, watch=p.watch, stages=p.stages
+    )
 
 
 @pytest.mark.parametrize("build", BUILDS, ids=[b.name for b in BUILDS])
