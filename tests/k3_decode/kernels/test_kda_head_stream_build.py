@@ -188,22 +188,21 @@ def test_every_head_stream_build_compiles_and_meets_its_expectations(tmp_path):
         assert sass.count("FFMA") == b["tags"]["fmas"], name
 
 
+def patched_cute(patch: str) -> str:
+    """A broken case's patch module: CuTe DSL imported for sm_90a as `cute`, then `patch`, in the compiling process."""
+    return 'import os\nos.environ["CUTE_DSL_ARCH"] = "sm_90a"\nimport cutlass.cute as cute\n' + patch
+
+
 # Each broken case removes one thing a check exists for, in the compiling process only; the named rule must catch it
 # while the build still compiles within its register cap.
-UNSYNCHRONIZED_SLICES = """
-import os
-os.environ["CUTE_DSL_ARCH"] = "sm_90a"
-import cutlass.cute as cute
+UNSYNCHRONIZED_SLICES = patched_cute("""
 cute.arch.barrier = lambda *args, **kwargs: None
-"""
+""")
 
-RELAXED_PUBLISH = """
-import os
-os.environ["CUTE_DSL_ARCH"] = "sm_90a"
-import cutlass.cute as cute
+RELAXED_PUBLISH = patched_cute("""
 add = cute.arch.atomic_add
 cute.arch.atomic_add = lambda ptr, value, sem=None, scope=None, **kw: add(ptr, value, sem="relaxed", scope=scope, **kw)
-"""
+""")
 
 
 @pytest.mark.slow
@@ -249,13 +248,10 @@ def test_the_gpu_launch_path_binds_every_argument(tmp_path):
     assert_launch_reaches_the_driver(LAUNCH_ON_CPU, tmp_path)
 
 
-RELAXED_POLL = """
-import os
-os.environ["CUTE_DSL_ARCH"] = "sm_90a"
-import cutlass.cute as cute
+RELAXED_POLL = patched_cute("""
 load = cute.arch.load
 cute.arch.load = lambda ptr, dtype, sem=None, scope=None, **kw: load(ptr, dtype, sem="relaxed", scope=scope, **kw)
-"""
+""")
 
 
 @pytest.mark.slow
@@ -267,12 +263,9 @@ def test_a_watcher_that_polls_with_relaxed_loads_fails_its_build(tmp_path):
     assert failed == {"ptx 'ld\\\\.acquire\\\\.gpu\\\\.global\\\\.b32'"}, sorted(failed)
 
 
-NO_PROXY_FENCE = """
-import os
-os.environ["CUTE_DSL_ARCH"] = "sm_90a"
-import cutlass.cute as cute
+NO_PROXY_FENCE = patched_cute("""
 cute.arch.fence_proxy = lambda *args, **kwargs: None
-"""
+""")
 
 
 @pytest.mark.slow
