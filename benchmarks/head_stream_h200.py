@@ -41,8 +41,8 @@ SPLITS = (2, 4)
 
 def variants(batch: int) -> list[tuple[int, bool, int]]:
     """(split, watch, stages) of the head-stream arms at `batch`: both splits; with the watching warp, and copy-fed,
-    at the batches builds.toml builds those at (above them the watcher's register cap would spill, and the ring
-    would not leave two CTAs an SM room)."""
+    at the batches builds.toml builds those at (the watcher's 288 threads cap registers at 112, under what split 2
+    takes from B4; the ring leaves two CTAs an SM room only to B2)."""
     from k3_decode.kernels.builds import K3_KERNEL_BUILDS
 
     spec = K3_KERNEL_BUILDS.table["kda_head_stream"]
