@@ -30,15 +30,21 @@ def sm90_ptx(build: Any) -> str:
 
 
 def assert_launch_reaches_the_driver(script: str, tmp_path: Path) -> None:
-    """Run `script` (a launcher call on CPU tensors) in a fresh process: it must get as far as the launch, which
-    fails for want of a driver (CUDA error 35), not at binding an argument. Skips where a GPU would really run."""
+    """Run `script` (set-up on CPU tensors whose last line is one launcher call) in a fresh process: the launch must
+    fail for want of a driver (CUDA error 35), not at binding an argument. The last line runs under a catch that
+    reports what it raised. Skips where a GPU would really run."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("CPU tensors must not reach a real launch; the GPU tests cover this machine")
+    setup, _, launch = script.strip().rpartition("\n")
+    caught = (
+        f"{setup}\ntry:\n    {launch}\nexcept Exception as exc:\n"
+        '    print("RAISED", type(exc).__name__, "cudaErrorInsufficientDriver" in str(exc))\n'
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUTE_DSL_ARCH": "sm_90a"}
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
+        [sys.executable, "-c", caught], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RAISED DSLCudaRuntimeError True" in proc.stdout, proc.stdout + proc.stderr[-3000:]

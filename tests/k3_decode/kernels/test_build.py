@@ -215,10 +215,7 @@ def bf16(*shape):
     return torch.zeros(*shape, dtype=torch.bfloat16)
 tensors = (bf16(4, 7168), bf16(4, 7168), bf16(4, 8, 7168), bf16(4, 7168), bf16(7168), bf16(7168), bf16(7168),
            torch.zeros(1, dtype=torch.int32))
-try:
-    attn_res_op.launch(compiled, tensors, 7, 1e-5, 0)
-except Exception as exc:
-    print("RAISED", type(exc).__name__, "cudaErrorInsufficientDriver" in str(exc))
+attn_res_op.launch(compiled, tensors, 7, 1e-5, 0)
 """
 
 

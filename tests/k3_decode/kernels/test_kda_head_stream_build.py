@@ -232,10 +232,7 @@ from k3_decode.kernels.kda_head_stream_plan import HeadStreamPlan
 plan = HeadStreamPlan.for_shape(3216, 7168, 2, 6, 128, split=4)
 compiled = kda_head_stream_op._compiled(plan)
 x, w, out = (torch.zeros(*s, dtype=torch.bfloat16) for s in ((2, 7168), (3216, 7168), (2, 3216)))
-try:
-    kda_head_stream_op.launch(compiled, x, w, out, torch.zeros(plan.trace_words, dtype=torch.int32), 0)
-except Exception as exc:
-    print("RAISED", type(exc).__name__, "cudaErrorInsufficientDriver" in str(exc))
+kda_head_stream_op.launch(compiled, x, w, out, torch.zeros(plan.trace_words, dtype=torch.int32), 0)
 """
 
 

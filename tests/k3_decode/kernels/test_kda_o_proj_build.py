@@ -802,10 +802,7 @@ def bf16(*shape):
     return torch.zeros(*shape, dtype=torch.bfloat16)
 tensors = (bf16(2, 768), bf16(7168, 768), bf16(2, 7168), bf16(2, 7168), bf16(2, 8, 7168), bf16(2, 7168),
            bf16(7168), bf16(7168), bf16(7168), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
-try:
-    kda_o_proj_op.launch(compiled, tensors, -1, 1e-5, 0)
-except Exception as exc:
-    print("RAISED", type(exc).__name__, "cudaErrorInsufficientDriver" in str(exc))
+kda_o_proj_op.launch(compiled, tensors, -1, 1e-5, 0)
 """
 
 
