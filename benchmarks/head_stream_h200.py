@@ -104,12 +104,12 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
 
         arms[kernel] = projection
     want = kda_in_proj_op.linear(x, ws[0], kernel=served_kernel).float()
-    plans, traces, calls = {}, {}, {}
+    probes: dict[str, tuple[Any, Any]] = {}  # per head-stream arm: its plan and its trace words
     for split, watch, stages in variants(batch):
         name = arm_name(split, watch, stages)
         plan = kda_head_stream_op.plan_for(x, ws[0], heads, head_dim, split, watch, stages)
         trace = kda_head_stream_op.trace_buffer(plan, dev)
-        plans[name], traces[name] = plan, trace
+        probes[name] = plan, trace
 
         def head(i: int, plan: Any = plan, trace: Any = trace) -> None:
             kda_head_stream_op.project(
@@ -128,7 +128,7 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
         torch.cuda.synchronize()
         if not torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2):  # the GPU test holds the exact bound
             raise RuntimeError(f"TP{tp} B{batch} {name}: the head stream's product differs from the served one")
-        arms[name] = calls[name] = head
+        arms[name] = head
 
     graphs = {name: graph_of_calls(name, fn, CALLS, out) for name, fn in arms.items()}
     times: dict[str, list[float]] = {name: [] for name in arms}
@@ -150,12 +150,11 @@ def run_cell(tp: int, batch: int, rounds: int, bandwidth: float) -> dict[str, An
         "cuda_core": None if served_kernel == "cuda_core" else arm_result(times["cuda_core"], moved, bandwidth),
         "head_stream": [],
     }
-    for name, plan in plans.items():
-        trace = traces[name]
+    for name, (plan, trace) in probes.items():
         flush.fill_(1)  # an isolated launch: W cold, nothing before it in flight
         torch.cuda.synchronize()
         trace.zero_()  # counters, epoch and stamps from zero: this launch is launch 1
-        calls[name](0)
+        arms[name](0)
         torch.cuda.synchronize()
         timeline = HeadStreamTimeline.from_words(plan, trace.tolist())
         ratios = [h / c for h, c in zip(times[name], times[served_kernel], strict=True)]
